@@ -1,0 +1,277 @@
+/*
+ * libmoejit: run-time compiled Mixture-of-Experts combine for NVIDIA GPUs.
+ *
+ *   out[t, :] (+)= scale * sum over rows r routed to token t of gate[r] * expert_hidden[r, :]
+ *
+ * Kernels are specialized for the shapes you call with, compiled with NVRTC, cached (in memory
+ * per CUDA context and on disk), and launched with the CUDA Driver API on the stream you pass.
+ * The library has no link-time dependency on the CUDA driver: libcuda.so.1 is loaded on first use.
+ *
+ * This header is valid C99 and C++. Every function returns a moejit_status; on failure a
+ * human-readable message (naming the argument, its value and what is allowed, or carrying the
+ * NVRTC log / CUresult name) is available from moejit_last_error_message() on the same thread.
+ *
+ * Thread safety: every function may be called concurrently from any number of threads, except
+ * moejit_runtime_destroy(), which must not race with calls using the same runtime.
+ */
+#ifndef MOEJIT_MOEJIT_H_
+#define MOEJIT_MOEJIT_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define MOEJIT_API __attribute__((visibility("default")))
+#else
+#define MOEJIT_API
+#endif
+
+/* ---- Versions ------------------------------------------------------------------------------- */
+
+#define MOEJIT_VERSION_MAJOR 0
+#define MOEJIT_VERSION_MINOR 1
+#define MOEJIT_VERSION_PATCH 0
+/* MAJOR * 10000 + MINOR * 100 + PATCH, comparable with moejit_version(). */
+#define MOEJIT_VERSION_NUMBER \
+  (MOEJIT_VERSION_MAJOR * 10000 + MOEJIT_VERSION_MINOR * 100 + MOEJIT_VERSION_PATCH)
+
+/* The version of the library actually loaded (MOEJIT_VERSION_NUMBER of its build). Since 0.1. */
+MOEJIT_API int moejit_version(void);
+/* The same as a string, e.g. "0.1.0". Never NULL. Since 0.1. */
+MOEJIT_API const char* moejit_version_string(void);
+
+/* ---- Status codes --------------------------------------------------------------------------- */
+
+/*
+ * One table generates the enum, the names and the descriptions. Values are fixed forever and only
+ * ever appended. Caller errors (1-3) are separate from environment errors (4 and up).
+ *   X(name, value, description)
+ */
+#define MOEJIT_STATUS_TABLE(X)                                                                    \
+  X(MOEJIT_SUCCESS, 0, "success")                                                                 \
+  X(MOEJIT_ERROR_INVALID_ARGUMENT, 1,                                                             \
+    "an argument is invalid; the message names it, its value and the allowed values")            \
+  X(MOEJIT_ERROR_UNSUPPORTED, 2,                                                                  \
+    "the arguments are valid but this combination (shape, dtype, GPU architecture) is not "       \
+    "supported")                                                                                  \
+  X(MOEJIT_ERROR_WORKSPACE_TOO_SMALL, 3,                                                          \
+    "the workspace is missing or smaller than moejit_combine_workspace_size() asks for")          \
+  X(MOEJIT_ERROR_DRIVER_NOT_FOUND, 4,                                                             \
+    "the CUDA driver library (libcuda.so.1) could not be loaded: install the NVIDIA driver")      \
+  X(MOEJIT_ERROR_NO_DEVICE, 5,                                                                    \
+    "no CUDA device is available, or the calling thread has no current CUDA context")            \
+  X(MOEJIT_ERROR_CUDA, 6, "a CUDA driver call failed; the message names the call and its CUresult") \
+  X(MOEJIT_ERROR_COMPILE, 7, "NVRTC failed to compile a kernel; the message carries its log")     \
+  X(MOEJIT_ERROR_NOT_CACHED, 8,                                                                   \
+    "the cache is in no-compile mode and the kernel is not in it: warm it with moejit-precompile") \
+  X(MOEJIT_ERROR_OUT_OF_MEMORY, 9, "host memory could not be allocated")                          \
+  X(MOEJIT_ERROR_INTERNAL, 10, "internal error in libmoejit (please report it with the message)")
+
+#define MOEJIT_STATUS_ENUM_ENTRY_(name, value, description) name = value,
+typedef enum moejit_status { MOEJIT_STATUS_TABLE(MOEJIT_STATUS_ENUM_ENTRY_) } moejit_status;
+#undef MOEJIT_STATUS_ENUM_ENTRY_
+
+/* "MOEJIT_ERROR_INVALID_ARGUMENT" etc.; "MOEJIT_STATUS_UNKNOWN" for other values. Never NULL. */
+MOEJIT_API const char* moejit_status_name(moejit_status status);
+/* One sentence saying what the status means and what to do. Never NULL. Since 0.1. */
+MOEJIT_API const char* moejit_status_description(moejit_status status);
+/*
+ * The message of the last failed call made by this thread ("" if none failed yet). The pointer
+ * stays valid until this thread's next libmoejit call. Thread-local: never racy. Since 0.1.
+ */
+MOEJIT_API const char* moejit_last_error_message(void);
+
+/* ---- Data description ----------------------------------------------------------------------- */
+
+typedef enum moejit_dtype {
+  MOEJIT_DTYPE_FLOAT32 = 0,
+  MOEJIT_DTYPE_FLOAT16 = 1,
+  MOEJIT_DTYPE_BFLOAT16 = 2
+} moejit_dtype;
+
+typedef enum moejit_index_type { MOEJIT_INDEX_INT32 = 0, MOEJIT_INDEX_INT64 = 1 } moejit_index_type;
+
+typedef enum moejit_layout {
+  /* expert_hidden holds T*K rows in token-major order: row t*K + k is slot k of token t.
+     gates (optional) is [T*K], indexed t*K + k. indices is unused. */
+  MOEJIT_LAYOUT_TOKEN_MAJOR = 0,
+  /* expert_hidden holds num_rows rows in any order (usually expert-sorted); indices is the gather
+     map [T*K]: indices[t*K + k] is the row holding slot k of token t, or -1 if that slot was
+     dropped. gates (optional) is [T*K], indexed t*K + k, like the map. */
+  MOEJIT_LAYOUT_GATHER_MAP = 1,
+  /* The scatter-add formulation: indices is token_idx [num_rows]; row r is added to token
+     token_idx[r] (-1: dropped). Any token may receive any number of rows, in any order. gates
+     (optional) is [num_rows], indexed by row. top_k is unused. Needs a workspace. */
+  MOEJIT_LAYOUT_TOKEN_INDEX = 2
+} moejit_layout;
+
+/* Largest supported hidden_dim (any value 1..MOEJIT_MAX_HIDDEN_DIM works). */
+#define MOEJIT_MAX_HIDDEN_DIM 65536
+/* Largest supported top_k for the token-major and gather-map layouts. */
+#define MOEJIT_MAX_TOP_K 64
+
+/* CUstream and cudaStream_t are both `struct CUstream_st*`: pass either; NULL is the legacy
+   default stream of the current context. */
+typedef struct CUstream_st* moejit_stream_t;
+
+/*
+ * Arguments of one combine. Versioned by struct_size: initialize with moejit_combine_args_init()
+ * (or MOEJIT_COMBINE_ARGS_INIT) so that fields added in later versions get their defaults.
+ *
+ * Semantics, accumulating in fp32 in a fixed order and rounding once:
+ *   out[t, h] = scale * sum_{rows r of token t} gate(r) * expert_hidden[r, h]   (+ out[t, h] if
+ *   accumulate). Rows of a token are summed in slot order (k = 0..K-1) for the token-major and
+ *   gather-map layouts, in ascending row order for the token-index layout. A token with no rows
+ *   gets 0 (or keeps its value when accumulating). Results are bitwise deterministic.
+ *
+ * Index values outside their range (gather map: not in [0, num_rows); token_idx: not in
+ * [0, num_tokens)) are treated like -1 (dropped): device memory is never read out of bounds. The
+ * library cannot check device data without synchronizing, so such values are not reported.
+ */
+typedef struct moejit_combine_args {
+  size_t struct_size; /* sizeof(moejit_combine_args) of the caller's header */
+  moejit_layout layout;
+  int64_t num_tokens; /* T >= 0: rows of out */
+  int64_t top_k;      /* K in 1..MOEJIT_MAX_TOP_K (token-major, gather map); ignored otherwise */
+  int64_t num_rows;   /* R >= 0: rows of expert_hidden. Token-major: 0 or T*K. R < 2^31 */
+  int64_t hidden_dim; /* H in 1..MOEJIT_MAX_HIDDEN_DIM */
+
+  const void* expert_hidden; /* device pointer, R rows of H elements */
+  moejit_dtype expert_dtype;
+  int64_t expert_row_stride; /* elements between consecutive rows; 0 means hidden_dim */
+
+  const float* gates; /* device pointer or NULL (every weight is 1) */
+
+  const void* indices; /* device pointer: gather map or token_idx (see moejit_layout) */
+  moejit_index_type index_type;
+
+  void* out; /* device pointer, T rows of H elements */
+  moejit_dtype out_dtype;
+  int64_t out_row_stride; /* elements between consecutive rows; 0 means hidden_dim */
+
+  float scale;    /* multiplies the sum (routed scaling factor); default 1 */
+  int accumulate; /* 0: overwrite out; 1: add into the existing contents of out */
+
+  /* Token-index layout only: device memory of at least moejit_combine_workspace_size() bytes,
+     any alignment of 16 bytes or more, any contents. Owned by the caller; calls that share a
+     workspace must be ordered (same stream, or synchronized). */
+  void* workspace;
+  size_t workspace_bytes;
+} moejit_combine_args;
+
+#define MOEJIT_COMBINE_ARGS_INIT                                                                 \
+  {                                                                                              \
+    sizeof(moejit_combine_args), MOEJIT_LAYOUT_TOKEN_MAJOR, 0, 0, 0, 0, NULL,                    \
+        MOEJIT_DTYPE_FLOAT32, 0, NULL, NULL, MOEJIT_INDEX_INT32, NULL, MOEJIT_DTYPE_FLOAT32, 0,  \
+        1.0f, 0, NULL, 0                                                                         \
+  }
+
+/* Fills *args with the defaults (zeros, scale 1, struct_size set). Accepts NULL (returns
+   MOEJIT_ERROR_INVALID_ARGUMENT). Since 0.1. */
+MOEJIT_API moejit_status moejit_combine_args_init(moejit_combine_args* args);
+
+/*
+ * Bytes of workspace moe_combine() needs for these arguments (only shape fields are read; the
+ * pointers may be NULL). 0 for the token-major and gather-map layouts. Since 0.1.
+ * Returns MOEJIT_ERROR_INVALID_ARGUMENT for bad shapes (same checks as moe_combine()).
+ */
+MOEJIT_API moejit_status moejit_combine_workspace_size(const moejit_combine_args* args,
+                                                       size_t* bytes);
+
+/* ---- Runtime -------------------------------------------------------------------------------- */
+
+/* An explicit runtime: its own options, caches and statistics. Most callers use the default
+   runtime (NULL handle), configured from the environment variables below. */
+typedef struct moejit_runtime* moejit_runtime_t;
+
+typedef enum moejit_cache_mode {
+  MOEJIT_CACHE_MODE_DEFAULT = 0,    /* from MOEJIT_CACHE_MODE, else READ_WRITE */
+  MOEJIT_CACHE_MODE_READ_WRITE = 1, /* serve disk hits, compile and store misses */
+  MOEJIT_CACHE_MODE_READ_ONLY = 2,  /* serve disk hits, compile misses in memory, never write */
+  MOEJIT_CACHE_MODE_DISABLED = 3,   /* no disk cache: compile in memory only */
+  MOEJIT_CACHE_MODE_NO_COMPILE = 4  /* serve disk hits; a miss is MOEJIT_ERROR_NOT_CACHED */
+} moejit_cache_mode;
+
+typedef enum moejit_log_level {
+  MOEJIT_LOG_DEFAULT = -1, /* from MOEJIT_LOG_LEVEL, else warn */
+  MOEJIT_LOG_TRACE = 0,
+  MOEJIT_LOG_DEBUG = 1,
+  MOEJIT_LOG_INFO = 2,
+  MOEJIT_LOG_WARN = 3,
+  MOEJIT_LOG_ERROR = 4,
+  MOEJIT_LOG_OFF = 6
+} moejit_log_level;
+
+/*
+ * Options of an explicit runtime, versioned by struct_size (use moejit_runtime_options_init()).
+ * Zero / NULL fields take the environment's value, then the built-in default:
+ *   cache_dir        MOEJIT_CACHE_DIR, else $XDG_CACHE_HOME/moejit, else $HOME/.cache/moejit
+ *   cache_mode       MOEJIT_CACHE_MODE (read-write | read-only | disabled | no-compile)
+ *   cache_max_bytes  MOEJIT_CACHE_MAX_BYTES, else 1 GiB
+ *   log_level        MOEJIT_LOG_LEVEL (trace | debug | info | warn | error | off)
+ *   template_dir     MOEJIT_TEMPLATE_DIR: development override of the embedded kernel templates
+ */
+typedef struct moejit_runtime_options {
+  size_t struct_size;
+  const char* cache_dir;
+  moejit_cache_mode cache_mode;
+  uint64_t cache_max_bytes;
+  moejit_log_level log_level;
+  const char* template_dir;
+} moejit_runtime_options;
+
+/* Fills *options with the defaults (everything from the environment). Since 0.1. */
+MOEJIT_API moejit_status moejit_runtime_options_init(moejit_runtime_options* options);
+
+/* Creates a runtime. options may be NULL (all defaults). Needs no GPU. Since 0.1. */
+MOEJIT_API moejit_status moejit_runtime_create(const moejit_runtime_options* options,
+                                               moejit_runtime_t* runtime);
+/* Destroys a runtime and unloads its modules. Accepts NULL. No call with this runtime may run
+   concurrently or later; kernels already launched on streams complete normally. Since 0.1. */
+MOEJIT_API moejit_status moejit_runtime_destroy(moejit_runtime_t runtime);
+
+/* ---- The combine ---------------------------------------------------------------------------- */
+
+/*
+ * Runs the combine described by *args on `stream`, in the calling thread's current CUDA context
+ * (the CUDA runtime makes the device's primary context current; driver-API users push theirs).
+ * Stream-ordered: returns once the kernels are enqueued. The first call for a new shape compiles
+ * (or loads from the disk cache) and may take tens of milliseconds; warm calls allocate nothing,
+ * synchronize nothing and only launch, so they may be captured into a CUDA graph.
+ *
+ * Returns MOEJIT_SUCCESS, MOEJIT_ERROR_INVALID_ARGUMENT / _UNSUPPORTED / _WORKSPACE_TOO_SMALL
+ * for caller errors, or an environment error (_DRIVER_NOT_FOUND, _NO_DEVICE, _CUDA, _COMPILE,
+ * _NOT_CACHED). Uses the default runtime. Thread-safe. Since 0.1.
+ */
+MOEJIT_API moejit_status moe_combine(const moejit_combine_args* args, moejit_stream_t stream);
+
+/* moe_combine() on an explicit runtime (NULL: the default runtime). Since 0.1. */
+MOEJIT_API moejit_status moejit_runtime_combine(moejit_runtime_t runtime,
+                                                const moejit_combine_args* args,
+                                                moejit_stream_t stream);
+
+/* ---- Statistics ----------------------------------------------------------------------------- */
+
+typedef struct moejit_stats {
+  size_t struct_size;       /* set by the caller: sizeof(moejit_stats) */
+  uint64_t memory_hits;     /* kernel lookups served by a module already loaded in the context */
+  uint64_t disk_hits;       /* kernels loaded from the on-disk cache */
+  uint64_t compiles;        /* NVRTC compilations */
+  uint64_t disk_errors;     /* cache entries found invalid, or cache reads/writes that failed */
+  uint64_t launches;        /* kernels launched */
+  double compile_seconds;   /* wall time spent in NVRTC */
+} moejit_stats;
+
+/* Copies the runtime's counters (NULL runtime: the default one) into *stats, whose struct_size
+   the caller sets. Since 0.1. */
+MOEJIT_API moejit_status moejit_runtime_get_stats(moejit_runtime_t runtime, moejit_stats* stats);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* MOEJIT_MOEJIT_H_ */

@@ -1,0 +1,34 @@
+// Kernel parameter block shared by the host (src/combine_plan.cpp) and the device templates.
+// One definition on both sides, so the layout the host fills is the layout the kernel reads.
+// Plain C++ with no includes: NVRTC compiles it without any toolkit header on its search path.
+#ifndef MOEJIT_COMBINE_PARAMS_H_
+#define MOEJIT_COMBINE_PARAMS_H_
+
+namespace moejit {
+
+// Layout codes, equal to the public moejit_layout values.
+enum { kLayoutTokenMajor = 0, kLayoutGatherMap = 1, kLayoutTokenIndex = 2 };
+// Element type codes, equal to the public moejit_dtype values.
+enum { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// 8-byte members first, then 4-byte ones: no padding surprises between compilers.
+struct CombineParams {
+  const void* expert;        // R rows of InT
+  const float* gates;        // nullptr: every weight is 1
+  const void* indices;       // gather map [T*K] or token_idx [R], of IdxT
+  void* out;                 // T rows of OutT
+  int* token_counts;         // token-index layout: [T] rows seen per token (workspace)
+  int* token_rows;           // token-index layout: [T * list_capacity] row ids (workspace)
+  long long expert_stride;   // elements between expert rows
+  long long out_stride;      // elements between output rows
+  long long num_tokens;      // T
+  long long num_rows;        // R
+  float scale;               // multiplies the sum
+  int accumulate;            // nonzero: add into out
+  int list_capacity;         // token-index layout: row ids kept per token before overflowing
+  int pad_;
+};
+
+}  // namespace moejit
+
+#endif  // MOEJIT_COMBINE_PARAMS_H_

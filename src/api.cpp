@@ -1,0 +1,143 @@
+// The C boundary: validate, call into C++, catch everything, map to a status and keep the message
+// for moejit_last_error_message(). No exception ever crosses it.
+#include <cstring>
+#include <exception>
+#include <new>
+#include <string>
+
+#include "combine_plan.h"
+#include "error.h"
+#include "logging.h"
+#include "moejit/moejit.h"
+#include "runtime.h"
+#include "settings.h"
+
+namespace {
+
+thread_local std::string last_error;
+
+moejit_status fail(moejit_status status, const std::string& message) {
+  last_error = message;
+  moejit::logger().debug("{}: {}", moejit_status_name(status), message);
+  return status;
+}
+
+// Runs body; turns every exception into a status and a per-thread message.
+template <typename Body>
+moejit_status guarded(Body&& body) {
+  try {
+    body();
+    return MOEJIT_SUCCESS;
+  } catch (const moejit::Error& e) {
+    return fail(e.status(), e.what());
+  } catch (const std::bad_alloc&) {
+    return fail(MOEJIT_ERROR_OUT_OF_MEMORY, "host memory allocation failed");
+  } catch (const std::exception& e) {
+    return fail(MOEJIT_ERROR_INTERNAL, std::string("internal error: ") + e.what());
+  } catch (...) {
+    return fail(MOEJIT_ERROR_INTERNAL, "internal error: unknown exception");
+  }
+}
+
+moejit::Runtime& runtime_or_default(moejit_runtime_t runtime) {
+  return runtime != nullptr ? *static_cast<moejit::Runtime*>(runtime) : moejit::default_runtime();
+}
+
+}  // namespace
+
+extern "C" {
+
+int moejit_version(void) { return MOEJIT_VERSION_NUMBER; }
+
+const char* moejit_version_string(void) {
+#define MOEJIT_STR2_(x) #x
+#define MOEJIT_STR_(x) MOEJIT_STR2_(x)
+  return MOEJIT_STR_(MOEJIT_VERSION_MAJOR) "." MOEJIT_STR_(MOEJIT_VERSION_MINOR) "." MOEJIT_STR_(
+      MOEJIT_VERSION_PATCH);
+}
+
+const char* moejit_status_name(moejit_status status) {
+  switch (status) {
+#define MOEJIT_NAME_CASE_(name, value, description) \
+  case name:                                        \
+    return #name;
+    MOEJIT_STATUS_TABLE(MOEJIT_NAME_CASE_)
+#undef MOEJIT_NAME_CASE_
+  }
+  return "MOEJIT_STATUS_UNKNOWN";
+}
+
+const char* moejit_status_description(moejit_status status) {
+  switch (status) {
+#define MOEJIT_DESCRIPTION_CASE_(name, value, description) \
+  case name:                                               \
+    return description;
+    MOEJIT_STATUS_TABLE(MOEJIT_DESCRIPTION_CASE_)
+#undef MOEJIT_DESCRIPTION_CASE_
+  }
+  return "unknown status code";
+}
+
+const char* moejit_last_error_message(void) { return last_error.c_str(); }
+
+moejit_status moejit_combine_args_init(moejit_combine_args* args) {
+  if (args == nullptr)
+    return fail(MOEJIT_ERROR_INVALID_ARGUMENT, "invalid argument args = NULL: must point to a "
+                                               "moejit_combine_args");
+  const moejit_combine_args defaults = MOEJIT_COMBINE_ARGS_INIT;
+  *args = defaults;
+  return MOEJIT_SUCCESS;
+}
+
+moejit_status moejit_combine_workspace_size(const moejit_combine_args* args, size_t* bytes) {
+  return guarded([&] {
+    if (bytes == nullptr) moejit::invalid_argument("bytes", "NULL", "must point to a size_t");
+    *bytes = moejit::combine_workspace_bytes(args);
+  });
+}
+
+moejit_status moejit_runtime_options_init(moejit_runtime_options* options) {
+  if (options == nullptr)
+    return fail(MOEJIT_ERROR_INVALID_ARGUMENT,
+                "invalid argument options = NULL: must point to a moejit_runtime_options");
+  std::memset(options, 0, sizeof(*options));
+  options->struct_size = sizeof(*options);
+  options->cache_mode = MOEJIT_CACHE_MODE_DEFAULT;
+  options->log_level = MOEJIT_LOG_DEFAULT;
+  return MOEJIT_SUCCESS;
+}
+
+moejit_status moejit_runtime_create(const moejit_runtime_options* options,
+                                    moejit_runtime_t* runtime) {
+  return guarded([&] {
+    if (runtime == nullptr)
+      moejit::invalid_argument("runtime", "NULL", "must point to a moejit_runtime_t");
+    *runtime = nullptr;
+    *runtime = new moejit::Runtime(moejit::resolve_settings(options));
+  });
+}
+
+moejit_status moejit_runtime_destroy(moejit_runtime_t runtime) {
+  return guarded([&] { delete static_cast<moejit::Runtime*>(runtime); });
+}
+
+moejit_status moejit_runtime_combine(moejit_runtime_t runtime, const moejit_combine_args* args,
+                                     moejit_stream_t stream) {
+  return guarded([&] { runtime_or_default(runtime).combine(args, stream); });
+}
+
+moejit_status moe_combine(const moejit_combine_args* args, moejit_stream_t stream) {
+  return moejit_runtime_combine(nullptr, args, stream);
+}
+
+moejit_status moejit_runtime_get_stats(moejit_runtime_t runtime, moejit_stats* stats) {
+  return guarded([&] {
+    if (stats == nullptr) moejit::invalid_argument("stats", "NULL", "must point to a moejit_stats");
+    if (stats->struct_size < sizeof(size_t) + sizeof(uint64_t))
+      moejit::invalid_argument("stats->struct_size", std::to_string(stats->struct_size),
+                               "must be sizeof(moejit_stats)");
+    runtime_or_default(runtime).stats().copy_to(stats);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,283 @@
+#include "combine_plan.h"
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "driver.h"
+#include "error.h"
+
+namespace moejit {
+namespace {
+
+constexpr int kBlockThreads = 128;   // combine block size
+constexpr int kHelperThreads = 256;  // token-index clear / assign
+constexpr unsigned kMaxHelperBlocks = 4096;
+constexpr int64_t kMaxRows = INT32_MAX;  // token-index lists store row ids as int32
+
+int element_bytes(int dtype) { return dtype == MOEJIT_DTYPE_FLOAT32 ? 4 : 2; }
+
+std::string hex(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%p", p);
+  return buf;
+}
+
+int next_pow2(int x) {
+  int p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+
+// Rows kept per token in the token-index workspace lists: room for twice the average, so only a
+// skewed routing overflows (and then takes the slow, still exact path).
+int list_capacity(int64_t rows_per_token) {
+  if (rows_per_token <= 8) return 16;
+  if (rows_per_token <= 16) return 32;
+  return 64;
+}
+
+// Threads per token group and groups per block: one vector slot per thread; short rows share a
+// block between several tokens so blocks stay 128 threads wide.
+void choose_geometry(KernelSpec* s) {
+  const int slots = s->slots();
+  if (slots >= kBlockThreads) {
+    s->tpt = kBlockThreads;
+    s->tpb = 1;
+  } else {
+    s->tpt = std::max(4, next_pow2(slots));
+    s->tpb = kBlockThreads / s->tpt;
+  }
+}
+
+// Widest vector (elements) such that every row start of both buffers is aligned to it.
+int choose_vec(int in_dtype, int out_dtype, int hidden, uintptr_t expert, int64_t expert_stride,
+               uintptr_t out, int64_t out_stride) {
+  const int in_b = element_bytes(in_dtype), out_b = element_bytes(out_dtype);
+  int vec = 16 / std::max(in_b, out_b);
+  while (vec > 1 && vec > hidden) vec /= 2;
+  auto aligned = [&](int v) {
+    const uint64_t ia = static_cast<uint64_t>(v) * in_b, oa = static_cast<uint64_t>(v) * out_b;
+    return expert % ia == 0 && (static_cast<uint64_t>(expert_stride) * in_b) % ia == 0 &&
+           out % oa == 0 && (static_cast<uint64_t>(out_stride) * out_b) % oa == 0;
+  };
+  while (vec > 1 && !aligned(vec)) vec /= 2;
+  return vec;
+}
+
+void check_enum(const char* name, int value, int max, const char* allowed) {
+  if (value < 0 || value > max) invalid_argument(name, std::to_string(value), allowed);
+}
+
+void check_aligned(const char* name, const void* p, size_t bytes, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % bytes != 0)
+    invalid_argument(name, hex(p),
+                     std::string("must be aligned to its element size (") +
+                         std::to_string(bytes) + " bytes for " + what + ")");
+}
+
+// Copies the caller's struct into a full-size one (defaults for fields an older caller lacks) and
+// checks every shape field. Shared by plan_combine and combine_workspace_bytes.
+moejit_combine_args validated_shape(const moejit_combine_args* in) {
+  if (in == nullptr) invalid_argument("args", "NULL", "must point to a moejit_combine_args");
+  moejit_combine_args a;
+  moejit_combine_args_init(&a);
+  if (in->struct_size != sizeof(moejit_combine_args))
+    invalid_argument("args->struct_size", std::to_string(in->struct_size),
+                     "must be sizeof(moejit_combine_args) = " +
+                         std::to_string(sizeof(moejit_combine_args)) +
+                         " for this library version (" + moejit_version_string() +
+                         "); initialize args with moejit_combine_args_init()");
+  std::memcpy(&a, in, sizeof(a));
+
+  check_enum("args->layout", a.layout, 2,
+             "must be MOEJIT_LAYOUT_TOKEN_MAJOR (0), MOEJIT_LAYOUT_GATHER_MAP (1) or "
+             "MOEJIT_LAYOUT_TOKEN_INDEX (2)");
+  check_enum("args->expert_dtype", a.expert_dtype, 2,
+             "must be MOEJIT_DTYPE_FLOAT32 (0), MOEJIT_DTYPE_FLOAT16 (1) or "
+             "MOEJIT_DTYPE_BFLOAT16 (2)");
+  check_enum("args->out_dtype", a.out_dtype, 2,
+             "must be MOEJIT_DTYPE_FLOAT32 (0), MOEJIT_DTYPE_FLOAT16 (1) or "
+             "MOEJIT_DTYPE_BFLOAT16 (2)");
+  if (a.layout != MOEJIT_LAYOUT_TOKEN_MAJOR)
+    check_enum("args->index_type", a.index_type, 1,
+               "must be MOEJIT_INDEX_INT32 (0) or MOEJIT_INDEX_INT64 (1)");
+  if (a.num_tokens < 0)
+    invalid_argument("args->num_tokens", std::to_string(a.num_tokens), "must be >= 0");
+  if (a.hidden_dim < 1 || a.hidden_dim > MOEJIT_MAX_HIDDEN_DIM)
+    invalid_argument("args->hidden_dim", std::to_string(a.hidden_dim),
+                     "must be in 1.." + std::to_string(MOEJIT_MAX_HIDDEN_DIM));
+  if (a.layout != MOEJIT_LAYOUT_TOKEN_INDEX && (a.top_k < 1 || a.top_k > MOEJIT_MAX_TOP_K))
+    invalid_argument("args->top_k", std::to_string(a.top_k),
+                     std::string("must be in 1..") + std::to_string(MOEJIT_MAX_TOP_K) + " for the " +
+                         layout_name(a.layout) + " layout");
+  if (a.layout == MOEJIT_LAYOUT_TOKEN_MAJOR) {
+    if (a.num_tokens > INT64_MAX / a.top_k)
+      invalid_argument("args->num_tokens", std::to_string(a.num_tokens), "is too large");
+    const int64_t rows = a.num_tokens * a.top_k;
+    if (a.num_rows != 0 && a.num_rows != rows)
+      invalid_argument("args->num_rows", std::to_string(a.num_rows),
+                       "must be 0 or num_tokens * top_k = " + std::to_string(rows) +
+                           " for the token-major layout");
+    a.num_rows = rows;
+  } else {
+    if (a.num_rows < 0 || a.num_rows > kMaxRows)
+      invalid_argument("args->num_rows", std::to_string(a.num_rows),
+                       "must be in 0.." + std::to_string(kMaxRows));
+  }
+  if (a.expert_row_stride == 0) a.expert_row_stride = a.hidden_dim;
+  if (a.out_row_stride == 0) a.out_row_stride = a.hidden_dim;
+  if (a.expert_row_stride < a.hidden_dim)
+    invalid_argument("args->expert_row_stride", std::to_string(a.expert_row_stride),
+                     "must be 0 (= hidden_dim) or >= hidden_dim = " + std::to_string(a.hidden_dim));
+  if (a.out_row_stride < a.hidden_dim)
+    invalid_argument("args->out_row_stride", std::to_string(a.out_row_stride),
+                     "must be 0 (= hidden_dim) or >= hidden_dim = " + std::to_string(a.hidden_dim));
+  return a;
+}
+
+}  // namespace
+
+size_t combine_workspace_bytes(const moejit_combine_args* args) {
+  const moejit_combine_args a = validated_shape(args);
+  if (a.layout != MOEJIT_LAYOUT_TOKEN_INDEX || a.num_tokens == 0) return 0;
+  const int64_t cap = list_capacity((a.num_rows + a.num_tokens - 1) / a.num_tokens);
+  const size_t counts = (static_cast<size_t>(a.num_tokens) * sizeof(int) + 255) / 256 * 256;
+  return counts + static_cast<size_t>(a.num_tokens) * static_cast<size_t>(cap) * sizeof(int);
+}
+
+KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dtype out_dtype,
+                          moejit_index_type index_type, int hidden, int rows_per_token,
+                          size_t alignment_bytes) {
+  KernelSpec s;
+  s.layout = layout;
+  s.in_dtype = in_dtype;
+  s.out_dtype = out_dtype;
+  s.index_bytes = layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? 4 : (index_type == MOEJIT_INDEX_INT64 ? 8 : 4);
+  s.hidden = hidden;
+  s.vec = choose_vec(in_dtype, out_dtype, hidden, alignment_bytes, hidden, alignment_bytes, hidden);
+  if (layout == MOEJIT_LAYOUT_TOKEN_INDEX) {
+    s.top_k = 0;
+    s.list_cap = list_capacity(rows_per_token);
+  } else {
+    s.top_k = rows_per_token;
+  }
+  choose_geometry(&s);
+  return s;
+}
+
+CombinePlan plan_combine(const moejit_combine_args* args) {
+  const moejit_combine_args a = validated_shape(args);
+  CombinePlan plan;
+  const int in_b = element_bytes(a.expert_dtype), out_b = element_bytes(a.out_dtype);
+  const bool any_rows = a.num_rows > 0 && a.num_tokens > 0;
+  if (a.num_tokens > 0 && a.out == nullptr)
+    invalid_argument("args->out", "NULL", "must be a device pointer when num_tokens > 0");
+  if (any_rows && a.expert_hidden == nullptr)
+    invalid_argument("args->expert_hidden", "NULL", "must be a device pointer when num_rows > 0");
+  if (any_rows && a.layout != MOEJIT_LAYOUT_TOKEN_MAJOR && a.indices == nullptr)
+    invalid_argument("args->indices", "NULL",
+                     std::string("must be a device pointer (the ") +
+                         (a.layout == MOEJIT_LAYOUT_GATHER_MAP ? "gather map" : "token_idx") +
+                         ") for the " + layout_name(a.layout) + " layout");
+  check_aligned("args->expert_hidden", a.expert_hidden, in_b, dtype_name(a.expert_dtype));
+  check_aligned("args->out", a.out, out_b, dtype_name(a.out_dtype));
+  check_aligned("args->gates", a.gates, 4, "fp32 gates");
+  if (a.layout != MOEJIT_LAYOUT_TOKEN_MAJOR)
+    check_aligned("args->indices", a.indices, a.index_type == MOEJIT_INDEX_INT64 ? 8 : 4,
+                  a.index_type == MOEJIT_INDEX_INT64 ? "int64 indices" : "int32 indices");
+  if (a.accumulate != 0 && a.accumulate != 1)
+    invalid_argument("args->accumulate", std::to_string(a.accumulate),
+                     "must be 0 (overwrite out) or 1 (add into out)");
+  if (!std::isfinite(a.scale))
+    invalid_argument("args->scale", std::to_string(a.scale), "must be a finite number");
+
+  if (a.num_tokens == 0) {
+    plan.nothing_to_do = true;
+    return plan;
+  }
+
+  const int64_t rows_per_token =
+      a.layout == MOEJIT_LAYOUT_TOKEN_INDEX ? (a.num_rows + a.num_tokens - 1) / a.num_tokens
+                                            : a.top_k;
+  KernelSpec& s = plan.spec;
+  s = spec_for_shape(static_cast<moejit_layout>(a.layout),
+                     static_cast<moejit_dtype>(a.expert_dtype),
+                     static_cast<moejit_dtype>(a.out_dtype),
+                     static_cast<moejit_index_type>(a.index_type), static_cast<int>(a.hidden_dim),
+                     static_cast<int>(std::min<int64_t>(rows_per_token, MOEJIT_MAX_TOP_K)), 256);
+  s.vec = choose_vec(a.expert_dtype, a.out_dtype, s.hidden,
+                     reinterpret_cast<uintptr_t>(a.expert_hidden), a.expert_row_stride,
+                     reinterpret_cast<uintptr_t>(a.out), a.out_row_stride);
+  choose_geometry(&s);
+
+  CombineParams& p = plan.params;
+  p.expert = a.expert_hidden;
+  p.gates = a.gates;
+  p.indices = a.indices;
+  p.out = a.out;
+  p.expert_stride = a.expert_row_stride;
+  p.out_stride = a.out_row_stride;
+  p.num_tokens = a.num_tokens;
+  p.num_rows = a.num_rows;
+  p.scale = a.scale;
+  p.accumulate = a.accumulate;
+  p.list_capacity = s.list_cap;
+
+  const int64_t groups = (a.num_tokens + s.tpb - 1) / s.tpb;
+  const int64_t blocks = groups * s.chunks();
+  if (blocks > INT32_MAX)
+    throw Error(MOEJIT_ERROR_UNSUPPORTED,
+                "num_tokens = " + std::to_string(a.num_tokens) + " with hidden_dim = " +
+                    std::to_string(a.hidden_dim) + " needs " + std::to_string(blocks) +
+                    " blocks, more than one launch allows (2^31 - 1): split the batch");
+  plan.combine_blocks = static_cast<unsigned>(blocks);
+
+  if (s.token_index()) {
+    const size_t needed = combine_workspace_bytes(&a);
+    if (a.workspace == nullptr || a.workspace_bytes < needed)
+      throw Error(MOEJIT_ERROR_WORKSPACE_TOO_SMALL,
+                  "args->workspace = " + hex(a.workspace) + " with workspace_bytes = " +
+                      std::to_string(a.workspace_bytes) + ": the token-index layout needs " +
+                      std::to_string(needed) +
+                      " bytes of device memory here (moejit_combine_workspace_size())");
+    check_aligned("args->workspace", a.workspace, 16, "the workspace");
+    const size_t counts = (static_cast<size_t>(a.num_tokens) * sizeof(int) + 255) / 256 * 256;
+    p.token_counts = static_cast<int*>(a.workspace);
+    p.token_rows = reinterpret_cast<int*>(static_cast<char*>(a.workspace) + counts);
+    auto helper_blocks = [](int64_t n) {
+      return static_cast<unsigned>(
+          std::max<int64_t>(1, std::min<int64_t>((n + kHelperThreads - 1) / kHelperThreads,
+                                                 kMaxHelperBlocks)));
+    };
+    plan.clear_blocks = helper_blocks(a.num_tokens);
+    plan.assign_blocks = helper_blocks(a.num_rows);
+  }
+  return plan;
+}
+
+void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstream stream,
+                    Stats& stats) {
+  if (plan.nothing_to_do) return;
+  const DriverApi& d = driver();
+  CombineParams params = plan.params;
+  void* kernel_args[] = {&params};
+  if (plan.spec.token_index()) {
+    check_cuda(d.cuLaunchKernel(kernels.functions[kClearKernel], plan.clear_blocks, 1, 1,
+                                kHelperThreads, 1, 1, 0, stream, kernel_args, nullptr),
+               "cuLaunchKernel(token_index_clear)");
+    check_cuda(d.cuLaunchKernel(kernels.functions[kAssignKernel], plan.assign_blocks, 1, 1,
+                                kHelperThreads, 1, 1, 0, stream, kernel_args, nullptr),
+               "cuLaunchKernel(token_index_assign)");
+    stats.launches.fetch_add(2, std::memory_order_relaxed);
+  }
+  check_cuda(d.cuLaunchKernel(kernels.functions[kCombineKernel], plan.combine_blocks, 1, 1,
+                              static_cast<unsigned>(plan.spec.block_threads()), 1, 1, 0, stream,
+                              kernel_args, nullptr),
+             "cuLaunchKernel(combine)");
+  stats.launches.fetch_add(1, std::memory_order_relaxed);
+}
+
+}  // namespace moejit

@@ -1,0 +1,46 @@
+// The dispatcher: the only module that knows what "combine" means. It validates the public
+// arguments, picks the specialization (vector width from the pointers and strides, thread layout
+// from the hidden size) and the launch geometry, and launches the kernels of a plan.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstddef>
+
+#include "../kernel_templates/combine_params.h"
+#include "kernel_spec.h"
+#include "module_cache.h"
+#include "moejit/moejit.h"
+#include "stats.h"
+
+namespace moejit {
+
+struct CombinePlan {
+  KernelSpec spec;
+  CombineParams params{};
+  bool nothing_to_do = false;       // T == 0
+  unsigned int combine_blocks = 0;  // 1-D grid of the combine kernel
+  unsigned int clear_blocks = 0;    // token-index helpers (0 for other layouts)
+  unsigned int assign_blocks = 0;
+};
+
+// Validates args (throws Error naming the argument, its value and what is allowed) and plans the
+// launch. Reads no device memory and needs no GPU.
+CombinePlan plan_combine(const moejit_combine_args* args);
+
+// Bytes of workspace the token-index layout needs (0 for the others); validates the shape fields.
+size_t combine_workspace_bytes(const moejit_combine_args* args);
+
+// The specialization moe_combine() would use for this shape, with buffers aligned to
+// `alignment_bytes` (256 for fresh allocations) and rows not padded. `rows_per_token` is top_k for
+// the fixed layouts and the expected rows per token (R / T) for the token-index layout. This is
+// what tools/precompile warms.
+KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dtype out_dtype,
+                          moejit_index_type index_type, int hidden, int rows_per_token,
+                          size_t alignment_bytes);
+
+// Enqueues the plan's kernels on stream.
+void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstream stream,
+                    Stats& stats);
+
+}  // namespace moejit

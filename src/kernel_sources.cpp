@@ -1,0 +1,52 @@
+#include "kernel_sources.h"
+
+#include <dirent.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "error.h"
+
+namespace moejit {
+namespace {
+
+bool is_template_name(const std::string& name) {
+  auto ends_with = [&](const char* suffix) {
+    const std::string s(suffix);
+    return name.size() > s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+  };
+  return ends_with(".cuh") || ends_with(".h");
+}
+
+}  // namespace
+
+TemplateSet load_templates(const std::string& override_dir) {
+  TemplateSet set;
+  if (override_dir.empty()) {
+    for (const EmbeddedFile& f : embedded_templates()) set[f.name] = std::string(f.bytes, f.size);
+    return set;
+  }
+  DIR* dir = opendir(override_dir.c_str());
+  if (dir == nullptr)
+    invalid_argument("template_dir", "\"" + override_dir + "\"",
+                     "must be a readable directory of kernel templates (or unset to use the "
+                     "templates built into the library)");
+  while (dirent* entry = readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (!is_template_name(name)) continue;
+    std::ifstream in(override_dir + "/" + name, std::ios::binary);
+    std::ostringstream bytes;
+    bytes << in.rdbuf();
+    if (!in.good() && !in.eof()) continue;
+    set[name] = bytes.str();
+  }
+  closedir(dir);
+  for (const EmbeddedFile& f : embedded_templates())
+    if (set.count(f.name) == 0)
+      invalid_argument("template_dir", "\"" + override_dir + "\"",
+                       std::string("must contain every kernel template; ") + f.name +
+                           " is missing");
+  return set;
+}
+
+}  // namespace moejit

@@ -1,0 +1,71 @@
+#include "kernel_spec.h"
+
+#include <sstream>
+
+#include "moejit/moejit.h"
+
+namespace moejit {
+
+const char* dtype_name(int dtype) {
+  switch (dtype) {
+    case MOEJIT_DTYPE_FLOAT32: return "fp32";
+    case MOEJIT_DTYPE_FLOAT16: return "fp16";
+    case MOEJIT_DTYPE_BFLOAT16: return "bf16";
+    default: return "unknown";
+  }
+}
+
+const char* layout_name(int layout) {
+  switch (layout) {
+    case MOEJIT_LAYOUT_TOKEN_MAJOR: return "token_major";
+    case MOEJIT_LAYOUT_GATHER_MAP: return "gather_map";
+    case MOEJIT_LAYOUT_TOKEN_INDEX: return "token_index";
+    default: return "unknown";
+  }
+}
+
+bool KernelSpec::token_index() const { return layout == MOEJIT_LAYOUT_TOKEN_INDEX; }
+
+std::vector<std::string> KernelSpec::name_expressions() const {
+  const char* idx = index_bytes == 8 ? "long long" : "int";
+  std::ostringstream combine;
+  combine << "&moejit::combine<" << layout << ", " << in_dtype << ", " << out_dtype << ", " << idx
+          << ", " << hidden << ", " << vec << ", " << top_k << ", " << tpt << ", " << tpb << ", "
+          << list_cap << ">";
+  std::vector<std::string> names{combine.str()};
+  if (token_index()) {
+    names.push_back("&moejit::token_index_clear");
+    names.push_back(std::string("&moejit::token_index_assign<") + idx + ">");
+  }
+  return names;
+}
+
+std::string KernelSpec::source() const {
+  // The kernels are instantiated through their name expressions; the source only brings the
+  // template in. The spec is echoed in a comment so a dumped source says what it was for.
+  return "// libmoejit specialization: " + describe() + "\n#include \"combine.cuh\"\n";
+}
+
+std::string KernelSpec::describe() const {
+  std::ostringstream s;
+  s << "layout=" << layout_name(layout) << " in=" << dtype_name(in_dtype)
+    << " out=" << dtype_name(out_dtype) << " idx=" << (index_bytes == 8 ? "int64" : "int32")
+    << " H=" << hidden << " vec=" << vec << " K=" << top_k << " tpt=" << tpt << " tpb=" << tpb
+    << " cap=" << list_cap;
+  return s.str();
+}
+
+bool KernelSpec::operator==(const KernelSpec& o) const {
+  return layout == o.layout && in_dtype == o.in_dtype && out_dtype == o.out_dtype &&
+         index_bytes == o.index_bytes && hidden == o.hidden && vec == o.vec &&
+         top_k == o.top_k && tpt == o.tpt && tpb == o.tpb && list_cap == o.list_cap;
+}
+
+std::size_t KernelSpec::hash() const {
+  std::size_t h = 1469598103934665603ull;
+  for (int v : {layout, in_dtype, out_dtype, index_bytes, hidden, vec, top_k, tpt, tpb, list_cap})
+    h = (h ^ static_cast<std::size_t>(static_cast<unsigned>(v))) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace moejit

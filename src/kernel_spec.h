@@ -1,0 +1,53 @@
+// KernelSpec: everything compile-time about one combine specialization, and what it turns into:
+// the tiny generated source (an include of the template; NVRTC instantiates the kernels from
+// their name expressions) and the name expressions themselves. Value type; hashable; no I/O.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace moejit {
+
+struct KernelSpec {
+  int layout = 0;       // moejit_layout
+  int in_dtype = 0;     // moejit_dtype of the expert rows
+  int out_dtype = 0;    // moejit_dtype of out
+  int index_bytes = 4;  // 4 (int32) or 8 (int64)
+  int hidden = 0;       // H
+  int vec = 1;          // elements per vector access
+  int top_k = 0;        // K (token-major, gather map); 0 for token index
+  int tpt = 0;          // threads per token group
+  int tpb = 0;          // token groups per block
+  int list_cap = 0;     // token index: rows listed per token; 0 otherwise
+
+  int block_threads() const { return tpt * tpb; }
+  int slots() const { return (hidden + vec - 1) / vec; }
+  int chunks() const { return (slots() + tpt - 1) / tpt; }
+  bool token_index() const;
+
+  // Name expressions, in the order of the Kernel enum below (combine, then the token-index
+  // helpers when the layout needs them).
+  std::vector<std::string> name_expressions() const;
+  // The generated translation unit.
+  std::string source() const;
+  // "layout=gather_map in=bf16 out=bf16 idx=int32 H=7168 vec=8 K=8 tpt=128 tpb=1 cap=0": for
+  // logs, messages and the precompile manifest.
+  std::string describe() const;
+
+  bool operator==(const KernelSpec& o) const;
+  bool operator!=(const KernelSpec& o) const { return !(*this == o); }
+  std::size_t hash() const;
+};
+
+// Index of each kernel in name_expressions() / a loaded module's functions.
+enum KernelSlot { kCombineKernel = 0, kClearKernel = 1, kAssignKernel = 2, kMaxKernels = 3 };
+
+const char* dtype_name(int dtype);    // "fp32" | "fp16" | "bf16"
+const char* layout_name(int layout);  // "token_major" | "gather_map" | "token_index"
+
+struct KernelSpecHash {
+  std::size_t operator()(const KernelSpec& s) const { return s.hash(); }
+};
+
+}  // namespace moejit

@@ -1,0 +1,109 @@
+#include "kernel_store.h"
+
+#include <chrono>
+
+#include "cache_key.h"
+#include "error.h"
+#include "logging.h"
+
+namespace moejit {
+
+KernelStore::KernelStore(const Settings& settings, Stats& stats)
+    : settings_(settings),
+      stats_(stats),
+      templates_(load_templates(settings.template_dir)),
+      disk_(open_disk_cache(settings, stats)) {}
+
+KernelStore::~KernelStore() = default;
+
+CompileRequest KernelStore::request_for(const KernelSpec& spec, const Target& target) const {
+  CompileRequest r;
+  r.program_name = "moejit_combine.cu";
+  r.source = spec.source();
+  r.headers = templates_;
+  r.options = compile_options(target);
+  r.name_expressions = spec.name_expressions();
+  r.target = target;
+  return r;
+}
+
+std::shared_ptr<const CompiledModule> KernelStore::obtain(const KernelSpec& spec,
+                                                          const Target& target) {
+  Source ignored;
+  return obtain(spec, target, &ignored);
+}
+
+std::shared_ptr<const CompiledModule> KernelStore::obtain(const KernelSpec& spec,
+                                                          const Target& target, Source* source) {
+  const auto key = std::make_pair(spec.describe(), target.name());
+  std::shared_ptr<Built> built;
+  bool owner = false;
+  std::promise<std::shared_ptr<const CompiledModule>> promise;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = modules_.find(key);
+    if (it == modules_.end()) {
+      built = std::make_shared<Built>();
+      built->module = promise.get_future().share();
+      built->source = Source::kCompiled;
+      modules_.emplace(key, built);
+      owner = true;
+    } else {
+      built = it->second;
+    }
+  }
+  if (!owner) {
+    *source = Source::kMemory;
+    return built->module.get();  // rethrows the owner's error, if it failed
+  }
+  try {
+    Source found = Source::kCompiled;
+    auto module = build(spec, target, &found);
+    promise.set_value(module);
+    *source = found;
+    return module;
+  } catch (...) {
+    // Forget the failed attempt so a later call retries (the cache may have been warmed since),
+    // and hand the error to the threads waiting on this one.
+    promise.set_exception(std::current_exception());
+    std::lock_guard<std::mutex> lock(mutex_);
+    modules_.erase(key);
+    throw;
+  }
+}
+
+std::shared_ptr<const CompiledModule> KernelStore::build(const KernelSpec& spec,
+                                                         const Target& target, Source* source) {
+  const CompileRequest request = request_for(spec, target);
+  const std::string key = cache_key(request);
+  if (disk_ != nullptr) {
+    if (std::optional<CompiledModule> hit = disk_->load(key)) {
+      stats_.disk_hits.fetch_add(1, std::memory_order_relaxed);
+      logger().debug("disk cache hit {} for {} on {}", key, spec.describe(), target.name());
+      *source = Source::kDisk;
+      return std::make_shared<const CompiledModule>(std::move(*hit));
+    }
+  }
+  if (settings_.cache_mode == MOEJIT_CACHE_MODE_NO_COMPILE)
+    throw Error(MOEJIT_ERROR_NOT_CACHED,
+                "kernel " + spec.describe() + " for " + target.name() + " (key " + key +
+                    ") is not in the cache at \"" + settings_.cache_dir +
+                    "\" and the cache is in no-compile mode: warm it with moejit-precompile");
+
+  const auto start = std::chrono::steady_clock::now();
+  auto module = std::make_shared<CompiledModule>(compile(request));
+  const auto nanos = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         std::chrono::steady_clock::now() - start)
+                         .count();
+  stats_.compiles.fetch_add(1, std::memory_order_relaxed);
+  stats_.compile_nanoseconds.fetch_add(static_cast<uint64_t>(nanos), std::memory_order_relaxed);
+  logger().info("compiled {} for {} in {:.1f} ms ({} bytes)", spec.describe(), target.name(),
+                static_cast<double>(nanos) * 1e-6, module->image.size());
+  if (!module->log.empty()) logger().debug("NVRTC log for {}:\n{}", spec.describe(), module->log);
+  if (disk_ != nullptr && settings_.cache_mode == MOEJIT_CACHE_MODE_READ_WRITE)
+    disk_->store(key, *module);
+  *source = Source::kCompiled;
+  return module;
+}
+
+}  // namespace moejit

@@ -1,0 +1,62 @@
+// KernelStore: (KernelSpec, Target) -> compiled module, through the disk cache and NVRTC. Needs
+// no GPU (tools/precompile uses it directly). Each (spec, target) is compiled at most once per
+// store even when many threads ask at the same moment: the first compiles, the others wait for
+// its result.
+#pragma once
+
+#include <cstdint>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "disk_cache.h"
+#include "kernel_sources.h"
+#include "kernel_spec.h"
+#include "nvrtc_compiler.h"
+#include "settings.h"
+#include "stats.h"
+
+namespace moejit {
+
+class KernelStore {
+ public:
+  KernelStore(const Settings& settings, Stats& stats);
+  ~KernelStore();
+
+  // The module for spec on target: memory, else the disk cache, else NVRTC (and publish), unless
+  // the cache is in no-compile mode (Error MOEJIT_ERROR_NOT_CACHED). Throws Error on failure.
+  std::shared_ptr<const CompiledModule> obtain(const KernelSpec& spec, const Target& target);
+
+  // Where obtain() found its answer, for tools: looked up without compiling.
+  enum class Source { kMemory, kDisk, kCompiled };
+  std::shared_ptr<const CompiledModule> obtain(const KernelSpec& spec, const Target& target,
+                                               Source* source);
+
+  // The exact NVRTC request (and so the cache key) for spec on target.
+  CompileRequest request_for(const KernelSpec& spec, const Target& target) const;
+
+  const Settings& settings() const { return settings_; }
+  bool has_disk_cache() const { return disk_ != nullptr; }
+
+ private:
+  std::shared_ptr<const CompiledModule> build(const KernelSpec& spec, const Target& target,
+                                              Source* source);
+
+  const Settings settings_;
+  Stats& stats_;
+  const TemplateSet templates_;
+  std::unique_ptr<DiskCache> disk_;
+
+  // Guards modules_ only; builds run outside it, each behind its own shared_future.
+  std::mutex mutex_;
+  struct Built {
+    std::shared_future<std::shared_ptr<const CompiledModule>> module;
+    Source source;
+  };
+  std::map<std::pair<std::string, std::string>, std::shared_ptr<Built>> modules_;
+};
+
+}  // namespace moejit

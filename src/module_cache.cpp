@@ -1,0 +1,100 @@
+#include "module_cache.h"
+
+#include "driver.h"
+#include "error.h"
+#include "logging.h"
+#include "nvrtc_compiler.h"
+
+namespace moejit {
+namespace {
+
+CUcontext current_context(unsigned long long* id) {
+  const DriverApi& d = driver();
+  CUcontext ctx = nullptr;
+  check_cuda(d.cuCtxGetCurrent(&ctx), "cuCtxGetCurrent");
+  if (ctx == nullptr)
+    throw Error(MOEJIT_ERROR_NO_DEVICE,
+                "the calling thread has no current CUDA context: select a device first (e.g. "
+                "cudaSetDevice() or torch.cuda.set_device()) or push a context "
+                "(cuCtxPushCurrent)");
+  *id = reinterpret_cast<unsigned long long>(ctx);
+  // Context handles can be reused after a context is destroyed; ids cannot.
+  if (d.cuCtxGetId != nullptr) check_cuda(d.cuCtxGetId(ctx, id), "cuCtxGetId");
+  return ctx;
+}
+
+}  // namespace
+
+ModuleCache::~ModuleCache() {
+  if (entries_.empty()) return;
+  const DriverApi& d = driver();
+  for (auto& [key, entry] : entries_)
+    if (entry->ready.load() && entry->kernels.module != nullptr)
+      d.cuModuleUnload(entry->kernels.module);
+}
+
+const LoadedKernels& ModuleCache::get(const KernelSpec& spec) {
+  unsigned long long id = 0;
+  const CUcontext ctx = current_context(&id);
+  const Key key{id, spec};
+  Entry* entry = nullptr;
+  {
+    std::shared_lock<std::shared_mutex> lock(mutex_);
+    auto it = entries_.find(key);
+    if (it != entries_.end()) entry = it->second.get();
+  }
+  if (entry != nullptr && entry->ready.load(std::memory_order_acquire)) {
+    stats_.memory_hits.fetch_add(1, std::memory_order_relaxed);
+    return entry->kernels;
+  }
+  if (entry == nullptr) {
+    std::unique_lock<std::shared_mutex> lock(mutex_);
+    auto& slot = entries_[key];
+    if (!slot) slot = std::make_unique<Entry>();
+    entry = slot.get();  // entries are never removed before destruction: the pointer stays valid
+  }
+  std::lock_guard<std::mutex> load_lock(entry->load_mutex);
+  if (!entry->ready.load(std::memory_order_acquire)) {
+    load(spec, ctx, *entry);
+    entry->ready.store(true, std::memory_order_release);
+  } else {
+    stats_.memory_hits.fetch_add(1, std::memory_order_relaxed);
+  }
+  return entry->kernels;
+}
+
+void ModuleCache::load(const KernelSpec& spec, CUcontext context, Entry& entry) {
+  const DriverApi& d = driver();
+  CUdevice device = 0;
+  check_cuda(d.cuCtxGetDevice(&device), "cuCtxGetDevice");
+  int major = 0, minor = 0;
+  check_cuda(d.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device),
+             "cuDeviceGetAttribute(COMPUTE_CAPABILITY_MAJOR)");
+  check_cuda(d.cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device),
+             "cuDeviceGetAttribute(COMPUTE_CAPABILITY_MINOR)");
+  const Target target = target_for_device(major * 10 + minor);
+  const std::shared_ptr<const CompiledModule> module = store_.obtain(spec, target);
+
+  LoadedKernels k;
+  // The store validated the image (a disk entry is checked before it gets here): a truncated or
+  // foreign binary never reaches cuModuleLoadData.
+  const CUresult loaded = d.cuModuleLoadData(&k.module, module->image.data());
+  if (loaded != CUDA_SUCCESS)
+    throw Error(MOEJIT_ERROR_CUDA, describe_cuda_error("cuModuleLoadData", loaded) + " for " +
+                                       spec.describe() + " (" + target.name() + ")");
+  for (size_t i = 0; i < module->lowered_names.size() && i < kMaxKernels; ++i) {
+    const CUresult got =
+        d.cuModuleGetFunction(&k.functions[i], k.module, module->lowered_names[i].c_str());
+    if (got != CUDA_SUCCESS) {
+      d.cuModuleUnload(k.module);
+      throw Error(MOEJIT_ERROR_CUDA, describe_cuda_error("cuModuleGetFunction", got) + " for " +
+                                         module->lowered_names[i]);
+    }
+  }
+  entry.kernels = k;
+  entry.context = context;
+  logger().debug("loaded {} ({}) in context {}", spec.describe(), target.name(),
+                 static_cast<void*>(context));
+}
+
+}  // namespace moejit

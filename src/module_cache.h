@@ -1,0 +1,60 @@
+// Loaded kernels per (CUDA context, KernelSpec). Modules belong to a context, so the same spec is
+// loaded once in each context that uses it (jitify2 keys its cache the same way). The warm path
+// is one shared-lock lookup; a miss loads (compiling through the KernelStore if needed) exactly
+// once, other threads missing the same key wait for that load.
+#pragma once
+
+#include <cuda.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+
+#include "kernel_spec.h"
+#include "kernel_store.h"
+#include "stats.h"
+
+namespace moejit {
+
+struct LoadedKernels {
+  CUmodule module = nullptr;
+  CUfunction functions[kMaxKernels] = {};
+};
+
+class ModuleCache {
+ public:
+  ModuleCache(KernelStore& store, Stats& stats) : store_(store), stats_(stats) {}
+  ~ModuleCache();  // unloads every module (errors ignored: the context may be gone)
+  ModuleCache(const ModuleCache&) = delete;
+  ModuleCache& operator=(const ModuleCache&) = delete;
+
+  // The kernels of spec in the calling thread's current context. Throws Error.
+  const LoadedKernels& get(const KernelSpec& spec);
+
+ private:
+  struct Key {
+    unsigned long long context;  // cuCtxGetId (unique for the process), else the handle
+    KernelSpec spec;
+    bool operator==(const Key& o) const { return context == o.context && spec == o.spec; }
+  };
+  struct KeyHash {
+    size_t operator()(const Key& k) const { return k.spec.hash() ^ (k.context * 0x9e3779b97f4a7c15ull); }
+  };
+  struct Entry {
+    std::mutex load_mutex;           // held while loading: one loader per key
+    std::atomic<bool> ready{false};  // set once kernels is complete; never cleared
+    LoadedKernels kernels;
+    CUcontext context = nullptr;
+  };
+
+  void load(const KernelSpec& spec, CUcontext context, Entry& entry);
+
+  KernelStore& store_;
+  Stats& stats_;
+  std::shared_mutex mutex_;  // guards entries_ (the map, not the entries' contents)
+  std::unordered_map<Key, std::unique_ptr<Entry>, KeyHash> entries_;
+};
+
+}  // namespace moejit

@@ -1,0 +1,129 @@
+#include "nvrtc_compiler.h"
+
+#include <nvrtc.h>
+
+#include <memory>
+#include <sstream>
+
+#include "error.h"
+
+namespace moejit {
+namespace {
+
+void check_nvrtc(nvrtcResult result, const char* call) {
+  if (result != NVRTC_SUCCESS)
+    throw Error(result == NVRTC_ERROR_OUT_OF_MEMORY ? MOEJIT_ERROR_OUT_OF_MEMORY
+                                                    : MOEJIT_ERROR_COMPILE,
+                std::string(call) + " failed: " + nvrtcGetErrorString(result));
+}
+
+// Destroys the program on every path out of compile().
+struct ProgramGuard {
+  nvrtcProgram program = nullptr;
+  ~ProgramGuard() {
+    if (program != nullptr) nvrtcDestroyProgram(&program);
+  }
+};
+
+std::string join(const std::vector<std::string>& items) {
+  std::string s;
+  for (const std::string& item : items) s += (s.empty() ? "" : " ") + item;
+  return s;
+}
+
+}  // namespace
+
+std::string Target::name() const { return (ptx ? "compute_" : "sm_") + std::to_string(sm); }
+
+const std::string& nvrtc_version() {
+  static const std::string version = [] {
+    int major = 0, minor = 0;
+    check_nvrtc(nvrtcVersion(&major, &minor), "nvrtcVersion");
+    return std::to_string(major) + "." + std::to_string(minor);
+  }();
+  return version;
+}
+
+const std::vector<int>& nvrtc_supported_archs() {
+  static const std::vector<int> archs = [] {
+    int count = 0;
+    check_nvrtc(nvrtcGetNumSupportedArchs(&count), "nvrtcGetNumSupportedArchs");
+    std::vector<int> list(static_cast<size_t>(count));
+    if (count > 0) check_nvrtc(nvrtcGetSupportedArchs(list.data()), "nvrtcGetSupportedArchs");
+    return list;
+  }();
+  return archs;
+}
+
+std::vector<std::string> compile_options(const Target& target) {
+  // No fast-math: the combine promises fp32 accumulation with IEEE rounding.
+  return {"--std=c++17", "--gpu-architecture=" + target.name(), "-DNDEBUG"};
+}
+
+Target target_for_device(int sm) {
+  const std::vector<int>& archs = nvrtc_supported_archs();
+  for (int a : archs)
+    if (a == sm) return Target{sm, false};
+  if (!archs.empty() && sm > archs.back()) return Target{archs.back(), true};
+  std::ostringstream supported;
+  for (int a : archs) supported << " sm_" << a;
+  throw Error(MOEJIT_ERROR_UNSUPPORTED,
+              "GPU architecture sm_" + std::to_string(sm) + " is not supported by NVRTC " +
+                  nvrtc_version() + " (it builds for:" + supported.str() + ")");
+}
+
+CompiledModule compile(const CompileRequest& request) {
+  std::vector<const char*> header_names, header_bytes;
+  for (const auto& [name, bytes] : request.headers) {
+    header_names.push_back(name.c_str());
+    header_bytes.push_back(bytes.c_str());
+  }
+  ProgramGuard guard;
+  check_nvrtc(nvrtcCreateProgram(&guard.program, request.source.c_str(),
+                                 request.program_name.c_str(), static_cast<int>(header_names.size()),
+                                 header_bytes.data(), header_names.data()),
+              "nvrtcCreateProgram");
+  for (const std::string& expr : request.name_expressions)
+    check_nvrtc(nvrtcAddNameExpression(guard.program, expr.c_str()), "nvrtcAddNameExpression");
+
+  std::vector<const char*> options;
+  for (const std::string& o : request.options) options.push_back(o.c_str());
+  const nvrtcResult compiled =
+      nvrtcCompileProgram(guard.program, static_cast<int>(options.size()), options.data());
+
+  CompiledModule out;
+  size_t log_size = 0;
+  if (nvrtcGetProgramLogSize(guard.program, &log_size) == NVRTC_SUCCESS && log_size > 1) {
+    out.log.resize(log_size);
+    nvrtcGetProgramLog(guard.program, &out.log[0]);
+    out.log.resize(log_size - 1);
+  }
+  if (compiled != NVRTC_SUCCESS)
+    throw Error(MOEJIT_ERROR_COMPILE,
+                "NVRTC failed to compile " + request.program_name + " for " +
+                    request.target.name() + " (" + nvrtcGetErrorString(compiled) +
+                    ")\noptions: " + join(request.options) + "\nlog:\n" + out.log);
+
+  size_t size = 0;
+  if (request.target.ptx) {
+    check_nvrtc(nvrtcGetPTXSize(guard.program, &size), "nvrtcGetPTXSize");
+    out.image.resize(size);
+    check_nvrtc(nvrtcGetPTX(guard.program, &out.image[0]), "nvrtcGetPTX");
+  } else {
+    check_nvrtc(nvrtcGetCUBINSize(guard.program, &size), "nvrtcGetCUBINSize");
+    out.image.resize(size);
+    check_nvrtc(nvrtcGetCUBIN(guard.program, &out.image[0]), "nvrtcGetCUBIN");
+  }
+  for (const std::string& expr : request.name_expressions) {
+    const char* lowered = nullptr;
+    check_nvrtc(nvrtcGetLoweredName(guard.program, expr.c_str(), &lowered), "nvrtcGetLoweredName");
+    out.lowered_names.emplace_back(lowered);
+  }
+  out.target = request.target;
+  out.name_expressions = request.name_expressions;
+  out.options = request.options;
+  out.nvrtc_version = nvrtc_version();
+  return out;
+}
+
+}  // namespace moejit

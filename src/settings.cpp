@@ -1,0 +1,101 @@
+#include "settings.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "error.h"
+#include "logging.h"
+
+namespace moejit {
+namespace {
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return (v != nullptr && *v != '\0') ? v : nullptr;
+}
+
+moejit_cache_mode parse_cache_mode(const char* text) {
+  for (moejit_cache_mode m : {MOEJIT_CACHE_MODE_READ_WRITE, MOEJIT_CACHE_MODE_READ_ONLY,
+                              MOEJIT_CACHE_MODE_DISABLED, MOEJIT_CACHE_MODE_NO_COMPILE})
+    if (std::strcmp(text, cache_mode_name(m)) == 0) return m;
+  invalid_argument("MOEJIT_CACHE_MODE", std::string("\"") + text + "\"",
+                   "must be one of read-write, read-only, disabled, no-compile");
+}
+
+std::string default_cache_dir() {
+  // Never /tmp: a shared, world-writable default invites cache poisoning by other users.
+  if (const char* xdg = env("XDG_CACHE_HOME")) return std::string(xdg) + "/moejit";
+  if (const char* home = env("HOME")) return std::string(home) + "/.cache/moejit";
+  return std::string();
+}
+
+}  // namespace
+
+const char* cache_mode_name(moejit_cache_mode mode) {
+  switch (mode) {
+    case MOEJIT_CACHE_MODE_READ_WRITE: return "read-write";
+    case MOEJIT_CACHE_MODE_READ_ONLY: return "read-only";
+    case MOEJIT_CACHE_MODE_DISABLED: return "disabled";
+    case MOEJIT_CACHE_MODE_NO_COMPILE: return "no-compile";
+    default: return "default";
+  }
+}
+
+Settings resolve_settings(const moejit_runtime_options* options) {
+  moejit_runtime_options o;
+  moejit_runtime_options_init(&o);
+  if (options != nullptr) {
+    if (options->struct_size < sizeof(size_t) || options->struct_size > sizeof(o))
+      invalid_argument("options->struct_size", std::to_string(options->struct_size),
+                       "must be sizeof(moejit_runtime_options) of a libmoejit header no newer "
+                       "than this library (" + std::to_string(sizeof(o)) +
+                           " bytes); call moejit_runtime_options_init() first");
+    std::memcpy(&o, options, options->struct_size);
+  }
+
+  Settings s;
+  if (o.cache_mode < MOEJIT_CACHE_MODE_DEFAULT || o.cache_mode > MOEJIT_CACHE_MODE_NO_COMPILE)
+    invalid_argument("options->cache_mode", std::to_string(o.cache_mode),
+                     "must be a moejit_cache_mode (0 default, 1 read-write, 2 read-only, "
+                     "3 disabled, 4 no-compile)");
+  if (o.cache_mode != MOEJIT_CACHE_MODE_DEFAULT)
+    s.cache_mode = o.cache_mode;
+  else if (const char* m = env("MOEJIT_CACHE_MODE"))
+    s.cache_mode = parse_cache_mode(m);
+
+  if (o.cache_dir != nullptr && *o.cache_dir != '\0')
+    s.cache_dir = o.cache_dir;
+  else if (const char* d = env("MOEJIT_CACHE_DIR"))
+    s.cache_dir = d;
+  else
+    s.cache_dir = default_cache_dir();
+
+  if (o.cache_max_bytes != 0) {
+    s.cache_max_bytes = o.cache_max_bytes;
+  } else if (const char* m = env("MOEJIT_CACHE_MAX_BYTES")) {
+    char* end = nullptr;
+    const unsigned long long v = std::strtoull(m, &end, 10);
+    if (end == m || *end != '\0' || v == 0)
+      invalid_argument("MOEJIT_CACHE_MAX_BYTES", std::string("\"") + m + "\"",
+                       "must be a positive number of bytes");
+    s.cache_max_bytes = v;
+  }
+
+  if (o.log_level != MOEJIT_LOG_DEFAULT) {
+    static const spdlog::level::level_enum levels[] = {
+        spdlog::level::trace, spdlog::level::debug, spdlog::level::info, spdlog::level::warn,
+        spdlog::level::err,   spdlog::level::critical, spdlog::level::off};
+    if (o.log_level < MOEJIT_LOG_TRACE || o.log_level > MOEJIT_LOG_OFF)
+      invalid_argument("options->log_level", std::to_string(o.log_level),
+                       "must be a moejit_log_level (-1 default, 0 trace .. 4 error, 6 off)");
+    logger().set_level(levels[o.log_level]);
+  }
+
+  if (o.template_dir != nullptr && *o.template_dir != '\0')
+    s.template_dir = o.template_dir;
+  else if (const char* t = env("MOEJIT_TEMPLATE_DIR"))
+    s.template_dir = t;
+  return s;
+}
+
+}  // namespace moejit

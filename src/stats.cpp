@@ -1,0 +1,22 @@
+#include "stats.h"
+
+#include <cstring>
+
+namespace moejit {
+
+void Stats::copy_to(moejit_stats* out) const {
+  moejit_stats s;
+  s.struct_size = sizeof(s);
+  s.memory_hits = memory_hits.load(std::memory_order_relaxed);
+  s.disk_hits = disk_hits.load(std::memory_order_relaxed);
+  s.compiles = compiles.load(std::memory_order_relaxed);
+  s.disk_errors = disk_errors.load(std::memory_order_relaxed);
+  s.launches = launches.load(std::memory_order_relaxed);
+  s.compile_seconds = static_cast<double>(compile_nanoseconds.load(std::memory_order_relaxed)) * 1e-9;
+  // Callers built against an older (smaller) struct get the fields they know about.
+  const size_t n = out->struct_size < sizeof(s) ? out->struct_size : sizeof(s);
+  std::memcpy(reinterpret_cast<char*>(out) + sizeof(size_t),
+              reinterpret_cast<const char*>(&s) + sizeof(size_t), n - sizeof(size_t));
+}
+
+}  // namespace moejit
