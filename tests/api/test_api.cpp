@@ -1,0 +1,282 @@
+// The C boundary: every argument error has its own status and a message naming the argument, its
+// value and what is allowed; status names and descriptions; per-thread messages; versions;
+// runtime options; and what happens with no driver. Runs without a GPU (the cases that would
+// launch are skipped where a driver is present, since their pointers are fake).
+#include <dlfcn.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+
+#include "moejit/moejit.h"
+
+namespace {
+
+void* fake(uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+// An enum holding a value outside its enumerators, as a C caller can pass.
+template <typename E>
+E bad_enum(int value) {
+  static_assert(sizeof(E) == sizeof(int), "C enums are int-sized here");
+  E e;
+  std::memcpy(&e, &value, sizeof(e));
+  return e;
+}
+
+// A valid gather-map combine on (fake, well aligned) device pointers.
+moejit_combine_args valid_args() {
+  moejit_combine_args a;
+  moejit_combine_args_init(&a);
+  a.layout = MOEJIT_LAYOUT_GATHER_MAP;
+  a.num_tokens = 33;
+  a.top_k = 2;
+  a.num_rows = 66;
+  a.hidden_dim = 4096;
+  a.expert_hidden = fake(0x7f0000000000);
+  a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
+  a.gates = static_cast<const float*>(fake(0x7f0010000000));
+  a.indices = fake(0x7f0020000000);
+  a.index_type = MOEJIT_INDEX_INT32;
+  a.out = fake(0x7f0030000000);
+  a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+  return a;
+}
+
+bool driver_present() {
+  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (h != nullptr) dlclose(h);
+  return h != nullptr;
+}
+
+struct BadCase {
+  const char* name;
+  std::function<void(moejit_combine_args&)> mutate;
+  moejit_status expected;
+  std::string message_part;  // the argument named, or the allowed values
+};
+
+class ArgumentErrors : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(ArgumentErrors, HaveTheirOwnStatusAndMessage) {
+  const BadCase& c = GetParam();
+  moejit_combine_args a = valid_args();
+  c.mutate(a);
+  EXPECT_EQ(moe_combine(&a, nullptr), c.expected) << moejit_last_error_message();
+  const std::string message = moejit_last_error_message();
+  EXPECT_NE(message.find(c.message_part), std::string::npos) << message;
+}
+
+const BadCase kBadCases[] = {
+    {"struct_size", [](auto& a) { a.struct_size = 8; }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->struct_size = 8"},
+    {"layout", [](auto& a) { a.layout = bad_enum<moejit_layout>(7); },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "args->layout = 7: must be MOEJIT_LAYOUT_TOKEN_MAJOR"},
+    {"expert_dtype", [](auto& a) { a.expert_dtype = bad_enum<moejit_dtype>(3); },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "args->expert_dtype = 3"},
+    {"out_dtype", [](auto& a) { a.out_dtype = bad_enum<moejit_dtype>(-1); },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "args->out_dtype = -1"},
+    {"index_type", [](auto& a) { a.index_type = bad_enum<moejit_index_type>(2); },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "MOEJIT_INDEX_INT32 (0) or MOEJIT_INDEX_INT64 (1)"},
+    {"num_tokens", [](auto& a) { a.num_tokens = -1; }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->num_tokens = -1: must be >= 0"},
+    {"hidden_zero", [](auto& a) { a.hidden_dim = 0; }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->hidden_dim = 0: must be in 1..65536"},
+    {"hidden_huge", [](auto& a) { a.hidden_dim = 65537; }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->hidden_dim = 65537"},
+    {"top_k_zero", [](auto& a) { a.top_k = 0; }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->top_k = 0: must be in 1..64"},
+    {"top_k_huge", [](auto& a) { a.top_k = 65; }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->top_k = 65"},
+    {"num_rows_negative", [](auto& a) { a.num_rows = -5; }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->num_rows = -5"},
+    {"num_rows_token_major",
+     [](auto& a) {
+       a.layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
+       a.num_rows = 5;
+     },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "must be 0 or num_tokens * top_k = 66"},
+    {"num_rows_too_many", [](auto& a) { a.num_rows = 1ll << 31; }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->num_rows = 2147483648"},
+    {"expert_stride", [](auto& a) { a.expert_row_stride = 100; }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->expert_row_stride = 100: must be 0 (= hidden_dim) or >= hidden_dim = 4096"},
+    {"out_stride", [](auto& a) { a.out_row_stride = -3; }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->out_row_stride = -3"},
+    {"out_null", [](auto& a) { a.out = nullptr; }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->out = NULL"},
+    {"expert_null", [](auto& a) { a.expert_hidden = nullptr; }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->expert_hidden = NULL"},
+    {"indices_null", [](auto& a) { a.indices = nullptr; }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->indices = NULL: must be a device pointer (the gather map)"},
+    {"expert_misaligned", [](auto& a) { a.expert_hidden = fake(0x7f0000000001); },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "args->expert_hidden = 0x7f0000000001: must be aligned"},
+    {"out_misaligned",
+     [](auto& a) {
+       a.out_dtype = MOEJIT_DTYPE_FLOAT32;
+       a.out = fake(0x7f0030000002);
+     },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "4 bytes for fp32"},
+    {"gates_misaligned", [](auto& a) { a.gates = static_cast<const float*>(fake(0x7f0010000002)); },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "args->gates"},
+    {"indices_misaligned",
+     [](auto& a) {
+       a.index_type = MOEJIT_INDEX_INT64;
+       a.indices = fake(0x7f0020000004);
+     },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "8 bytes for int64 indices"},
+    {"accumulate", [](auto& a) { a.accumulate = 2; }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->accumulate = 2: must be 0 (overwrite out) or 1 (add into out)"},
+    {"scale_nan", [](auto& a) { a.scale = std::nanf(""); }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->scale"},
+    {"workspace_missing",
+     [](auto& a) {
+       a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+       a.workspace = nullptr;
+     },
+     MOEJIT_ERROR_WORKSPACE_TOO_SMALL, "moejit_combine_workspace_size"},
+    {"workspace_small",
+     [](auto& a) {
+       a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+       a.workspace = fake(0x7f0040000000);
+       a.workspace_bytes = 16;
+     },
+     MOEJIT_ERROR_WORKSPACE_TOO_SMALL, "workspace_bytes = 16"},
+};
+
+std::string case_name(const ::testing::TestParamInfo<BadCase>& param_info) {
+  return param_info.param.name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Api, ArgumentErrors, ::testing::ValuesIn(kBadCases), case_name);
+
+TEST(Api, NullArgs) {
+  EXPECT_EQ(moe_combine(nullptr, nullptr), MOEJIT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moejit_last_error_message()).find("args = NULL"), std::string::npos);
+  EXPECT_EQ(moejit_combine_args_init(nullptr), MOEJIT_ERROR_INVALID_ARGUMENT);
+  size_t bytes = 0;
+  EXPECT_EQ(moejit_combine_workspace_size(nullptr, &bytes), MOEJIT_ERROR_INVALID_ARGUMENT);
+  moejit_combine_args a = valid_args();
+  EXPECT_EQ(moejit_combine_workspace_size(&a, nullptr), MOEJIT_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(moejit_runtime_get_stats(nullptr, nullptr), MOEJIT_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(moejit_runtime_create(nullptr, nullptr), MOEJIT_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(moejit_runtime_destroy(nullptr), MOEJIT_SUCCESS);  // accepts NULL
+}
+
+TEST(Api, StatusNamesAndDescriptions) {
+#define CHECK_STATUS(name, value, description)                  \
+  EXPECT_STREQ(moejit_status_name(name), #name);                \
+  EXPECT_STREQ(moejit_status_description(name), description);   \
+  EXPECT_EQ(static_cast<int>(name), value);
+  MOEJIT_STATUS_TABLE(CHECK_STATUS)
+#undef CHECK_STATUS
+  // Fixed values: appended only, never renumbered.
+  EXPECT_EQ(MOEJIT_ERROR_INVALID_ARGUMENT, 1);
+  EXPECT_EQ(MOEJIT_ERROR_DRIVER_NOT_FOUND, 4);
+  EXPECT_EQ(MOEJIT_ERROR_NOT_CACHED, 8);
+  EXPECT_STREQ(moejit_status_name(bad_enum<moejit_status>(999)), "MOEJIT_STATUS_UNKNOWN");
+  EXPECT_STREQ(moejit_status_description(bad_enum<moejit_status>(-1)), "unknown status code");
+}
+
+TEST(Api, LastErrorIsPerThread) {
+  moejit_combine_args a = valid_args();
+  a.hidden_dim = 0;
+  ASSERT_EQ(moe_combine(&a, nullptr), MOEJIT_ERROR_INVALID_ARGUMENT);
+  std::string other;
+  std::thread([&] {
+    moejit_combine_args b = valid_args();
+    b.top_k = 99;
+    moe_combine(&b, nullptr);
+    other = moejit_last_error_message();
+  }).join();
+  EXPECT_NE(other.find("top_k"), std::string::npos);
+  EXPECT_NE(std::string(moejit_last_error_message()).find("hidden_dim"), std::string::npos);
+}
+
+TEST(Api, Versions) {
+  EXPECT_EQ(moejit_version(), MOEJIT_VERSION_NUMBER);
+  EXPECT_STREQ(moejit_version_string(), "0.1.0");
+}
+
+TEST(Api, WorkspaceSize) {
+  moejit_combine_args a = valid_args();
+  size_t bytes = 123;
+  ASSERT_EQ(moejit_combine_workspace_size(&a, &bytes), MOEJIT_SUCCESS);
+  EXPECT_EQ(bytes, 0u);  // gather map needs none
+  a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+  ASSERT_EQ(moejit_combine_workspace_size(&a, &bytes), MOEJIT_SUCCESS);
+  EXPECT_GE(bytes, 33u * 4u + 33u * 2u * 4u);  // counts + at least K row ids per token
+  a.num_tokens = 0;
+  ASSERT_EQ(moejit_combine_workspace_size(&a, &bytes), MOEJIT_SUCCESS);
+  EXPECT_EQ(bytes, 0u);
+  a.hidden_dim = -1;
+  EXPECT_EQ(moejit_combine_workspace_size(&a, &bytes), MOEJIT_ERROR_INVALID_ARGUMENT);
+}
+
+TEST(Api, ZeroTokensIsANoOpEvenWithoutADriver) {
+  moejit_combine_args a = valid_args();
+  a.num_tokens = 0;
+  a.out = nullptr;
+  EXPECT_EQ(moe_combine(&a, nullptr), MOEJIT_SUCCESS) << moejit_last_error_message();
+}
+
+TEST(Api, WithoutADriverAValidCallSaysSo) {
+  if (driver_present()) GTEST_SKIP() << "libcuda.so.1 is present: this case checks its absence";
+  moejit_combine_args a = valid_args();
+  EXPECT_EQ(moe_combine(&a, nullptr), MOEJIT_ERROR_DRIVER_NOT_FOUND);
+  EXPECT_NE(std::string(moejit_last_error_message()).find("libcuda.so.1"), std::string::npos);
+}
+
+TEST(Api, RuntimeOptions) {
+  moejit_runtime_options o;
+  ASSERT_EQ(moejit_runtime_options_init(&o), MOEJIT_SUCCESS);
+  EXPECT_EQ(o.struct_size, sizeof(o));
+  o.cache_mode = bad_enum<moejit_cache_mode>(9);
+  moejit_runtime_t rt = nullptr;
+  EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moejit_last_error_message()).find("options->cache_mode = 9"),
+            std::string::npos);
+  EXPECT_EQ(rt, nullptr);
+
+  moejit_runtime_options_init(&o);
+  o.log_level = bad_enum<moejit_log_level>(42);
+  EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
+
+  moejit_runtime_options_init(&o);
+  o.template_dir = "/nonexistent/moejit/templates";
+  EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moejit_last_error_message()).find("template_dir"), std::string::npos);
+
+  moejit_runtime_options_init(&o);
+  o.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
+  ASSERT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_SUCCESS) << moejit_last_error_message();
+  moejit_stats s;
+  s.struct_size = sizeof(s);
+  ASSERT_EQ(moejit_runtime_get_stats(rt, &s), MOEJIT_SUCCESS);
+  EXPECT_EQ(s.compiles, 0u);
+  EXPECT_EQ(s.launches, 0u);
+  EXPECT_EQ(moejit_runtime_destroy(rt), MOEJIT_SUCCESS);
+}
+
+TEST(Api, BadEnvironmentIsReportedByName) {
+  setenv("MOEJIT_CACHE_MODE", "sometimes", 1);
+  moejit_runtime_t rt = nullptr;
+  EXPECT_EQ(moejit_runtime_create(nullptr, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moejit_last_error_message()).find("MOEJIT_CACHE_MODE = \"sometimes\""),
+            std::string::npos)
+      << moejit_last_error_message();
+  unsetenv("MOEJIT_CACHE_MODE");
+  setenv("MOEJIT_CACHE_MAX_BYTES", "lots", 1);
+  EXPECT_EQ(moejit_runtime_create(nullptr, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
+  unsetenv("MOEJIT_CACHE_MAX_BYTES");
+}
+
+TEST(Api, StatsStructSizeIsChecked) {
+  moejit_stats s;
+  s.struct_size = 4;
+  EXPECT_EQ(moejit_runtime_get_stats(nullptr, &s), MOEJIT_ERROR_INVALID_ARGUMENT);
+}
+
+}  // namespace

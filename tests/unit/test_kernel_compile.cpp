@@ -1,0 +1,161 @@
+// Every variant compiles with NVRTC for every architecture we test on: sm_80, sm_89, sm_90.
+// The matrix covers every layout x dtype pair x index type, with hidden sizes, top_k and vector
+// widths rotated through the list so each value appears with several of the others (a full
+// cartesian product would take an hour on a two-core CI machine).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "combine_plan.h"
+#include "error.h"
+#include "kernel_store.h"
+#include "nvrtc_compiler.h"
+
+namespace moejit {
+namespace {
+
+struct Case {
+  KernelSpec spec;
+  int sm;
+};
+
+int max_vec(int in_dtype, int out_dtype) {
+  const int widest = (in_dtype == MOEJIT_DTYPE_FLOAT32 || out_dtype == MOEJIT_DTYPE_FLOAT32) ? 4 : 2;
+  return 16 / widest;
+}
+
+std::vector<Case> matrix() {
+  const int hiddens[] = {1, 7, 128, 2880, 4096, 7168};
+  const int top_ks[] = {1, 2, 8};
+  const int archs[] = {80, 89, 90};
+  std::vector<Case> cases;
+  int n = 0;
+  for (int layout = 0; layout < 3; ++layout)
+    for (int in = 0; in < 3; ++in)
+      for (int out = 0; out < 3; ++out)
+        for (int idx = 0; idx < 2; ++idx) {
+          if (layout == MOEJIT_LAYOUT_TOKEN_MAJOR && idx == 1) continue;  // no index
+          const int hidden = hiddens[n % 6];
+          KernelSpec s = spec_for_shape(static_cast<moejit_layout>(layout),
+                                        static_cast<moejit_dtype>(in),
+                                        static_cast<moejit_dtype>(out),
+                                        static_cast<moejit_index_type>(idx), hidden,
+                                        top_ks[n % 3], 256);
+          // Rotate through every vector width the dtype pair allows (misaligned buffers get the
+          // narrower ones at run time), not only the widest.
+          const int widths = max_vec(in, out) == 8 ? 4 : 3;
+          s.vec = std::min(max_vec(in, out) >> (n % widths), std::max(1, hidden));
+          cases.push_back({s, archs[n % 3]});
+          ++n;
+        }
+  // Every spec also for the other two archs where it is cheap: the H=7168 gather-map bf16 case.
+  KernelSpec big = spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
+                                  MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256);
+  for (int sm : archs) cases.push_back({big, sm});
+  return cases;
+}
+
+TEST(KernelCompile, MatrixCoversEveryValue) {
+  std::set<int> layouts, ins, outs, idx, hid, vec, arch;
+  std::set<std::pair<int, int>> pairs;
+  for (const Case& c : matrix()) {
+    layouts.insert(c.spec.layout);
+    pairs.insert({c.spec.in_dtype, c.spec.out_dtype});
+    idx.insert(c.spec.index_bytes);
+    hid.insert(c.spec.hidden);
+    vec.insert(c.spec.vec);
+    arch.insert(c.sm);
+  }
+  EXPECT_EQ(layouts.size(), 3u);
+  EXPECT_EQ(pairs.size(), 9u);
+  EXPECT_EQ(idx.size(), 2u);
+  EXPECT_EQ(hid.size(), 6u);
+  EXPECT_EQ(vec, (std::set<int>{1, 2, 4, 8}));
+  EXPECT_EQ(arch.size(), 3u);
+}
+
+TEST(KernelCompile, EveryVariantCompilesForSm80Sm89Sm90) {
+  Settings settings;
+  settings.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
+  Stats stats;
+  KernelStore store(settings, stats);
+  const std::vector<Case> cases = matrix();
+  std::atomic<size_t> next{0};
+  std::mutex failures_mutex;
+  std::vector<std::string> failures;
+  auto worker = [&] {
+    for (size_t i = next++; i < cases.size(); i = next++) {
+      const Case& c = cases[i];
+      try {
+        const CompiledModule m = compile(store.request_for(c.spec, Target{c.sm, false}));
+        if (m.image.size() < 1000 || m.lowered_names.size() != c.spec.name_expressions().size())
+          throw Error(MOEJIT_ERROR_INTERNAL, "empty cubin or missing lowered names");
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(failures_mutex);
+        failures.push_back(c.spec.describe() + " sm_" + std::to_string(c.sm) + ": " + e.what());
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  const unsigned n = std::max(2u, std::thread::hardware_concurrency());
+  for (unsigned t = 0; t < n; ++t) threads.emplace_back(worker);
+  for (auto& t : threads) t.join();
+  for (const auto& f : failures) ADD_FAILURE() << f;
+  EXPECT_GE(cases.size(), 45u);
+}
+
+TEST(KernelCompile, CompileErrorCarriesTheLog) {
+  Settings settings;
+  settings.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
+  Stats stats;
+  KernelStore store(settings, stats);
+  CompileRequest r = store.request_for(
+      spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
+                     MOEJIT_INDEX_INT32, 128, 2, 256),
+      Target{90, false});
+  r.source += "\nthis is not C++;\n";
+  try {
+    compile(r);
+    FAIL() << "expected a compile error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), MOEJIT_ERROR_COMPILE);
+    EXPECT_NE(std::string(e.what()).find("log:"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("--gpu-architecture=sm_90"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("error"), std::string::npos);
+  }
+}
+
+TEST(KernelCompile, TargetsFollowWhatNvrtcSupports) {
+  EXPECT_EQ(target_for_device(90).name(), "sm_90");
+  // A GPU newer than this NVRTC knows gets PTX of the newest arch NVRTC supports.
+  const Target future = target_for_device(990);
+  EXPECT_TRUE(future.ptx);
+  EXPECT_EQ(future.sm, nvrtc_supported_archs().back());
+  // Older than every supported arch: a clear "unsupported".
+  try {
+    target_for_device(30);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), MOEJIT_ERROR_UNSUPPORTED);
+    EXPECT_NE(std::string(e.what()).find("sm_90"), std::string::npos);
+  }
+}
+
+TEST(KernelCompile, PtxTargetProducesPtxText) {
+  Settings settings;
+  settings.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
+  Stats stats;
+  KernelStore store(settings, stats);
+  const CompiledModule m = compile(store.request_for(
+      spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
+                     MOEJIT_INDEX_INT32, 128, 2, 256),
+      Target{90, true}));
+  EXPECT_NE(m.image.find(".target sm_90"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace moejit

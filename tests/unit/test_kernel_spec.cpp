@@ -1,0 +1,117 @@
+// Host-only checks of the dispatcher's choices: vector width from alignment, thread geometry,
+// name expressions, and the generated source.
+#include <gtest/gtest.h>
+
+#include "combine_plan.h"
+#include "error.h"
+#include "kernel_spec.h"
+
+namespace moejit {
+namespace {
+
+moejit_combine_args gather_args(void* expert, void* out, int64_t hidden) {
+  moejit_combine_args a;
+  moejit_combine_args_init(&a);
+  a.layout = MOEJIT_LAYOUT_GATHER_MAP;
+  a.num_tokens = 3;
+  a.top_k = 2;
+  a.num_rows = 6;
+  a.hidden_dim = hidden;
+  a.expert_hidden = expert;
+  a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
+  a.indices = reinterpret_cast<void*>(0x10000);
+  a.out = out;
+  a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+  return a;
+}
+
+TEST(KernelSpec, AlignedBf16UsesSixteenByteVectors) {
+  auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
+  const CombinePlan plan = plan_combine(&a);
+  EXPECT_EQ(plan.spec.vec, 8);
+  EXPECT_EQ(plan.spec.tpt, 128);
+  EXPECT_EQ(plan.spec.tpb, 1);
+  EXPECT_EQ(plan.spec.chunks(), 7);
+  EXPECT_EQ(plan.combine_blocks, 3u * 7u);
+}
+
+TEST(KernelSpec, MisalignedPointerNarrowsTheVector) {
+  // Two bytes past a 16-byte boundary: only single bf16 elements are aligned.
+  auto a = gather_args(reinterpret_cast<void*>(0x100002), reinterpret_cast<void*>(0x200000), 4096);
+  EXPECT_EQ(plan_combine(&a).spec.vec, 1);
+  // Four bytes past: pairs.
+  a.expert_hidden = reinterpret_cast<void*>(0x100004);
+  EXPECT_EQ(plan_combine(&a).spec.vec, 2);
+  // An odd row stride breaks every row after the first.
+  a.expert_hidden = reinterpret_cast<void*>(0x100000);
+  a.expert_row_stride = 4097;
+  EXPECT_EQ(plan_combine(&a).spec.vec, 1);
+  // Padding that keeps alignment keeps the vector.
+  a.expert_row_stride = 4096 + 64;
+  EXPECT_EQ(plan_combine(&a).spec.vec, 8);
+}
+
+TEST(KernelSpec, ShortRowsShareBlocks) {
+  auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 128);
+  a.expert_dtype = a.out_dtype = MOEJIT_DTYPE_FLOAT32;
+  const CombinePlan plan = plan_combine(&a);
+  EXPECT_EQ(plan.spec.vec, 4);
+  EXPECT_EQ(plan.spec.tpt, 32);
+  EXPECT_EQ(plan.spec.tpb, 4);
+  EXPECT_EQ(plan.spec.block_threads(), 128);
+  EXPECT_EQ(plan.combine_blocks, 1u);  // 3 tokens fit in one block of 4 token groups
+}
+
+TEST(KernelSpec, TinyHiddenKeepsAtLeastFourThreadsPerToken) {
+  auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 1);
+  const CombinePlan plan = plan_combine(&a);
+  EXPECT_EQ(plan.spec.vec, 1);
+  EXPECT_EQ(plan.spec.tpt, 4);
+  EXPECT_EQ(plan.spec.tpb, 32);
+}
+
+TEST(KernelSpec, PlanMatchesSpecForShapeOnAlignedBuffers) {
+  // The precompile tool warms spec_for_shape(); the runtime must ask for the same spec.
+  for (int hidden : {1, 7, 128, 2880, 4096, 7168}) {
+    auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000),
+                         hidden);
+    EXPECT_EQ(plan_combine(&a).spec,
+              spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
+                             MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, hidden, 2, 256))
+        << "hidden " << hidden;
+  }
+}
+
+TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
+  const KernelSpec s = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT16,
+                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256);
+  EXPECT_EQ(s.top_k, 0);
+  EXPECT_EQ(s.list_cap, 16);
+  EXPECT_EQ(s.vec, 4);  // fp32 output limits the vector to 16 bytes of output
+  const auto names = s.name_expressions();
+  ASSERT_EQ(names.size(), 3u);
+  EXPECT_EQ(names[kCombineKernel],
+            "&moejit::combine<2, 1, 0, long long, 2048, 4, 0, 128, 1, 16>");
+  EXPECT_EQ(names[kClearKernel], "&moejit::token_index_clear");
+  EXPECT_EQ(names[kAssignKernel], "&moejit::token_index_assign<long long>");
+  EXPECT_NE(s.source().find("#include \"combine.cuh\""), std::string::npos);
+}
+
+TEST(KernelSpec, EqualityAndHashCoverEveryField) {
+  const KernelSpec base = spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
+                                         MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256);
+  int KernelSpec::*fields[] = {&KernelSpec::layout, &KernelSpec::in_dtype, &KernelSpec::out_dtype,
+                               &KernelSpec::index_bytes, &KernelSpec::hidden, &KernelSpec::vec,
+                               &KernelSpec::top_k, &KernelSpec::tpt, &KernelSpec::tpb,
+                               &KernelSpec::list_cap};
+  for (auto field : fields) {
+    KernelSpec other = base;
+    other.*field += field == &KernelSpec::index_bytes ? 4 : 1;  // 4 -> 8: int32 -> int64
+    EXPECT_NE(other, base);
+    EXPECT_NE(other.hash(), base.hash());
+    EXPECT_NE(other.describe(), base.describe());
+  }
+}
+
+}  // namespace
+}  // namespace moejit
