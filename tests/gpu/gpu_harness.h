@@ -1,0 +1,154 @@
+// Shared pieces of the GPU tests: device checks that skip cleanly without a GPU, host-side dtype
+// encoding, random pools uploaded once, and a float64 reference with per-dtype error bounds.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "moejit/moejit.h"
+
+namespace moejit_test {
+
+#define CUDA_OK(call)                                                                   \
+  do {                                                                                  \
+    const cudaError_t err_ = (call);                                                    \
+    ASSERT_EQ(err_, cudaSuccess) << #call << ": " << cudaGetErrorString(err_);          \
+  } while (0)
+
+// Empty string if a GPU is usable; otherwise why not (the skip reason).
+inline std::string gpu_unavailable_reason() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) return std::string("no usable CUDA GPU: ") + cudaGetErrorString(err);
+  if (count == 0) return "no CUDA GPU found";
+  return "";
+}
+
+// Makes device 0's primary context current on this thread (what the CUDA runtime does for
+// frameworks), so moe_combine finds it.
+inline void bind_device() {
+  cudaSetDevice(0);
+  cudaFree(nullptr);
+}
+
+#define SKIP_WITHOUT_GPU()                                                \
+  do {                                                                    \
+    const std::string reason_ = moejit_test::gpu_unavailable_reason();    \
+    if (!reason_.empty()) GTEST_SKIP() << reason_;                        \
+    moejit_test::bind_device();                                           \
+  } while (0)
+
+inline int dtype_bytes(moejit_dtype d) { return d == MOEJIT_DTYPE_FLOAT32 ? 4 : 2; }
+inline const char* dtype_str(moejit_dtype d) {
+  return d == MOEJIT_DTYPE_FLOAT32 ? "fp32" : d == MOEJIT_DTYPE_FLOAT16 ? "fp16" : "bf16";
+}
+inline const char* layout_str(moejit_layout l) {
+  return l == MOEJIT_LAYOUT_TOKEN_MAJOR ? "token_major"
+         : l == MOEJIT_LAYOUT_GATHER_MAP ? "gather_map"
+                                         : "token_index";
+}
+
+inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+inline uint16_t float_to_bf16(float f) {  // round to nearest even (finite inputs)
+  uint32_t u = float_bits(f);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float half_to_float(uint16_t h) {
+  const int sign = h >> 15, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  float v;
+  if (exp == 0)
+    v = std::ldexp(static_cast<float>(mant), -24);
+  else if (exp == 31)
+    v = mant ? NAN : INFINITY;
+  else
+    v = std::ldexp(1.0f + static_cast<float>(mant) / 1024.0f, exp - 15);
+  return sign ? -v : v;
+}
+inline uint16_t float_to_half(float f) {  // for |f| <= 1 test data: normal or subnormal
+  const uint16_t sign = (f < 0) ? 0x8000 : 0;
+  const float a = std::fabs(f);
+  if (a < std::ldexp(1.0f, -14))
+    return static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(a * 16777216.0f)));
+  int e;
+  const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+  int exp = e - 1 + 15;
+  long mant = std::lrint((m * 2.0f - 1.0f) * 1024.0f);
+  if (mant == 1024) {
+    mant = 0;
+    ++exp;
+  }
+  return static_cast<uint16_t>(sign | (exp << 10) | mant);
+}
+
+// All 65536 fp16 values, decoded once (the reference decodes billions of elements).
+inline const float* half_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(65536);
+    for (uint32_t i = 0; i < 65536; ++i) t[i] = half_to_float(static_cast<uint16_t>(i));
+    return t;
+  }();
+  return table.data();
+}
+
+// Value of element i of a buffer of dtype d.
+inline float decode(const void* base, moejit_dtype d, size_t i) {
+  if (d == MOEJIT_DTYPE_FLOAT32) return static_cast<const float*>(base)[i];
+  const uint16_t h = static_cast<const uint16_t*>(base)[i];
+  return d == MOEJIT_DTYPE_BFLOAT16 ? bf16_to_float(h) : half_table()[h];
+}
+inline void encode(void* base, moejit_dtype d, size_t i, float v) {
+  if (d == MOEJIT_DTYPE_FLOAT32)
+    static_cast<float*>(base)[i] = v;
+  else
+    static_cast<uint16_t*>(base)[i] = d == MOEJIT_DTYPE_BFLOAT16 ? float_to_bf16(v) : float_to_half(v);
+}
+
+// Fast deterministic random numbers (splitmix64).
+struct Rng {
+  uint64_t s;
+  explicit Rng(uint64_t seed) : s(seed) {}
+  uint64_t next() {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  float uniform(float lo, float hi) {
+    return lo + (hi - lo) * static_cast<float>(next() >> 40) / static_cast<float>(1ull << 24);
+  }
+  int64_t below(int64_t n) { return static_cast<int64_t>(next() % static_cast<uint64_t>(n)); }
+};
+
+// Largest error allowed between an output element and the float64 reference:
+// fp32 accumulation of `terms` products (a few fp32 ulps of the sum of magnitudes), plus one
+// final rounding to the output type (half an ulp; we allow one ulp).
+inline double tolerance(moejit_dtype out, double magnitude_sum, double ref, int terms) {
+  const double accumulation = 1.2e-7 * (terms + 2) * magnitude_sum;
+  double rounding;
+  switch (out) {
+    case MOEJIT_DTYPE_FLOAT32: rounding = 1.2e-7 * std::fabs(ref); break;
+    case MOEJIT_DTYPE_BFLOAT16: rounding = std::ldexp(1.0, -8) * std::fabs(ref); break;
+    default: rounding = std::ldexp(1.0, -10) * std::fabs(ref) + std::ldexp(1.0, -24); break;
+  }
+  return accumulation + rounding + 1e-30;
+}
+
+}  // namespace moejit_test

@@ -1,0 +1,680 @@
+// GPU correctness of moe_combine against a float64 CPU reference (ctest label `gpu`; every test
+// skips with its reason where no GPU is usable).
+//
+// The matrix covers every layout x dtype pair x index type x hidden size {1, 7, 128, 2880, 4096,
+// 7168} x T {0, 1, 33, 4096} x top_k {1, 2, 8}; each case also varies, by its index, gates
+// present/absent, scale, accumulate mode, padded row strides and misaligned (element-aligned)
+// base pointers, and, for the token-index layout, balanced or random routing. Outputs are poisoned
+// (all bits set: NaN in every dtype) before each call and checked everywhere: every element of
+// every row against the reference, every padding element and a guard region for untouched poison.
+// Every case runs twice and the two outputs must be bitwise equal.
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "gpu_harness.h"
+
+namespace moejit_test {
+namespace {
+
+constexpr size_t kPoolElems = 240ull << 20;  // covers T=4096 x K=8 x (H=7168 + padding)
+constexpr size_t kGatePool = 1ull << 22;
+constexpr int64_t kGuardElems = 64;  // poison checked after the last output row
+
+// Random values in [-1, 1], encoded in each dtype, on the host (for the reference) and on the
+// device (as expert rows). Built once, shared by every test.
+struct Pools {
+  std::vector<uint8_t> host[3];
+  void* device[3] = {};
+  std::vector<float> gates_host;
+  float* gates_device = nullptr;
+  std::vector<uint8_t> extra_host[3];  // initial out contents for accumulate mode
+};
+
+const Pools& pools() {
+  static Pools* p = [] {
+    auto* pools = new Pools;
+    std::vector<float> values(kPoolElems);
+    const unsigned n_threads = std::max(1u, std::thread::hardware_concurrency());
+    std::vector<std::thread> threads;
+    for (unsigned w = 0; w < n_threads; ++w)
+      threads.emplace_back([&, w] {
+        const size_t begin = kPoolElems * w / n_threads, end = kPoolElems * (w + 1) / n_threads;
+        Rng rng(1234 + w);
+        for (size_t i = begin; i < end; ++i) values[i] = rng.uniform(-1.0f, 1.0f);
+      });
+    for (auto& t : threads) t.join();
+    for (int d = 0; d < 3; ++d) {
+      const auto dt = static_cast<moejit_dtype>(d);
+      pools->host[d].resize(kPoolElems * static_cast<size_t>(dtype_bytes(dt)));
+      threads.clear();
+      for (unsigned w = 0; w < n_threads; ++w)
+        threads.emplace_back([&, w, d, dt] {
+          const size_t begin = kPoolElems * w / n_threads, end = kPoolElems * (w + 1) / n_threads;
+          for (size_t i = begin; i < end; ++i) encode(pools->host[d].data(), dt, i, values[i]);
+        });
+      for (auto& t : threads) t.join();
+      if (cudaMalloc(&pools->device[d], pools->host[d].size()) != cudaSuccess ||
+          cudaMemcpy(pools->device[d], pools->host[d].data(), pools->host[d].size(),
+                     cudaMemcpyHostToDevice) != cudaSuccess)
+        throw std::runtime_error("cannot upload the random pools");
+      // A different stretch of the same values serves as initial out contents.
+      pools->extra_host[d].assign(pools->host[d].end() - (64ll << 20) * dtype_bytes(dt),
+                                  pools->host[d].end());
+    }
+    Rng rng(99);
+    pools->gates_host.resize(kGatePool);
+    for (float& g : pools->gates_host) g = rng.uniform(0.0f, 1.0f);
+    if (cudaMalloc(&pools->gates_device, kGatePool * 4) != cudaSuccess ||
+        cudaMemcpy(pools->gates_device, pools->gates_host.data(), kGatePool * 4,
+                   cudaMemcpyHostToDevice) != cudaSuccess)
+      throw std::runtime_error("cannot upload the gates pool");
+    return pools;
+  }();
+  return *p;
+}
+
+struct Case {
+  moejit_layout layout;
+  moejit_dtype in, out;
+  moejit_index_type idx;
+  int64_t hidden, tokens, top_k;
+  uint64_t seed;
+  // Variations derived from the seed:
+  bool gates = true, accumulate = false, random_routing = false, hot_token = false;
+  float scale = 1.0f;
+  int64_t expert_pad = 0, out_pad = 0, expert_offset = 0, out_offset = 0;
+
+  std::string name() const {
+    std::ostringstream s;
+    s << layout_str(layout) << " " << dtype_str(in) << "->" << dtype_str(out) << " "
+      << (idx == MOEJIT_INDEX_INT64 ? "int64" : "int32") << " H=" << hidden << " T=" << tokens
+      << " K=" << top_k << " gates=" << gates << " acc=" << accumulate << " scale=" << scale
+      << " pads=" << expert_pad << "/" << out_pad << " offsets=" << expert_offset << "/"
+      << out_offset << " random_routing=" << random_routing << " hot_token=" << hot_token;
+    return s.str();
+  }
+};
+
+Case vary(Case c) {
+  Rng r(c.seed);
+  c.gates = r.below(5) != 0;
+  c.accumulate = r.below(4) == 0;
+  c.scale = r.below(3) == 0 ? 1.0f : r.uniform(0.25f, 2.5f);
+  const int64_t pads[] = {0, 0, 8, 64, 3};
+  c.expert_pad = pads[r.below(5)];
+  c.out_pad = pads[r.below(5)];
+  c.expert_offset = r.below(3) == 0 ? r.below(8) : 0;  // element-aligned, maybe not vector-aligned
+  c.out_offset = r.below(3) == 0 ? r.below(8) : 0;
+  c.random_routing = c.layout == MOEJIT_LAYOUT_TOKEN_INDEX && r.below(2) == 0;
+  return c;
+}
+
+// Device scratch owned by one worker thread, grown on demand.
+struct Scratch {
+  void* out = nullptr;
+  size_t out_bytes = 0;
+  void* indices = nullptr;
+  size_t indices_bytes = 0;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  cudaStream_t stream = nullptr;
+
+  static void grow(void** p, size_t* have, size_t need) {
+    if (need <= *have) return;
+    if (*p) cudaFree(*p);
+    *p = nullptr;
+    if (cudaMalloc(p, need) != cudaSuccess) throw std::runtime_error("cudaMalloc failed");
+    *have = need;
+  }
+  ~Scratch() {
+    if (out) cudaFree(out);
+    if (indices) cudaFree(indices);
+    if (workspace) cudaFree(workspace);
+    if (stream) cudaStreamDestroy(stream);
+  }
+};
+
+// The rows (and gate index) contributing to each token, as the public contract defines them.
+struct Routing {
+  int64_t rows = 0;
+  std::vector<int64_t> index_values;  // what goes to the device (map or token_idx)
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> per_token;  // (row, gate index)
+};
+
+Routing make_routing(const Case& c, Rng& rng) {
+  Routing r;
+  const int64_t T = c.tokens, K = c.top_k;
+  r.per_token.resize(static_cast<size_t>(T));
+  if (c.layout == MOEJIT_LAYOUT_TOKEN_MAJOR) {
+    r.rows = T * K;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < K; ++k) r.per_token[t].push_back({t * K + k, t * K + k});
+    return r;
+  }
+  // Rows arrive expert-sorted: a random permutation of token-major order, plus unused rows.
+  const int64_t used = T * K;
+  r.rows = c.layout == MOEJIT_LAYOUT_GATHER_MAP ? used + used / 3 : used;
+  std::vector<int64_t> perm(static_cast<size_t>(r.rows));
+  std::iota(perm.begin(), perm.end(), 0);
+  for (int64_t i = r.rows - 1; i > 0; --i) std::swap(perm[i], perm[rng.below(i + 1)]);
+  if (c.layout == MOEJIT_LAYOUT_GATHER_MAP) {
+    r.index_values.resize(static_cast<size_t>(used));
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < K; ++k) {
+        int64_t row = perm[t * K + k];
+        const int64_t roll = rng.below(100);
+        if (roll < 5) row = -1;                       // dropped slot
+        else if (roll == 5) row = r.rows + rng.below(1000);  // out of range: dropped too
+        r.index_values[t * K + k] = row;
+        if (row >= 0 && row < r.rows) r.per_token[t].push_back({row, t * K + k});
+      }
+    return r;
+  }
+  // Token index: every row names a token (or -1). Balanced (each token K rows) or random.
+  r.index_values.assign(static_cast<size_t>(r.rows), -1);
+  for (int64_t i = 0; i < r.rows; ++i) {
+    const int64_t row = perm[i];
+    int64_t token = c.random_routing ? rng.below(T) : i / K;
+    if (c.hot_token && rng.below(2) == 0) token = 0;  // half of all rows to token 0
+    const int64_t roll = rng.below(100);
+    if (roll < 5) token = -1;
+    else if (roll == 5) token = T + rng.below(10);  // out of range: dropped
+    r.index_values[row] = token;
+  }
+  for (int64_t row = 0; row < r.rows; ++row) {  // ascending rows, the documented order
+    const int64_t t = r.index_values[row];
+    if (t >= 0 && t < T) r.per_token[t].push_back({row, row});
+  }
+  return r;
+}
+
+// Runs one case; returns "" or a description of the first problems found.
+std::string run_case(const Case& c, moejit_runtime_t runtime, Scratch& s) {
+  const Pools& p = pools();
+  Rng rng(c.seed * 7 + 1);
+  const Routing routing = make_routing(c, rng);
+  const int64_t T = c.tokens, H = c.hidden;
+  const int64_t e_stride = H + c.expert_pad, o_stride = H + c.out_pad;
+  const int in_b = dtype_bytes(c.in), out_b = dtype_bytes(c.out);
+  if (static_cast<size_t>(c.expert_offset + routing.rows * e_stride) > kPoolElems)
+    return "case too large for the pool";
+  const int64_t gate_offset = rng.below(1000);
+
+  // Indices.
+  const size_t idx_b = c.idx == MOEJIT_INDEX_INT64 ? 8 : 4;
+  std::vector<uint8_t> idx_host(routing.index_values.size() * idx_b);
+  for (size_t i = 0; i < routing.index_values.size(); ++i) {
+    if (idx_b == 8) {
+      const int64_t v = routing.index_values[i];
+      std::memcpy(&idx_host[i * 8], &v, 8);
+    } else {
+      const int32_t v = static_cast<int32_t>(routing.index_values[i]);
+      std::memcpy(&idx_host[i * 4], &v, 4);
+    }
+  }
+  Scratch::grow(&s.indices, &s.indices_bytes, std::max<size_t>(idx_host.size(), 16));
+  if (!idx_host.empty())
+    cudaMemcpyAsync(s.indices, idx_host.data(), idx_host.size(), cudaMemcpyHostToDevice, s.stream);
+
+  // Output: poison everywhere; in accumulate mode, random values inside the rows.
+  const size_t out_elems = static_cast<size_t>(c.out_offset + T * o_stride + kGuardElems);
+  std::vector<uint8_t> init(out_elems * out_b, 0xFF);
+  if (c.accumulate)
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(&init[(c.out_offset + t * o_stride) * out_b],
+                  &p.extra_host[c.out][((t * 977) % 4096) * 7168 * out_b], H * out_b);
+  Scratch::grow(&s.out, &s.out_bytes, init.size());
+
+  moejit_combine_args a;
+  moejit_combine_args_init(&a);
+  a.layout = c.layout;
+  a.num_tokens = T;
+  a.top_k = c.top_k;
+  a.num_rows = routing.rows;
+  a.hidden_dim = H;
+  a.expert_hidden = static_cast<uint8_t*>(p.device[c.in]) + c.expert_offset * in_b;
+  a.expert_dtype = c.in;
+  a.expert_row_stride = e_stride;
+  a.gates = c.gates ? p.gates_device + gate_offset : nullptr;
+  a.indices = c.layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? nullptr : s.indices;
+  a.index_type = c.idx;
+  a.out = static_cast<uint8_t*>(s.out) + c.out_offset * out_b;
+  a.out_dtype = c.out;
+  a.out_row_stride = o_stride;
+  a.scale = c.scale;
+  a.accumulate = c.accumulate ? 1 : 0;
+  size_t ws = 0;
+  if (moejit_combine_workspace_size(&a, &ws) != MOEJIT_SUCCESS)
+    return std::string("workspace size: ") + moejit_last_error_message();
+  if (ws > 0) {
+    Scratch::grow(&s.workspace, &s.workspace_bytes, ws);
+    // Fill the workspace with garbage: the library must not depend on its contents.
+    cudaMemsetAsync(s.workspace, 0xA5, ws, s.stream);
+    a.workspace = s.workspace;
+    a.workspace_bytes = ws;
+  }
+
+  std::vector<uint8_t> got[2];
+  for (int run = 0; run < 2; ++run) {
+    cudaMemcpyAsync(s.out, init.data(), init.size(), cudaMemcpyHostToDevice, s.stream);
+    const moejit_status st = moejit_runtime_combine(runtime, &a, s.stream);
+    if (st != MOEJIT_SUCCESS)
+      return std::string(moejit_status_name(st)) + ": " + moejit_last_error_message();
+    got[run].resize(init.size());
+    cudaMemcpyAsync(got[run].data(), s.out, init.size(), cudaMemcpyDeviceToHost, s.stream);
+    const cudaError_t err = cudaStreamSynchronize(s.stream);
+    if (err != cudaSuccess) return std::string("CUDA error: ") + cudaGetErrorString(err);
+  }
+  if (got[0] != got[1]) return "two identical calls gave different bits (not deterministic)";
+
+  // Check every element.
+  std::ostringstream problems;
+  int n_problems = 0;
+  auto problem = [&](const std::string& what) {
+    if (n_problems++ < 4) problems << what << "; ";
+  };
+  const uint8_t* expert = p.host[c.in].data() + c.expert_offset * in_b;
+  const std::vector<uint8_t>& out = got[0];
+  std::vector<double> ref(static_cast<size_t>(H)), mag(static_cast<size_t>(H));
+  for (int64_t t = 0; t < T; ++t) {
+    std::fill(ref.begin(), ref.end(), 0.0);
+    std::fill(mag.begin(), mag.end(), 0.0);
+    for (const auto& [row, gi] : routing.per_token[t]) {
+      const double g = c.gates ? p.gates_host[gate_offset + gi] : 1.0;
+      for (int64_t h = 0; h < H; ++h) {
+        const double x = decode(expert, c.in, static_cast<size_t>(row * e_stride + h));
+        ref[h] += g * x;
+        mag[h] += std::fabs(g * x);
+      }
+    }
+    const size_t row_start = static_cast<size_t>(c.out_offset + t * o_stride);
+    for (int64_t h = 0; h < H; ++h) {
+      double expected = c.scale * ref[h];
+      double magnitude = std::fabs(c.scale) * mag[h];
+      if (c.accumulate) {
+        const double old = decode(init.data(), c.out, row_start + h);
+        expected += old;
+        magnitude += std::fabs(old);
+      }
+      const double value = decode(out.data(), c.out, row_start + h);
+      const double tol = tolerance(c.out, magnitude,
+                                   expected, static_cast<int>(routing.per_token[t].size()));
+      if (!(std::fabs(value - expected) <= tol)) {
+        std::ostringstream m;
+        m << "out[" << t << "][" << h << "] = " << value << ", expected " << expected
+          << " (tolerance " << tol << ")";
+        problem(m.str());
+      }
+    }
+    for (int64_t h = H; h < o_stride; ++h)
+      for (int b = 0; b < out_b; ++b)
+        if (out[(row_start + h) * out_b + b] != 0xFF) {
+          problem("padding of row " + std::to_string(t) + " was written");
+          break;
+        }
+  }
+  for (size_t i = 0; i < static_cast<size_t>(c.out_offset) * out_b; ++i)
+    if (out[i] != 0xFF) {
+      problem("memory before out was written");
+      break;
+    }
+  for (size_t i = static_cast<size_t>(c.out_offset + T * o_stride) * out_b; i < out.size(); ++i)
+    if (out[i] != 0xFF) {
+      problem("memory after the last row was written");
+      break;
+    }
+  if (n_problems > 0) problems << "(" << n_problems << " problems)";
+  return problems.str();
+}
+
+moejit_runtime_t memory_only_runtime() {
+  moejit_runtime_options o;
+  moejit_runtime_options_init(&o);
+  o.cache_mode = MOEJIT_CACHE_MODE_DISABLED;  // these tests check kernels, not the disk cache
+  moejit_runtime_t rt = nullptr;
+  if (moejit_runtime_create(&o, &rt) != MOEJIT_SUCCESS)
+    throw std::runtime_error(moejit_last_error_message());
+  return rt;
+}
+
+// Runs cases on `threads` worker threads (each with its own stream and scratch, all sharing one
+// runtime: this also exercises concurrent compiles and lookups).
+std::vector<std::string> run_cases(const std::vector<Case>& cases, moejit_runtime_t rt,
+                                   unsigned threads) {
+  std::atomic<size_t> next{0};
+  std::mutex mutex;
+  std::vector<std::string> failures;
+  std::vector<std::thread> workers;
+  for (unsigned w = 0; w < threads; ++w)
+    workers.emplace_back([&] {
+      bind_device();
+      Scratch s;
+      cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking);
+      for (size_t i = next++; i < cases.size(); i = next++) {
+        std::string result;
+        try {
+          result = run_case(cases[i], rt, s);
+        } catch (const std::exception& e) {
+          result = e.what();
+        }
+        if (!result.empty()) {
+          std::lock_guard<std::mutex> lock(mutex);
+          failures.push_back(cases[i].name() + ": " + result);
+        }
+      }
+    });
+  for (auto& w : workers) w.join();
+  return failures;
+}
+
+unsigned worker_count() { return std::min(16u, std::max(2u, std::thread::hardware_concurrency())); }
+
+class CombineGpu : public ::testing::Test {
+ protected:
+  void SetUp() override { SKIP_WITHOUT_GPU(); }
+};
+
+TEST_F(CombineGpu, FullMatrixAgainstFloat64Reference) {
+  std::vector<Case> cases;
+  uint64_t seed = 1;
+  for (int layout = 0; layout < 3; ++layout)
+    for (int in = 0; in < 3; ++in)
+      for (int out = 0; out < 3; ++out)
+        for (int idx = 0; idx < 2; ++idx) {
+          if (layout == MOEJIT_LAYOUT_TOKEN_MAJOR && idx == 1) continue;
+          for (int64_t hidden : {1, 7, 128, 2880, 4096, 7168})
+            for (int64_t tokens : {0, 1, 33, 4096})
+              for (int64_t top_k : {1, 2, 8})
+                cases.push_back(vary(Case{static_cast<moejit_layout>(layout),
+                                          static_cast<moejit_dtype>(in),
+                                          static_cast<moejit_dtype>(out),
+                                          static_cast<moejit_index_type>(idx), hidden, tokens,
+                                          top_k, seed++}));
+        }
+  // Big cases first so the workers finish together.
+  std::stable_sort(cases.begin(), cases.end(), [](const Case& a, const Case& b) {
+    return a.tokens * a.top_k * a.hidden > b.tokens * b.top_k * b.hidden;
+  });
+  moejit_runtime_t rt = memory_only_runtime();
+  const auto failures = run_cases(cases, rt, worker_count());
+  for (size_t i = 0; i < failures.size() && i < 40; ++i) ADD_FAILURE() << failures[i];
+  EXPECT_EQ(failures.size(), 0u) << "of " << cases.size() << " cases";
+  moejit_stats st;
+  st.struct_size = sizeof(st);
+  moejit_runtime_get_stats(rt, &st);
+  std::printf("%zu cases, %llu compiles (%.1f s of NVRTC), %llu launches, %llu memory hits\n",
+              cases.size(), static_cast<unsigned long long>(st.compiles), st.compile_seconds,
+              static_cast<unsigned long long>(st.launches),
+              static_cast<unsigned long long>(st.memory_hits));
+  moejit_runtime_destroy(rt);
+}
+
+// Skewed routing: one token receives far more rows than the workspace lists hold, so the combine
+// takes its overflow path; the result must still match, bit for bit across calls.
+TEST_F(CombineGpu, TokenIndexWithAHotToken) {
+  std::vector<Case> cases;
+  uint64_t seed = 5000;
+  // Half of all rows go to token 0: T=64 x 8 rows puts ~256 rows on it against a 16-entry list.
+  for (moejit_dtype in : {MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_FLOAT32})
+    for (moejit_index_type idx : {MOEJIT_INDEX_INT32, MOEJIT_INDEX_INT64})
+      for (int64_t tokens : {2, 64, 1000}) {
+        Case c = vary(Case{MOEJIT_LAYOUT_TOKEN_INDEX, in, MOEJIT_DTYPE_BFLOAT16, idx, 2880, tokens,
+                           8, seed++});
+        c.random_routing = true;
+        c.hot_token = true;
+        cases.push_back(c);
+      }
+  moejit_runtime_t rt = memory_only_runtime();
+  const auto failures = run_cases(cases, rt, 4);
+  for (const auto& f : failures) ADD_FAILURE() << f;
+  moejit_runtime_destroy(rt);
+}
+
+TEST_F(CombineGpu, EightThreadsOnDifferentShapesConcurrently) {
+  const Case shapes[8] = {
+      {MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 32, 8, 11},
+      {MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT64, 4096, 64, 2, 12},
+      {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 128, 1536, 2, 13},
+      {MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 128, 1536, 2, 14},
+      {MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT64, 2880, 256, 4, 15},
+      {MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_FLOAT16, MOEJIT_INDEX_INT32, 2048, 512, 8, 16},
+      {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 5120, 100, 1, 17},
+      {MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 3584, 200, 8, 18},
+  };
+  // Each thread repeats its shape: the first calls race to compile, later ones hit.
+  std::vector<Case> cases;
+  for (int rep = 0; rep < 6; ++rep)
+    for (const Case& c : shapes) {
+      Case v = vary(c);
+      v.seed = c.seed * 100 + static_cast<uint64_t>(rep);
+      cases.push_back(v);
+    }
+  moejit_runtime_t rt = memory_only_runtime();
+  const auto failures = run_cases(cases, rt, 8);
+  for (const auto& f : failures) ADD_FAILURE() << f;
+  moejit_stats st;
+  st.struct_size = sizeof(st);
+  moejit_runtime_get_stats(rt, &st);
+  // Concurrent misses of one spec compile it once: at most one compile per distinct spec
+  // (variations of alignment may add specs, never duplicates).
+  EXPECT_LE(st.compiles, 8u * 4u);
+  EXPECT_GT(st.memory_hits, 0u);
+  moejit_runtime_destroy(rt);
+}
+
+TEST_F(CombineGpu, WarmCallsOnlyLaunch) {
+  moejit_runtime_t rt = memory_only_runtime();
+  Scratch s;
+  cudaStreamCreate(&s.stream);
+  const Case c{MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+               MOEJIT_INDEX_INT32, 4096, 64, 2, 21};
+  ASSERT_EQ(run_case(c, rt, s), "");
+  moejit_stats before, after;
+  before.struct_size = after.struct_size = sizeof(moejit_stats);
+  moejit_runtime_get_stats(rt, &before);
+  ASSERT_EQ(run_case(c, rt, s), "");
+  moejit_runtime_get_stats(rt, &after);
+  EXPECT_EQ(after.compiles, before.compiles);
+  EXPECT_EQ(after.memory_hits, before.memory_hits + 2);
+  EXPECT_EQ(after.launches, before.launches + 2);
+  moejit_runtime_destroy(rt);
+}
+
+// Capture into a CUDA graph once warm, change the inputs' contents, replay: the replay must give
+// exactly what a direct call on the new inputs gives (also for the three-kernel token-index path).
+TEST_F(CombineGpu, CudaGraphCaptureAndReplay) {
+  const Pools& p = pools();
+  moejit_runtime_t rt = memory_only_runtime();
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (moejit_layout layout : {MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_LAYOUT_TOKEN_INDEX}) {
+    SCOPED_TRACE(layout_str(layout));
+    const int64_t T = 33, K = 8, H = 7168;
+    Rng rng(4242);
+    Case c{layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, H, T, K, 1};
+    c.random_routing = layout == MOEJIT_LAYOUT_TOKEN_INDEX;
+    const Routing first = make_routing(c, rng), second = make_routing(c, rng);
+    const size_t idx_bytes = first.index_values.size() * 4;
+    auto upload = [&](void* dst, const Routing& r) {
+      std::vector<int32_t> v(r.index_values.begin(), r.index_values.end());
+      CUDA_OK(cudaMemcpy(dst, v.data(), idx_bytes, cudaMemcpyHostToDevice));
+    };
+    void *indices, *out, *out_direct, *workspace = nullptr;
+    const size_t out_bytes = static_cast<size_t>(T * H * 2);
+    CUDA_OK(cudaMalloc(&indices, idx_bytes));
+    CUDA_OK(cudaMalloc(&out, out_bytes));
+    CUDA_OK(cudaMalloc(&out_direct, out_bytes));
+    moejit_combine_args a;
+    moejit_combine_args_init(&a);
+    a.layout = layout;
+    a.num_tokens = T;
+    a.top_k = K;
+    a.num_rows = first.rows;
+    a.hidden_dim = H;
+    a.expert_hidden = p.device[MOEJIT_DTYPE_BFLOAT16];
+    a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
+    a.gates = p.gates_device;
+    a.indices = indices;
+    a.out = out;
+    a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+    a.scale = 1.5f;
+    size_t ws = 0;
+    ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
+    if (ws) {
+      CUDA_OK(cudaMalloc(&workspace, ws));
+      a.workspace = workspace;
+      a.workspace_bytes = ws;
+    }
+    upload(indices, first);
+    ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS)  // warm: compile + load
+        << moejit_last_error_message();
+    CUDA_OK(cudaStreamSynchronize(stream));
+
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS) << moejit_last_error_message();
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+
+    upload(indices, second);  // new routing, same buffers
+    CUDA_OK(cudaMemset(out, 0xFF, out_bytes));
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaGraphLaunch(exec, stream));  // replaying twice changes nothing
+    CUDA_OK(cudaStreamSynchronize(stream));
+    std::vector<uint8_t> replayed(out_bytes), direct(out_bytes);
+    CUDA_OK(cudaMemcpy(replayed.data(), out, out_bytes, cudaMemcpyDeviceToHost));
+
+    a.out = out_direct;
+    CUDA_OK(cudaMemset(out_direct, 0xFF, out_bytes));
+    ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaMemcpy(direct.data(), out_direct, out_bytes, cudaMemcpyDeviceToHost));
+    EXPECT_TRUE(replayed == direct) << "graph replay differs from a direct call";
+    // And the direct call is right: spot-check token 0 against the reference.
+    for (int64_t h = 0; h < H; h += 97) {
+      double ref = 0;
+      for (const auto& [row, gi] : second.per_token[0])
+        ref += p.gates_host[gi] *
+               decode(p.host[MOEJIT_DTYPE_BFLOAT16].data(), MOEJIT_DTYPE_BFLOAT16,
+                      static_cast<size_t>(row * H + h));
+      ref *= 1.5;
+      EXPECT_NEAR(decode(direct.data(), MOEJIT_DTYPE_BFLOAT16, static_cast<size_t>(h)), ref,
+                  std::fabs(ref) / 128 + 1e-6);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaFree(indices);
+    cudaFree(out);
+    cudaFree(out_direct);
+    if (workspace) cudaFree(workspace);
+  }
+  cudaStreamDestroy(stream);
+  moejit_runtime_destroy(rt);
+}
+
+// R * H past 2^31 elements (and the expert buffer past 4 GiB): every address is 64-bit.
+TEST_F(CombineGpu, AddressesPastTwoToThe31) {
+  const Pools& p = pools();
+  const int64_t T = 37500, K = 8, H = 7168;  // R * H = 2,150,400,000 > 2^31
+  const int64_t R = T * K;
+  const size_t elems = static_cast<size_t>(R * H);
+  ASSERT_GT(elems, size_t{1} << 31);
+  void* expert = nullptr;
+  const size_t pool_bytes = kPoolElems * 2;
+  CUDA_OK(cudaMalloc(&expert, elems * 2));
+  for (size_t off = 0; off < elems * 2; off += pool_bytes)  // element e holds pool[e % pool]
+    CUDA_OK(cudaMemcpy(static_cast<uint8_t*>(expert) + off, p.device[MOEJIT_DTYPE_BFLOAT16],
+                       std::min(pool_bytes, elems * 2 - off), cudaMemcpyDeviceToDevice));
+  void *out, *indices, *workspace = nullptr;
+  CUDA_OK(cudaMalloc(&out, static_cast<size_t>(T * H * 2)));
+  CUDA_OK(cudaMalloc(&indices, static_cast<size_t>(R * 4)));
+  moejit_runtime_t rt = memory_only_runtime();
+  for (moejit_layout layout :
+       {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_LAYOUT_TOKEN_INDEX}) {
+    SCOPED_TRACE(layout_str(layout));
+    Rng rng(31);
+    const Case c{layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, H, T, K, 3};
+    Routing routing = make_routing(c, rng);
+    if (layout == MOEJIT_LAYOUT_GATHER_MAP) {  // keep rows inside the buffer (R rows, not 4R/3)
+      routing.rows = R;
+      for (int64_t t = 0; t < T; ++t) routing.per_token[t].clear();
+      for (int64_t i = 0; i < T * K; ++i) {
+        int64_t& v = routing.index_values[i];
+        if (v >= R) v = -1;
+        if (v >= 0) routing.per_token[i / K].push_back({v, i});
+      }
+    }
+    std::vector<int32_t> idx(routing.index_values.begin(), routing.index_values.end());
+    if (!idx.empty())
+      CUDA_OK(cudaMemcpy(indices, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
+    moejit_combine_args a;
+    moejit_combine_args_init(&a);
+    a.layout = layout;
+    a.num_tokens = T;
+    a.top_k = K;
+    a.num_rows = routing.rows;
+    a.hidden_dim = H;
+    a.expert_hidden = expert;
+    a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
+    a.gates = p.gates_device;
+    a.indices = indices;
+    a.out = out;
+    a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+    size_t ws = 0;
+    ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
+    if (ws) {
+      if (!workspace) CUDA_OK(cudaMalloc(&workspace, ws));
+      a.workspace = workspace;
+      a.workspace_bytes = ws;
+    }
+    CUDA_OK(cudaMemset(out, 0xFF, static_cast<size_t>(T * H * 2)));
+    ASSERT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS)
+        << moejit_last_error_message();
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint16_t> got(static_cast<size_t>(T * H));
+    CUDA_OK(cudaMemcpy(got.data(), out, got.size() * 2, cudaMemcpyDeviceToHost));
+    std::atomic<int64_t> bad{0};
+    std::vector<std::thread> threads;
+    const unsigned n = worker_count();
+    for (unsigned w = 0; w < n; ++w)
+      threads.emplace_back([&, w] {
+        std::vector<double> ref(static_cast<size_t>(H)), mag(static_cast<size_t>(H));
+        for (int64_t t = w; t < T; t += n) {
+          std::fill(ref.begin(), ref.end(), 0.0);
+          std::fill(mag.begin(), mag.end(), 0.0);
+          for (const auto& [row, gi] : routing.per_token[t])
+            for (int64_t h = 0; h < H; ++h) {
+              const double x = decode(p.host[MOEJIT_DTYPE_BFLOAT16].data(), MOEJIT_DTYPE_BFLOAT16,
+                                      static_cast<size_t>(row * H + h) % kPoolElems);
+              ref[h] += p.gates_host[gi] * x;
+              mag[h] += std::fabs(p.gates_host[gi] * x);
+            }
+          for (int64_t h = 0; h < H; ++h) {
+            const double v = bf16_to_float(got[t * H + h]);
+            if (!(std::fabs(v - ref[h]) <=
+                  tolerance(MOEJIT_DTYPE_BFLOAT16, mag[h], ref[h],
+                            static_cast<int>(routing.per_token[t].size()))))
+              ++bad;
+          }
+        }
+      });
+    for (auto& th : threads) th.join();
+    EXPECT_EQ(bad.load(), 0) << "elements outside the bf16 bound";
+  }
+  moejit_runtime_destroy(rt);
+  cudaFree(expert);
+  cudaFree(out);
+  cudaFree(indices);
+  if (workspace) cudaFree(workspace);
+}
+
+}  // namespace
+}  // namespace moejit_test
