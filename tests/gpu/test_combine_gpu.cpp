@@ -23,7 +23,7 @@
 namespace moejit_test {
 namespace {
 
-constexpr size_t kPoolElems = 240ull << 20;  // covers T=4096 x K=8 x (H=7168 + padding)
+constexpr size_t kPoolElems = 320ull << 20;  // covers 4/3 x T=4096 x K=8 x (H=7168 + padding)
 constexpr size_t kGatePool = 1ull << 22;
 constexpr int64_t kGuardElems = 64;  // poison checked after the last output row
 

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs what libmoejit builds with, on Debian/Ubuntu, if something is missing. The CUDA toolkit
+# (nvcc, NVRTC, headers) is expected under /usr/local/cuda or on PATH; it is not installed here.
+set -euo pipefail
+need=()
+have_header() { [ -e "/usr/include/$1" ]; }
+command -v cmake >/dev/null || need+=(cmake)
+command -v ninja >/dev/null || need+=(ninja-build)
+command -v g++ >/dev/null || need+=(g++)
+command -v pkg-config >/dev/null || need+=(pkg-config)
+have_header spdlog/spdlog.h || need+=(libspdlog-dev)
+have_header xxhash.h || [ -e "$(dirname "$0")/../.deps/include/xxhash.h" ] || need+=(libxxhash-dev)
+have_header gtest/gtest.h || need+=(libgtest-dev)
+have_header CLI/CLI.hpp || need+=(libcli11-dev)
+have_header nlohmann/json.hpp || need+=(nlohmann-json3-dev)
+python3 -c 'import pytest' 2>/dev/null || need+=(python3-pytest)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
+    echo "missing packages: ${need[*]} (install them, e.g. sudo apt-get install ${need[*]})" >&2
+    exit 1
+  fi
+  echo "installing: ${need[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+  echo "the CUDA toolkit (nvcc, NVRTC) was not found: install CUDA 12.x or 13.x" >&2
+  exit 1
+fi
