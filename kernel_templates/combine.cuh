@@ -83,13 +83,35 @@ struct alignas(sizeof(S) * N) Pack {
   S e[N];
 };
 
+// Reads a pack of expert data that no thread of this kernel writes: through the non-coherent
+// path, without allocating in L1 (each row is read once; L1 is better left to the indices).
+template <typename P>
+__device__ __forceinline__ P load_streaming(const P* ptr) {
+  P v;
+  if constexpr (sizeof(P) == 16) {
+    unsigned* u = reinterpret_cast<unsigned*>(&v);
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(u[0]), "=r"(u[1]), "=r"(u[2]), "=r"(u[3])
+        : "l"(ptr));
+  } else if constexpr (sizeof(P) == 8) {
+    unsigned* u = reinterpret_cast<unsigned*>(&v);
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(u[0]), "=r"(u[1]) : "l"(ptr));
+  } else if constexpr (sizeof(P) == 4) {
+    unsigned* u = reinterpret_cast<unsigned*>(&v);
+    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(u[0]) : "l"(ptr));
+  } else {
+    v = *ptr;
+  }
+  return v;
+}
+
 // Loads slot `slot` of a row: a full vector, or the partial tail element by element.
 template <typename S, int VEC, int HIDDEN>
 __device__ __forceinline__ Pack<S, VEC> load_slot(const S* __restrict__ row, int slot) {
   constexpr int kFull = HIDDEN / VEC;
   Pack<S, VEC> v;
   if (HIDDEN % VEC == 0 || slot < kFull) {
-    v = *reinterpret_cast<const Pack<S, VEC>*>(row + static_cast<long long>(slot) * VEC);
+    v = load_streaming(reinterpret_cast<const Pack<S, VEC>*>(row + static_cast<long long>(slot) * VEC));
   } else {
 #pragma unroll
     for (int e = 0; e < VEC; ++e) v.e[e] = e < HIDDEN % VEC ? row[kFull * VEC + e] : S(0);
@@ -199,20 +221,71 @@ __global__ void __launch_bounds__(TPT * TPB) combine(const CombineParams p) {
   for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
 
   if constexpr (LAYOUT == kLayoutTokenMajor || LAYOUT == kLayoutGatherMap) {
-    if (!active) return;
+    // Persistent loop over work items (TPB tokens x TPT slots each). The routing of the next
+    // item (its gather-map entries and gates) is loaded while this item's rows are in flight, so
+    // the dependent index load no longer stalls the memory pipe between items.
     const IdxT* __restrict__ map = static_cast<const IdxT*>(p.indices);
-    const long long first = t * TOP_K;  // (token, slot 0) in the map / gates / token-major rows
-    struct SlotRows {
-      const IdxT* map;
-      long long first, num_rows;
-      __device__ long long operator()(int k) const {
-        if (LAYOUT == kLayoutTokenMajor) return first + k;
-        const long long m = static_cast<long long>(__ldg(map + first + k));
-        return (m >= 0 && m < num_rows) ? m : -1;  // -1 and out-of-range rows are dropped
+    typedef typename detail::Elem<IN_DT>::storage S;
+    const S* __restrict__ expert = static_cast<const S*>(p.expert);
+    constexpr bool kPrefetch = TOP_K <= 16;  // routing kept in registers: 2 per slot
+    struct Routing {
+      int row[TOP_K];  // gather map: row id (R < 2^31), -1 if dropped
+      float gate[TOP_K];
+    };
+    auto route = [&](long long item, Routing& r) {
+      const long long tok = (item / kChunks) * TPB + sub;
+      if (tok >= p.num_tokens) return;
+#pragma unroll
+      for (int k = 0; k < TOP_K; ++k) {
+        if (LAYOUT == kLayoutGatherMap) {
+          const long long m = static_cast<long long>(__ldg(map + tok * TOP_K + k));
+          r.row[k] = (m >= 0 && m < p.num_rows) ? static_cast<int>(m) : -1;  // -1 / out of range
+        }
+        r.gate[k] = p.gates != nullptr ? __ldg(p.gates + tok * TOP_K + k) : 1.0f;
       }
-      __device__ long long gate_index(int k, long long) const { return first + k; }
-    } rows{map, first, p.num_rows};
-    detail::gather_rows<IN_DT, VEC, HIDDEN, TOP_K>(p, slot, TOP_K, rows, acc);
+    };
+    const long long total = ((p.num_tokens + TPB - 1) / TPB) * kChunks;
+    Routing cur;
+    if (kPrefetch) route(blockIdx.x, cur);
+    for (long long item = blockIdx.x; item < total; item += gridDim.x) {
+      const long long tok = (item / kChunks) * TPB + sub;
+      const int s_slot = static_cast<int>(item % kChunks) * TPT + lane;
+      const bool on = tok < p.num_tokens && s_slot < kSlots;
+      if (!kPrefetch) route(item, cur);
+      float sum[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) sum[e] = 0.0f;
+      Routing next;
+#pragma unroll
+      for (int base = 0; base < TOP_K; base += detail::kBatch) {
+        detail::Pack<S, VEC> v[detail::kBatch];
+#pragma unroll
+        for (int j = 0; j < detail::kBatch; ++j) {
+          const int k = base + j;
+          if (k < TOP_K && on) {
+            const long long row = LAYOUT == kLayoutTokenMajor ? tok * TOP_K + k : cur.row[k];
+            if (row >= 0)
+              v[j] = detail::load_slot<S, VEC, HIDDEN>(expert + row * p.expert_stride, s_slot);
+          }
+        }
+        if (kPrefetch && base == 0 && item + gridDim.x < total) route(item + gridDim.x, next);
+#pragma unroll
+        for (int j = 0; j < detail::kBatch; ++j) {
+          const int k = base + j;
+          if (k < TOP_K && on && (LAYOUT == kLayoutTokenMajor || cur.row[k] >= 0)) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+              sum[e] = fmaf(cur.gate[k], detail::Elem<IN_DT>::to_float(v[j].e[e]), sum[e]);
+          }
+        }
+      }
+      if (on) {
+        OutS* out_row = static_cast<OutS*>(p.out) + tok * p.out_stride;
+        detail::store_slot<OUT_DT, VEC, HIDDEN>(out_row, s_slot, sum, p.scale, p.accumulate != 0);
+      }
+      if (kPrefetch) cur = next;
+    }
+    return;
   } else {
     // Token-index layout. The workspace holds, per token, how many rows named it and (up to
     // LIST_CAP of) their ids in arrival order, which depends on atomics. Sorting the ids makes

@@ -1,5 +1,6 @@
 #include "combine_plan.h"
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -273,7 +274,12 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
                "cuLaunchKernel(token_index_assign)");
     stats.launches.fetch_add(2, std::memory_order_relaxed);
   }
-  check_cuda(d.cuLaunchKernel(kernels.functions[kCombineKernel], plan.combine_blocks, 1, 1,
+  // The fixed-top_k kernel is persistent (it loops over work items, prefetching the next item's
+  // routing): no more blocks than fit at once. The token-index kernel takes one item per block.
+  const unsigned blocks = plan.spec.token_index() || kernels.resident_blocks == 0
+                              ? plan.combine_blocks
+                              : std::min(plan.combine_blocks, kernels.resident_blocks);
+  check_cuda(d.cuLaunchKernel(kernels.functions[kCombineKernel], blocks, 1, 1,
                               static_cast<unsigned>(plan.spec.block_threads()), 1, 1, 0, stream,
                               kernel_args, nullptr),
              "cuLaunchKernel(combine)");

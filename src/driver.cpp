@@ -45,6 +45,8 @@ LoadedDriver load() {
             resolve(handle, "cuCtxPushCurrent_v2", &a.cuCtxPushCurrent) &&
             resolve(handle, "cuCtxPopCurrent_v2", &a.cuCtxPopCurrent) &&
             resolve(handle, "cuDeviceGetAttribute", &a.cuDeviceGetAttribute) &&
+            resolve(handle, "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                    &a.cuOccupancyMaxActiveBlocksPerMultiprocessor) &&
             resolve(handle, "cuModuleLoadData", &a.cuModuleLoadData) &&
             resolve(handle, "cuModuleUnload", &a.cuModuleUnload) &&
             resolve(handle, "cuModuleGetFunction", &a.cuModuleGetFunction) &&
