@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <map>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -182,22 +183,25 @@ enum class ReadResult { kOk, kMissing, kInvalid };
 // Reads and validates the entry `key` in shard directory shard_fd. *bytes gets the file size
 // whenever it could be examined.
 ReadResult read_entry(int shard_fd, const std::string& key, bool check_owner, bool touch,
-                      CompiledModule* module, std::string* why, uint64_t* bytes) {
+                      CompiledModule* module, std::string* why, struct stat* seen) {
   const std::string name = key + kEntrySuffix;
+  struct stat ignored {};
+  if (seen == nullptr) seen = &ignored;
+  *seen = {};
   // O_NOFOLLOW: a symlink planted at the entry's name is refused even if it points at a valid
   // entry. O_NONBLOCK: a FIFO planted there must not hang the open.
   Fd fd(openat(shard_fd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK));
   if (!fd) {
     if (errno == ENOENT) return ReadResult::kMissing;
     *why = errno == ELOOP ? std::string("is a symbolic link (not followed)") : error_text();
+    fstatat(shard_fd, name.c_str(), seen, AT_SYMLINK_NOFOLLOW);
     return ReadResult::kInvalid;
   }
-  struct stat st {};
+  struct stat& st = *seen;
   if (fstat(fd.get(), &st) != 0) {
     *why = error_text();
     return ReadResult::kInvalid;
   }
-  if (bytes != nullptr) *bytes = static_cast<uint64_t>(st.st_size);
   if (!S_ISREG(st.st_mode)) {
     *why = "is not a regular file";
     return ReadResult::kInvalid;
@@ -304,14 +308,15 @@ class FileCache final : public DiskCache {
         return std::nullopt;
       }
       CompiledModule module;
-      switch (read_entry(shard.get(), key, true, writable_, &module, &why, nullptr)) {
+      struct stat seen {};
+      switch (read_entry(shard.get(), key, true, writable_, &module, &why, &seen)) {
         case ReadResult::kMissing: return std::nullopt;
-        case ReadResult::kInvalid: entry_fault(key, why); return std::nullopt;
+        case ReadResult::kInvalid: entry_fault(key, why, &seen); return std::nullopt;
         case ReadResult::kOk: break;
       }
       // The key covers the NVRTC version; an entry claiming another one was not written by us.
       if (module.nvrtc_version != nvrtc_version()) {
-        entry_fault(key, "it was built by NVRTC " + module.nvrtc_version);
+        entry_fault(key, "it was built by NVRTC " + module.nvrtc_version, &seen);
         return std::nullopt;
       }
       return module;
@@ -495,14 +500,24 @@ class FileCache final : public DiskCache {
                     dir_, evicted, freed, max_bytes_);
   }
 
-  // A bad entry is a miss (the store recompiles and replaces it); warn once per entry.
-  void entry_fault(const std::string& key, const std::string& why) {
-    stats_.disk_errors.fetch_add(1, std::memory_order_relaxed);
+  // A bad entry is a miss (the store recompiles and replaces it); warn once per entry. The store
+  // looks twice (before and after taking the build lock): the same bad file, recognized by its
+  // identity, is counted once.
+  void entry_fault(const std::string& key, const std::string& why,
+                   const struct stat* seen = nullptr) {
     bool first = false;
     {
       std::lock_guard<std::mutex> guard(mutex_);
       first = warned_entries_.insert(key).second;
+      if (seen != nullptr && seen->st_ino != 0) {
+        const FileId id{seen->st_dev, seen->st_ino, seen->st_size, seen->st_mtim.tv_sec,
+                        seen->st_mtim.tv_nsec};
+        auto [it, fresh] = faulted_.emplace(key, id);
+        if (!fresh && it->second == id) return;
+        it->second = id;
+      }
     }
+    stats_.disk_errors.fetch_add(1, std::memory_order_relaxed);
     const std::string path = cache_entry_path(dir_, key);
     if (first)
       logger().warn("ignoring disk cache entry {}: {}; it will be rebuilt{}", path, why,
@@ -536,8 +551,20 @@ class FileCache final : public DiskCache {
   const std::string host_;
   Stats& stats_;
 
-  std::mutex mutex_;  // guards the three below
+  struct FileId {
+    dev_t dev;
+    ino_t ino;
+    off_t size;
+    time_t sec;
+    long nsec;
+    bool operator==(const FileId& o) const {
+      return dev == o.dev && ino == o.ino && size == o.size && sec == o.sec && nsec == o.nsec;
+    }
+  };
+
+  std::mutex mutex_;  // guards the four below
   std::set<std::string> warned_entries_;
+  std::map<std::string, FileId> faulted_;  // the last bad file seen per key
   bool warned_write_ = false;
   std::set<std::string> rejected_;
 };
