@@ -154,7 +154,10 @@ bool parse_cache_entry(std::string_view bytes, const std::string& expected_key,
   for (const std::string& n : m.lowered_names)
     if (n.empty()) return fail(why, "empty lowered name");
   if (m.image.empty()) return fail(why, "empty image");
-  if (m.target.ptx ? m.image.back() != '\0' : m.image.compare(0, 4, "\x7f" "ELF") != 0)
+  if (m.target.ptx ? m.image.back() != '\0'
+                   : m.image.compare(0, 4,
+                                     "\x7f"
+                                     "ELF") != 0)
     return fail(why, m.target.ptx ? "PTX image is not NUL-terminated" : "cubin is not ELF");
   bool arch_option = false;
   for (const std::string& o : m.options)

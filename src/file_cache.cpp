@@ -43,8 +43,12 @@ constexpr double kStaleSeconds = 600;
 constexpr double kTouchIntervalSeconds = 60;
 constexpr double kDefaultLockTimeoutSeconds = 60;
 
-std::string version_dir_name() { return "v" + std::to_string(kCacheFormatVersion); }
-std::string error_text() { return std::strerror(errno); }
+std::string version_dir_name() {
+  return "v" + std::to_string(kCacheFormatVersion);
+}
+std::string error_text() {
+  return std::strerror(errno);
+}
 
 // An owned file descriptor.
 class Fd {
@@ -176,7 +180,9 @@ bool ends_with(const std::string& s, const char* suffix) {
   const size_t n = std::strlen(suffix);
   return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
 }
-bool is_shard_name(const std::string& s) { return s.size() == 2 && is_cache_key(s + std::string(30, '0')); }
+bool is_shard_name(const std::string& s) {
+  return s.size() == 2 && is_cache_key(s + std::string(30, '0'));
+}
 
 enum class ReadResult { kOk, kMissing, kInvalid };
 
@@ -246,8 +252,9 @@ std::string host_tag() {
   char name[256] = {};
   if (gethostname(name, sizeof(name) - 1) != 0) return "nohost";
   char buf[17];
-  std::snprintf(buf, sizeof(buf), "%08llx",
-                static_cast<unsigned long long>(XXH3_64bits(name, std::strlen(name)) & 0xffffffffu));
+  std::snprintf(
+      buf, sizeof(buf), "%08llx",
+      static_cast<unsigned long long>(XXH3_64bits(name, std::strlen(name)) & 0xffffffffu));
   return buf;
 }
 
@@ -310,9 +317,13 @@ class FileCache final : public DiskCache {
       CompiledModule module;
       struct stat seen {};
       switch (read_entry(shard.get(), key, true, writable_, &module, &why, &seen)) {
-        case ReadResult::kMissing: return std::nullopt;
-        case ReadResult::kInvalid: entry_fault(key, why, &seen); return std::nullopt;
-        case ReadResult::kOk: break;
+        case ReadResult::kMissing:
+          return std::nullopt;
+        case ReadResult::kInvalid:
+          entry_fault(key, why, &seen);
+          return std::nullopt;
+        case ReadResult::kOk:
+          break;
       }
       // The key covers the NVRTC version; an entry claiming another one was not written by us.
       if (module.nvrtc_version != nvrtc_version()) {
@@ -355,8 +366,8 @@ class FileCache final : public DiskCache {
       Fd shard = open_dir(root_.get(), key.substr(0, 2), true, &why);
       if (!shard) return nullptr;  // store() will report it
       bool timed_out = false;
-      auto held = FileKeyLock::acquire(shard.get(), key + kLockSuffix, lock_timeout_, &timed_out,
-                                       &why);
+      auto held =
+          FileKeyLock::acquire(shard.get(), key + kLockSuffix, lock_timeout_, &timed_out, &why);
       if (timed_out)
         logger().warn(
             "waited {:.0f} s for another process to build cache entry {}; building it here "
@@ -377,8 +388,8 @@ class FileCache final : public DiskCache {
       if (writable_) {
         std::string why;
         Fd shard = open_dir(root_.get(), key.substr(0, 2), false, &why);
-        removed = shard && (unlinkat(shard.get(), (key + kEntrySuffix).c_str(), 0) == 0 ||
-                            errno == ENOENT);
+        removed = shard &&
+                  (unlinkat(shard.get(), (key + kEntrySuffix).c_str(), 0) == 0 || errno == ENOENT);
       }
       std::lock_guard<std::mutex> guard(mutex_);
       if (!removed) rejected_.insert(key);  // read-only: at least stop serving it here
@@ -393,8 +404,8 @@ class FileCache final : public DiskCache {
     static std::atomic<unsigned long long> counter{0};
     const std::string temp = "." + key + "." + std::to_string(getpid()) + "." + host_ + "." +
                              std::to_string(counter.fetch_add(1)) + kTempSuffix;
-    Fd fd(openat(shard_fd, temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
-                 0600));
+    Fd fd(
+        openat(shard_fd, temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
     if (!fd) {
       *why = "cannot create " + temp + ": " + error_text();
       return false;
@@ -448,12 +459,12 @@ class FileCache final : public DiskCache {
         if (ends_with(name, kEntrySuffix) && S_ISREG(st.st_mode)) {
           const std::string key = name.substr(0, name.size() - std::strlen(kEntrySuffix));
           if (!is_cache_key(key)) continue;
-          entries.push_back({shard_name, key, static_cast<uint64_t>(st.st_size), st.st_mtim,
-                             st.st_ino});
+          entries.push_back(
+              {shard_name, key, static_cast<uint64_t>(st.st_size), st.st_mtim, st.st_ino});
           total += static_cast<uint64_t>(st.st_size);
         } else if (parse_temp_name(name, &temp)) {
-          const bool dead = temp.host == host_ && kill(static_cast<pid_t>(temp.pid), 0) != 0 &&
-                            errno == ESRCH;
+          const bool dead =
+              temp.host == host_ && kill(static_cast<pid_t>(temp.pid), 0) != 0 && errno == ESRCH;
           if (dead || age > kStaleSeconds) {
             unlinkat(shard.get(), name.c_str(), 0);
             logger().debug("removed {}/{} left by a writer that died", shard_name, name);
@@ -495,9 +506,10 @@ class FileCache final : public DiskCache {
       }
     }
     if (evicted > 0)
-      logger().info("disk cache {}: evicted {} least recently used entries ({} bytes) to stay "
-                    "under {} bytes",
-                    dir_, evicted, freed, max_bytes_);
+      logger().info(
+          "disk cache {}: evicted {} least recently used entries ({} bytes) to stay "
+          "under {} bytes",
+          dir_, evicted, freed, max_bytes_);
   }
 
   // A bad entry is a miss (the store recompiles and replaces it); warn once per entry. The store
@@ -536,9 +548,10 @@ class FileCache final : public DiskCache {
       warned_write_ = true;
     }
     if (first)
-      logger().warn("cannot write to the disk cache at \"{}\" ({}); compiled kernels are kept in "
-                    "memory (further write failures are logged at debug level)",
-                    dir_, why);
+      logger().warn(
+          "cannot write to the disk cache at \"{}\" ({}); compiled kernels are kept in "
+          "memory (further write failures are logged at debug level)",
+          dir_, why);
     else
       logger().debug("cannot write to the disk cache at \"{}\": {}", dir_, why);
   }
@@ -575,15 +588,17 @@ std::unique_ptr<DiskCache> open_file_cache(const std::string& dir, bool writable
                                            uint64_t max_bytes, Stats& stats) {
   try {
     if (dir.empty()) {
-      logger().info("no cache directory (MOEJIT_CACHE_DIR, XDG_CACHE_HOME and HOME are unset): "
-                    "kernels are compiled and kept in memory only");
+      logger().info(
+          "no cache directory (MOEJIT_CACHE_DIR, XDG_CACHE_HOME and HOME are unset): "
+          "kernels are compiled and kept in memory only");
       return nullptr;
     }
     auto refuse = [&](const std::string& why) -> std::unique_ptr<DiskCache> {
       stats.disk_errors.fetch_add(1, std::memory_order_relaxed);
-      logger().warn("not using the disk cache at \"{}\": {}; kernels are compiled and kept in "
-                    "memory only",
-                    dir, why);
+      logger().warn(
+          "not using the disk cache at \"{}\": {}; kernels are compiled and kept in "
+          "memory only",
+          dir, why);
       return nullptr;
     };
     std::string why;
@@ -594,9 +609,10 @@ std::unique_ptr<DiskCache> open_file_cache(const std::string& dir, bool writable
     if (!root) return refuse(why);
     if (writable && faccessat(root.get(), ".", W_OK | X_OK, AT_EACCESS) != 0) {
       stats.disk_errors.fetch_add(1, std::memory_order_relaxed);
-      logger().warn("the disk cache at \"{}\" is not writable ({}): serving the kernels it holds, "
-                    "keeping new ones in memory",
-                    dir, error_text());
+      logger().warn(
+          "the disk cache at \"{}\" is not writable ({}): serving the kernels it holds, "
+          "keeping new ones in memory",
+          dir, error_text());
       writable = false;
     }
     return std::make_unique<FileCache>(dir, std::move(root), writable, max_bytes, stats);
@@ -617,8 +633,8 @@ CacheVerifyReport verify_cache_dir(const std::string& dir, bool repair) {
     if (!root) return report;
     for (const std::string& shard_name : list_dir(root.get())) {
       if (!is_shard_name(shard_name)) continue;
-      Fd shard(openat(root.get(), shard_name.c_str(),
-                      O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+      Fd shard(
+          openat(root.get(), shard_name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
       if (!shard) continue;
       for (const std::string& name : list_dir(shard.get())) {
         if (!ends_with(name, kEntrySuffix)) continue;
@@ -631,9 +647,9 @@ CacheVerifyReport verify_cache_dir(const std::string& dir, bool repair) {
           bytes = static_cast<uint64_t>(st.st_size);
         // The owner is not checked: the tool may run as another user than the cache's; the
         // runtime checks it.
-        const bool valid = is_cache_key(key) && key.compare(0, 2, shard_name) == 0 &&
-                           read_entry(shard.get(), key, false, false, nullptr, &why, nullptr) ==
-                               ReadResult::kOk;
+        const bool valid =
+            is_cache_key(key) && key.compare(0, 2, shard_name) == 0 &&
+            read_entry(shard.get(), key, false, false, nullptr, &why, nullptr) == ReadResult::kOk;
         report.bytes += bytes;
         if (valid) {
           ++report.valid;

@@ -16,9 +16,8 @@ std::unique_ptr<FileKeyLock> FileKeyLock::acquire(int dir_fd, const std::string&
                                                   double timeout_seconds, bool* timed_out,
                                                   std::string* why) {
   *timed_out = false;
-  const auto deadline =
-      std::chrono::steady_clock::now() +
-      std::chrono::microseconds(static_cast<long long>(timeout_seconds * 1e6));
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::microseconds(static_cast<long long>(timeout_seconds * 1e6));
   auto pause = std::chrono::milliseconds(1);
   for (;;) {
     const int fd = openat(dir_fd, name.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
@@ -46,9 +45,9 @@ std::unique_ptr<FileKeyLock> FileKeyLock::acquire(int dir_fd, const std::string&
     }
     // The previous holder unlinks the file before it unlocks; if we locked such an orphaned
     // inode, the lock excludes nobody: start over on the file now at that name.
-    struct stat held {}, linked {};
-    if (fstat(fd, &held) == 0 &&
-        fstatat(dir_fd, name.c_str(), &linked, AT_SYMLINK_NOFOLLOW) == 0 &&
+    struct stat held {
+    }, linked{};
+    if (fstat(fd, &held) == 0 && fstatat(dir_fd, name.c_str(), &linked, AT_SYMLINK_NOFOLLOW) == 0 &&
         held.st_ino == linked.st_ino && held.st_dev == linked.st_dev) {
       const int dir_copy = fcntl(dir_fd, F_DUPFD_CLOEXEC, 0);
       if (dir_copy < 0) {

@@ -83,7 +83,9 @@ inline KernelSpec small_spec(int i) {
   return spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
                         MOEJIT_INDEX_INT32, 128 * (i + 1), 2, 256);
 }
-inline Target test_target() { return Target{90, false}; }
+inline Target test_target() {
+  return Target{90, false};
+}
 
 inline Settings cache_settings(const std::string& dir,
                                moejit_cache_mode mode = MOEJIT_CACHE_MODE_READ_WRITE,
@@ -109,8 +111,8 @@ inline std::vector<std::string> files_under(const std::string& dir) {
   std::vector<std::string> out;
   std::error_code ec;
   if (!fs::exists(dir, ec)) return out;
-  for (auto it = fs::recursive_directory_iterator(dir, ec); it != fs::recursive_directory_iterator();
-       it.increment(ec)) {
+  for (auto it = fs::recursive_directory_iterator(dir, ec);
+       it != fs::recursive_directory_iterator(); it.increment(ec)) {
     if (ec) break;
     if (!it->is_directory(ec) || it->is_symlink(ec))
       out.push_back(fs::relative(it->path(), dir, ec).string());

@@ -29,14 +29,22 @@ int main(int argc, char** argv) {
   unsigned long long max_bytes = 1ull << 30;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--dir") dir = v;
-    else if (a == "--mode") mode = v;
-    else if (a == "--threads") threads = std::atoi(v.c_str());
-    else if (a == "--keys") keys = std::atoi(v.c_str());
-    else if (a == "--first") first = std::atoi(v.c_str());
-    else if (a == "--uid") uid = std::atol(v.c_str());
-    else if (a == "--fsize") fsize = std::atol(v.c_str());
-    else if (a == "--max-bytes") max_bytes = std::strtoull(v.c_str(), nullptr, 10);
+    if (a == "--dir")
+      dir = v;
+    else if (a == "--mode")
+      mode = v;
+    else if (a == "--threads")
+      threads = std::atoi(v.c_str());
+    else if (a == "--keys")
+      keys = std::atoi(v.c_str());
+    else if (a == "--first")
+      first = std::atoi(v.c_str());
+    else if (a == "--uid")
+      uid = std::atol(v.c_str());
+    else if (a == "--fsize")
+      fsize = std::atol(v.c_str());
+    else if (a == "--max-bytes")
+      max_bytes = std::strtoull(v.c_str(), nullptr, 10);
   }
   if (uid >= 0 && (setgid(static_cast<gid_t>(uid)) != 0 || setuid(static_cast<uid_t>(uid)) != 0)) {
     std::perror("setuid");
@@ -44,7 +52,9 @@ int main(int argc, char** argv) {
   }
   if (fsize >= 0) {
     signal(SIGXFSZ, SIG_IGN);  // writes past the limit then fail with EFBIG, like a full disk
-    struct rlimit lim {static_cast<rlim_t>(fsize), static_cast<rlim_t>(fsize)};
+    struct rlimit lim {
+      static_cast<rlim_t>(fsize), static_cast<rlim_t>(fsize)
+    };
     setrlimit(RLIMIT_FSIZE, &lim);
   }
   test::WarningCounter& warnings = test::WarningCounter::install();
@@ -72,12 +82,13 @@ int main(int argc, char** argv) {
       }
     });
   for (auto& t : pool) t.join();
-  std::printf("has_disk_cache=%d\nfailed=%d\ncompiles=%llu\ndisk_hits=%llu\ndisk_errors=%llu\n"
-              "warnings=%d\n",
-              store.has_disk_cache() ? 1 : 0, failed.load(),
-              static_cast<unsigned long long>(stats.compiles.load()),
-              static_cast<unsigned long long>(stats.disk_hits.load()),
-              static_cast<unsigned long long>(stats.disk_errors.load()), warnings.warnings());
+  std::printf(
+      "has_disk_cache=%d\nfailed=%d\ncompiles=%llu\ndisk_hits=%llu\ndisk_errors=%llu\n"
+      "warnings=%d\n",
+      store.has_disk_cache() ? 1 : 0, failed.load(),
+      static_cast<unsigned long long>(stats.compiles.load()),
+      static_cast<unsigned long long>(stats.disk_hits.load()),
+      static_cast<unsigned long long>(stats.disk_errors.load()), warnings.warnings());
   std::fflush(stdout);
   return failed.load() == 0 ? 0 : 1;
 }

@@ -16,7 +16,11 @@ inline const std::string& sample_key() {
 inline CompiledModule sample_module() {
   CompiledModule m;
   m.target = Target{90, false};
-  m.image = std::string("\x7f" "ELF", 4) + std::string(200, '\x11');
+  m.image = std::string(
+                "\x7f"
+                "ELF",
+                4) +
+            std::string(200, '\x11');
   m.name_expressions = {"moejit::combine<float, 4>", "moejit::clear<int>"};
   m.lowered_names = {"_ZN6moejit7combineIfLi4EEEvv", "_ZN6moejit5clearIiEEvv"};
   m.options = {"--std=c++17", "--gpu-architecture=sm_90", "-DNDEBUG"};

@@ -18,7 +18,8 @@ using test::sample_key;
 using test::sample_module;
 
 void put_u64(std::string* bytes, size_t at, uint64_t v) {
-  for (int i = 0; i < 8; ++i) (*bytes)[at + static_cast<size_t>(i)] = static_cast<char>(v >> (8 * i));
+  for (int i = 0; i < 8; ++i)
+    (*bytes)[at + static_cast<size_t>(i)] = static_cast<char>(v >> (8 * i));
 }
 // Recomputes both checksums, so that damage reaches the checks behind them.
 void reseal(std::string* bytes) {
@@ -118,8 +119,8 @@ TEST(CacheEntry, WrongKeyIsRejected) {
 
 TEST(CacheEntry, OtherFormatVersionsAreRejected) {
   std::string why;
-  EXPECT_FALSE(parses(encode_cache_entry(sample_key(), sample_module(), kCacheFormatVersion + 1),
-                      &why));
+  EXPECT_FALSE(
+      parses(encode_cache_entry(sample_key(), sample_module(), kCacheFormatVersion + 1), &why));
   EXPECT_NE(why.find("format version"), std::string::npos) << why;
   EXPECT_FALSE(parses(encode_cache_entry(sample_key(), sample_module(), 0)));
 }

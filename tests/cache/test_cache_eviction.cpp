@@ -1,9 +1,9 @@
 // Bounded growth: after a publish the least recently used entries go until the cache is under
 // its cap, but never the entry just written, an entry young enough to be mid-replacement, or one
 // whose key another process holds the build lock of.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
-#include <fcntl.h>
 #include <time.h>
 
 #include "cache_key.h"
@@ -53,7 +53,7 @@ TEST_F(CacheEviction, KeepsTheCapByLastUse) {
   for (int i = 0; i < 5; ++i) ASSERT_EQ(obtain(i, 1ull << 30), Source::kCompiled);
   std::vector<uint64_t> size;
   for (int i = 0; i < 5; ++i) size.push_back(fs::file_size(path(i)));
-  fs::remove(path(4));  // published again below, under a cap
+  fs::remove(path(4));                                 // published again below, under a cap
   for (int i = 0; i < 4; ++i) age(i, 1000 - 100 * i);  // 0 oldest ... 3 newest
   // A hit is a use: entry 0 becomes the most recently used.
   ASSERT_EQ(obtain(0, 1ull << 30), Source::kDisk);

@@ -29,8 +29,7 @@ class CacheStore : public ::testing::Test {
     dir_ = scratch_ / "cache";
   }
   // Obtains spec i through a fresh store (a fresh process, as far as the cache can tell).
-  Source obtain(int i, Stats* stats,
-                moejit_cache_mode mode = MOEJIT_CACHE_MODE_READ_WRITE) {
+  Source obtain(int i, Stats* stats, moejit_cache_mode mode = MOEJIT_CACHE_MODE_READ_WRITE) {
     KernelStore store(test::cache_settings(dir_, mode), *stats);
     Source source;
     auto module = store.obtain(test::small_spec(i), test::test_target(), &source);
@@ -146,7 +145,8 @@ TEST_F(CacheStore, VerifyReportsAndRepairs) {
   const std::string bad = entry_of(1);
   test::write_file(bad, test::read_file(bad).substr(0, 100));
   // A valid entry under another key's name is invalid too (key echo vs file name).
-  const std::string misnamed = cache_entry_path(dir_, key_of(1).substr(0, 2) + std::string(30, 'f'));
+  const std::string misnamed =
+      cache_entry_path(dir_, key_of(1).substr(0, 2) + std::string(30, 'f'));
   fs::copy_file(entry_of(0), misnamed);
   CacheVerifyReport report = verify_cache_dir(dir_, false);
   EXPECT_EQ(report.entries, 4u);

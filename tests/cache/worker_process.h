@@ -66,8 +66,7 @@ inline WorkerResult finish_worker(const Worker& w) {
   std::istringstream lines(out);
   for (std::string line; std::getline(lines, line);) {
     const size_t eq = line.find('=');
-    if (eq != std::string::npos)
-      r.values[line.substr(0, eq)] = std::atoll(line.c_str() + eq + 1);
+    if (eq != std::string::npos) r.values[line.substr(0, eq)] = std::atoll(line.c_str() + eq + 1);
   }
   return r;
 }
