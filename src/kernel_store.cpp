@@ -90,6 +90,22 @@ std::shared_ptr<const CompiledModule> KernelStore::build(const KernelSpec& spec,
                     ") is not in the cache at \"" + settings_.cache_dir +
                     "\" and the cache is in no-compile mode: warm it with moejit-precompile");
 
+  // Other processes may be cold-starting on the same key: wait (bounded) for whoever builds it
+  // first, then look again before compiling. Read-only caches hand out no lock.
+  std::unique_ptr<KeyLock> build_lock;
+  if (disk_ != nullptr && settings_.cache_mode == MOEJIT_CACHE_MODE_READ_WRITE) {
+    build_lock = disk_->lock(key);
+    if (build_lock != nullptr) {
+      if (std::optional<CompiledModule> hit = disk_->load(key)) {
+        stats_.disk_hits.fetch_add(1, std::memory_order_relaxed);
+        logger().debug("disk cache hit {} for {} on {} (built by another process)", key,
+                       spec.describe(), target.name());
+        *source = Source::kDisk;
+        return std::make_shared<const CompiledModule>(std::move(*hit));
+      }
+    }
+  }
+
   const auto start = std::chrono::steady_clock::now();
   auto module = std::make_shared<CompiledModule>(compile(request));
   const auto nanos = std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -103,7 +119,7 @@ std::shared_ptr<const CompiledModule> KernelStore::build(const KernelSpec& spec,
   if (disk_ != nullptr && settings_.cache_mode == MOEJIT_CACHE_MODE_READ_WRITE)
     disk_->store(key, *module);
   *source = Source::kCompiled;
-  return module;
+  return module;  // build_lock is released here, after the entry is published
 }
 
 }  // namespace moejit

@@ -1,7 +1,8 @@
 // KernelStore: (KernelSpec, Target) -> compiled module, through the disk cache and NVRTC. Needs
 // no GPU (tools/precompile uses it directly). Each (spec, target) is compiled at most once per
 // store even when many threads ask at the same moment: the first compiles, the others wait for
-// its result.
+// its result. Across processes sharing a disk cache, a per-key lock (with a timeout) lets one
+// compile while the others wait for its entry: load -> lock -> load again -> compile -> store.
 #pragma once
 
 #include <cstdint>

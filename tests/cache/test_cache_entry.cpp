@@ -1,0 +1,168 @@
+// The entry parser on its own: a round trip, and every kind of damage rejected. Truncated files
+// must never parse (pytorch#156010), nor an entry for another key (cupy#9830).
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "cache_entry.h"
+#include "cache_key.h"
+#include "entry_samples.h"
+
+namespace moejit {
+namespace {
+
+using test::sample_key;
+using test::sample_module;
+
+void put_u64(std::string* bytes, size_t at, uint64_t v) {
+  for (int i = 0; i < 8; ++i)
+    (*bytes)[at + static_cast<size_t>(i)] = static_cast<char>(v >> (8 * i));
+}
+// Recomputes both checksums, so that damage reaches the checks behind them.
+void reseal(std::string* bytes) {
+  put_u64(bytes, 56, XXH3_64bits(bytes->data() + 72, bytes->size() - 72));
+  put_u64(bytes, 64, XXH3_64bits(bytes->data(), 64));
+}
+bool parses(const std::string& bytes, std::string* why = nullptr) {
+  CompiledModule m;
+  std::string ignored;
+  return parse_cache_entry(bytes, sample_key(), &m, why != nullptr ? why : &ignored);
+}
+
+TEST(CacheEntry, RoundTrips) {
+  const CompiledModule in = sample_module();
+  const std::string bytes = encode_cache_entry(sample_key(), in);
+  CompiledModule out;
+  std::string why;
+  ASSERT_TRUE(parse_cache_entry(bytes, sample_key(), &out, &why)) << why;
+  EXPECT_EQ(out.target, in.target);
+  EXPECT_EQ(out.image, in.image);
+  EXPECT_EQ(out.name_expressions, in.name_expressions);
+  EXPECT_EQ(out.lowered_names, in.lowered_names);
+  EXPECT_EQ(out.options, in.options);
+  EXPECT_EQ(out.nvrtc_version, in.nvrtc_version);
+  EXPECT_EQ(out.log, in.log);
+  EXPECT_EQ(bytes.compare(0, 8, "\x89MOEJIT\n"), 0);
+}
+
+TEST(CacheEntry, PtxRoundTrips) {
+  CompiledModule in = sample_module();
+  in.target = Target{120, true};
+  in.options[1] = "--gpu-architecture=compute_120";
+  in.image = std::string(".version 9.0\n.target sm_120\n") + '\0';
+  CompiledModule out;
+  std::string why;
+  ASSERT_TRUE(parse_cache_entry(encode_cache_entry(sample_key(), in), sample_key(), &out, &why))
+      << why;
+  EXPECT_TRUE(out.target.ptx);
+}
+
+TEST(CacheEntry, EveryTruncationIsRejected) {
+  const std::string bytes = encode_cache_entry(sample_key(), sample_module());
+  for (size_t n = 0; n < bytes.size(); ++n)
+    EXPECT_FALSE(parses(bytes.substr(0, n))) << "truncated to " << n << " bytes";
+}
+
+TEST(CacheEntry, EverySingleByteFlipIsRejected) {
+  const std::string bytes = encode_cache_entry(sample_key(), sample_module());
+  for (size_t at = 0; at < bytes.size(); ++at) {
+    std::string damaged = bytes;
+    damaged[at] = static_cast<char>(damaged[at] ^ 0x20);
+    EXPECT_FALSE(parses(damaged)) << "byte " << at;
+  }
+}
+
+TEST(CacheEntry, EmptyGarbageAndTrailingBytesAreRejected) {
+  std::string why;
+  EXPECT_FALSE(parses("", &why));
+  EXPECT_EQ(why, "empty file");
+  EXPECT_FALSE(parses(std::string(4096, '\0')));
+  std::string garbage;
+  for (int i = 0; i < 5000; ++i) garbage.push_back(static_cast<char>(i * 131 + 7));
+  EXPECT_FALSE(parses(garbage));
+  EXPECT_FALSE(parses(encode_cache_entry(sample_key(), sample_module()) + "x"));
+}
+
+TEST(CacheEntry, HugeLengthFieldsAreRejectedWithoutAllocating) {
+  const std::string good = encode_cache_entry(sample_key(), sample_module());
+  std::string huge = good;
+  put_u64(&huge, 48, ~0ull >> 1);  // payload length
+  reseal(&huge);
+  std::string why;
+  EXPECT_FALSE(parses(huge, &why));
+  EXPECT_NE(why.find("header says"), std::string::npos) << why;
+
+  // A field length inside the payload (the NVRTC version's, after sm and ptx): a consistent
+  // header and checksum, so only the bounds check stands between it and a huge allocation.
+  std::string field = good;
+  put_u64(&field, 72 + 8, ~0ull);
+  reseal(&field);
+  EXPECT_FALSE(parses(field, &why));
+  EXPECT_EQ(why, "malformed payload");
+  // A huge list count.
+  std::string count = good;
+  const size_t options_at = 72 + 8 + 8 + sample_module().nvrtc_version.size();
+  for (int i = 0; i < 4; ++i) count[options_at + static_cast<size_t>(i)] = '\xff';
+  reseal(&count);
+  EXPECT_FALSE(parses(count, &why));
+}
+
+TEST(CacheEntry, WrongKeyIsRejected) {
+  const std::string other = "fedcba9876543210fedcba9876543210";
+  std::string why;
+  EXPECT_FALSE(parses(encode_cache_entry(other, sample_module()), &why));
+  EXPECT_NE(why.find(other), std::string::npos) << why;
+}
+
+TEST(CacheEntry, OtherFormatVersionsAreRejected) {
+  std::string why;
+  EXPECT_FALSE(
+      parses(encode_cache_entry(sample_key(), sample_module(), kCacheFormatVersion + 1), &why));
+  EXPECT_NE(why.find("format version"), std::string::npos) << why;
+  EXPECT_FALSE(parses(encode_cache_entry(sample_key(), sample_module(), 0)));
+}
+
+TEST(CacheEntry, InconsistentMetadataIsRejected) {
+  auto rejects = [](CompiledModule m, const char* what) {
+    EXPECT_FALSE(parses(encode_cache_entry(sample_key(), m))) << what;
+  };
+  CompiledModule m = sample_module();
+  m.lowered_names.pop_back();
+  rejects(m, "fewer lowered names than name expressions");
+  m = sample_module();
+  m.name_expressions.clear();
+  m.lowered_names.clear();
+  rejects(m, "no kernels");
+  m = sample_module();
+  m.lowered_names[0].clear();
+  rejects(m, "empty lowered name");
+  m = sample_module();
+  m.image.clear();
+  rejects(m, "empty image");
+  m = sample_module();
+  m.image[0] = 'x';
+  rejects(m, "cubin without ELF magic");
+  m = sample_module();
+  m.target.ptx = true;
+  rejects(m, "PTX without NUL and options for sm_90");
+  m = sample_module();
+  m.target.sm = 80;
+  rejects(m, "options build for another arch");
+  m = sample_module();
+  m.target.sm = 0;
+  rejects(m, "no arch");
+}
+
+TEST(CacheEntry, KeysAreHexOnly) {
+  EXPECT_TRUE(is_cache_key(sample_key()));
+  EXPECT_FALSE(is_cache_key(""));
+  EXPECT_FALSE(is_cache_key("../../../../etc/passwd0123456789a"));
+  EXPECT_FALSE(is_cache_key("0123456789ABCDEF0123456789abcdef"));
+  EXPECT_FALSE(is_cache_key(sample_key() + "0"));
+}
+
+}  // namespace
+}  // namespace moejit

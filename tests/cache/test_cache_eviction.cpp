@@ -1,0 +1,124 @@
+// Bounded growth: after a publish the least recently used entries go until the cache is under
+// its cap, but never the entry just written, an entry young enough to be mid-replacement, or one
+// whose key another process holds the build lock of.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "cache_key.h"
+#include "cache_test_util.h"
+#include "disk_cache.h"
+#include "kernel_store.h"
+
+namespace moejit {
+namespace {
+
+namespace fs = std::filesystem;
+using Source = KernelStore::Source;
+
+class CacheEviction : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = scratch_ / "cache";
+    Stats s;
+    KernelStore none(test::cache_settings("", MOEJIT_CACHE_MODE_DISABLED), s);
+    for (int i = 0; i < 5; ++i)
+      keys_.push_back(cache_key(none.request_for(test::small_spec(i), test::test_target())));
+  }
+  Source obtain(int i, uint64_t max_bytes) {
+    Stats s;
+    KernelStore store(test::cache_settings(dir_, MOEJIT_CACHE_MODE_READ_WRITE, max_bytes), s);
+    Source source;
+    store.obtain(test::small_spec(i), test::test_target(), &source);
+    return source;
+  }
+  std::string path(int i) { return cache_entry_path(dir_, keys_[static_cast<size_t>(i)]); }
+  // Pretends entry i was last used `age` seconds ago.
+  void age(int i, long seconds) {
+    struct timespec t[2];
+    clock_gettime(CLOCK_REALTIME, &t[0]);
+    t[0].tv_sec -= seconds;
+    t[1] = t[0];
+    ASSERT_EQ(utimensat(AT_FDCWD, path(i).c_str(), t, 0), 0);
+  }
+  uint64_t total() { return verify_cache_dir(dir_, false).bytes; }
+
+  test::ScratchDir scratch_;
+  std::string dir_;
+  std::vector<std::string> keys_;
+};
+
+TEST_F(CacheEviction, KeepsTheCapByLastUse) {
+  for (int i = 0; i < 5; ++i) ASSERT_EQ(obtain(i, 1ull << 30), Source::kCompiled);
+  std::vector<uint64_t> size;
+  for (int i = 0; i < 5; ++i) size.push_back(fs::file_size(path(i)));
+  fs::remove(path(4));                                 // published again below, under a cap
+  for (int i = 0; i < 4; ++i) age(i, 1000 - 100 * i);  // 0 oldest ... 3 newest
+  // A hit is a use: entry 0 becomes the most recently used.
+  ASSERT_EQ(obtain(0, 1ull << 30), Source::kDisk);
+  struct stat st {};
+  ASSERT_EQ(stat(path(0).c_str(), &st), 0);
+  EXPECT_LT(time(nullptr) - st.st_mtime, 100) << "a hit refreshes the last use";
+  for (int i = 1; i < 4; ++i) age(i, 1000 - 100 * i);
+
+  // Room for 0, 3 and 4 but not one more: publishing 4 must evict exactly the two least
+  // recently used, 1 and 2.
+  const uint64_t cap = size[0] + size[3] + size[4] + std::min(size[1], size[2]) - 1;
+  ASSERT_EQ(obtain(4, cap), Source::kCompiled);
+  EXPECT_LE(total(), cap);
+  EXPECT_TRUE(fs::exists(path(4))) << "the entry just written";
+  EXPECT_TRUE(fs::exists(path(0))) << "recently used";
+  EXPECT_TRUE(fs::exists(path(3)));
+  EXPECT_FALSE(fs::exists(path(1)));
+  EXPECT_FALSE(fs::exists(path(2)));
+  EXPECT_EQ(verify_cache_dir(dir_, false).invalid_paths.size(), 0u);
+}
+
+TEST_F(CacheEviction, NeverDeletesAnEntryBeingReplacedOrJustWritten) {
+  for (int i = 0; i < 3; ++i) ASSERT_EQ(obtain(i, 1ull << 30), Source::kCompiled);
+  age(0, 1000);
+  age(1, 1000);
+  // Entry 2 is young (as if it had just replaced an older one); entry 1 is being rebuilt by
+  // "another process", which holds its build lock.
+  Stats s;
+  auto other = open_disk_cache(test::cache_settings(dir_), s);
+  ASSERT_NE(other, nullptr);
+  std::unique_ptr<KeyLock> held = other->lock(keys_[1]);
+  ASSERT_NE(held, nullptr);
+
+  ASSERT_EQ(obtain(3, 1), Source::kCompiled);  // a cap nothing fits under
+  EXPECT_FALSE(fs::exists(path(0))) << "old and unlocked: evicted";
+  EXPECT_TRUE(fs::exists(path(1))) << "locked by its builder";
+  EXPECT_TRUE(fs::exists(path(2))) << "younger than the minimum eviction age";
+  EXPECT_TRUE(fs::exists(path(3))) << "just written";
+
+  held.reset();
+  ASSERT_EQ(obtain(4, 1), Source::kCompiled);
+  EXPECT_FALSE(fs::exists(path(1))) << "evictable once its lock is released";
+}
+
+TEST_F(CacheEviction, SweepsTempFilesOfDeadWriters) {
+  ASSERT_EQ(obtain(0, 1ull << 30), Source::kCompiled);
+  const fs::path shard = fs::path(path(0)).parent_path();
+  // A dead writer on another host: only its age tells; a live one (us) must be left alone.
+  const std::string stale = (shard / ("." + keys_[0] + ".999999.deadbeef.0.tmp")).string();
+  const std::string fresh = (shard / ("." + keys_[0] + ".999999.deadbeef.1.tmp")).string();
+  const std::string stale_lock = (shard / (keys_[0] + ".lock")).string();
+  test::write_file(stale, "partial");
+  test::write_file(fresh, "partial");
+  test::write_file(stale_lock, "");
+  struct timespec old[2];
+  clock_gettime(CLOCK_REALTIME, &old[0]);
+  old[0].tv_sec -= 3600;
+  old[1] = old[0];
+  utimensat(AT_FDCWD, stale.c_str(), old, 0);
+  utimensat(AT_FDCWD, stale_lock.c_str(), old, 0);
+  ASSERT_EQ(obtain(1, 1ull << 30), Source::kCompiled);
+  EXPECT_FALSE(fs::exists(stale));
+  EXPECT_FALSE(fs::exists(stale_lock));
+  EXPECT_TRUE(fs::exists(fresh)) << "may belong to a live writer elsewhere";
+}
+
+}  // namespace
+}  // namespace moejit

@@ -1,0 +1,166 @@
+// The disk cache between processes (each a cache_worker with its own KernelStore): cold starts
+// racing on the same keys, a writer killed between write and rename, a stuck lock holder, and the
+// faults that need another uid or a file size limit.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <thread>
+
+#include "cache_key.h"
+#include "cache_test_util.h"
+#include "disk_cache.h"
+#include "kernel_store.h"
+#include "worker_process.h"
+
+namespace moejit {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+class CacheProcesses : public ::testing::Test {
+ protected:
+  void SetUp() override { dir_ = scratch_ / "cache"; }
+  std::string key_of(int i) {
+    Stats s;
+    KernelStore none(test::cache_settings("", MOEJIT_CACHE_MODE_DISABLED), s);
+    return cache_key(none.request_for(test::small_spec(i), test::test_target()));
+  }
+  std::vector<std::string> args(std::vector<std::string> extra = {}) {
+    std::vector<std::string> a = {"--dir", dir_};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  }
+  std::vector<std::string> temp_files() {
+    std::vector<std::string> out;
+    for (const std::string& f : test::files_under(dir_))
+      if (f.size() > 4 && f.compare(f.size() - 4, 4, ".tmp") == 0) out.push_back(f);
+    return out;
+  }
+  // Starts a writer that stops after writing its temp file, before the rename, and waits until
+  // it got there.
+  test::Worker start_paused_writer() {
+    test::Worker w = test::start_worker(args(), {"MOEJIT_TEST_PAUSE_BEFORE_RENAME=1"});
+    const auto deadline = Clock::now() + std::chrono::seconds(60);
+    while (temp_files().empty() && Clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    return w;
+  }
+
+  test::ScratchDir scratch_;
+  std::string dir_;
+};
+
+TEST_F(CacheProcesses, ManyProcessesAndThreadsColdStartOnTheSameKeys) {
+  constexpr int kProcesses = 8, kThreads = 4, kKeys = 3;
+  std::vector<test::Worker> workers;
+  for (int p = 0; p < kProcesses; ++p)
+    workers.push_back(test::start_worker(
+        args({"--threads", std::to_string(kThreads), "--keys", std::to_string(kKeys)})));
+  long long compiles = 0, disk_hits = 0;
+  for (const test::Worker& w : workers) {
+    const test::WorkerResult r = test::finish_worker(w);
+    EXPECT_TRUE(r.exited);
+    EXPECT_EQ(r.exit_code, 0);
+    EXPECT_EQ(r["failed"], 0);
+    EXPECT_EQ(r["disk_errors"], 0);
+    EXPECT_EQ(r["warnings"], 0);
+    compiles += r["compiles"];
+    disk_hits += r["disk_hits"];
+  }
+  const CacheVerifyReport report = verify_cache_dir(dir_, false);
+  EXPECT_EQ(report.entries, static_cast<size_t>(kKeys));
+  EXPECT_EQ(report.valid, static_cast<size_t>(kKeys));
+  for (int k = 0; k < kKeys; ++k) EXPECT_TRUE(fs::exists(cache_entry_path(dir_, key_of(k))));
+  EXPECT_TRUE(temp_files().empty());
+  // Every process needs every key once (its threads share one store): each key is compiled by
+  // one process and loaded from disk by the others, thanks to the per-key build lock.
+  std::printf("[ info ] %d processes x %d threads, %d keys: %lld compiles, %lld disk hits\n",
+              kProcesses, kThreads, kKeys, compiles, disk_hits);
+  RecordProperty("compiles", static_cast<int>(compiles));
+  EXPECT_EQ(compiles, kKeys);
+  EXPECT_EQ(compiles + disk_hits, kProcesses * kKeys);
+}
+
+TEST_F(CacheProcesses, WriterKilledBeforeRenameLeavesNoEntryAndNoStuckLock) {
+  test::Worker writer = start_paused_writer();
+  ASSERT_FALSE(temp_files().empty()) << "the writer never reached the rename";
+  kill(writer.pid, SIGKILL);
+  const test::WorkerResult killed = test::finish_worker(writer);
+  EXPECT_FALSE(killed.exited);
+
+  const std::string entry = cache_entry_path(dir_, key_of(0));
+  EXPECT_FALSE(fs::exists(entry)) << "only a rename publishes";
+  EXPECT_EQ(verify_cache_dir(dir_, false).entries, 0u);
+
+  // The kernel dropped the dead writer's flock: the next process neither waits for the lock
+  // timeout (60 s by default) nor reads anything partial.
+  const auto start = Clock::now();
+  const test::WorkerResult next = test::run_worker(args());
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  EXPECT_EQ(next.exit_code, 0);
+  EXPECT_EQ(next["compiles"], 1);
+  EXPECT_EQ(next["disk_errors"], 0);
+  EXPECT_LT(seconds, 20.0);
+  EXPECT_EQ(verify_cache_dir(dir_, false).valid, 1u);
+  EXPECT_TRUE(temp_files().empty()) << "the dead writer's temp file was swept";
+}
+
+TEST_F(CacheProcesses, StuckLockHolderDelaysOthersOnlyUntilTheTimeout) {
+  test::Worker stuck = start_paused_writer();
+  ASSERT_FALSE(temp_files().empty());
+  const auto start = Clock::now();
+  const test::WorkerResult other = test::run_worker(args(), {"MOEJIT_CACHE_LOCK_TIMEOUT=1"});
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  EXPECT_EQ(other.exit_code, 0);
+  EXPECT_EQ(other["compiles"], 1);
+  EXPECT_EQ(other["warnings"], 1) << "the timed-out wait is reported";
+  EXPECT_GE(seconds, 1.0);
+  EXPECT_LT(seconds, 20.0);
+  EXPECT_EQ(verify_cache_dir(dir_, false).valid, 1u);
+  kill(stuck.pid, SIGKILL);
+  test::finish_worker(stuck);
+  EXPECT_EQ(verify_cache_dir(dir_, false).valid, 1u);
+}
+
+TEST_F(CacheProcesses, ReadOnlyDirectoryServesHitsAndWritesNothing) {
+  ASSERT_EQ(test::run_worker(args()).exit_code, 0);  // warm key 0
+  // Root ignores permission bits, so the reader drops to an unprivileged uid that owns the cache.
+  const bool root = geteuid() == 0;
+  std::vector<std::string> extra = {"--keys", "2"};
+  if (root) {
+    for (auto& e : fs::recursive_directory_iterator(dir_))
+      ASSERT_EQ(lchown(e.path().c_str(), 65534, 65534), 0);
+    ASSERT_EQ(lchown(dir_.c_str(), 65534, 65534), 0);
+    extra.insert(extra.end(), {"--uid", "65534"});
+  }
+  for (auto& e : fs::recursive_directory_iterator(dir_))
+    if (e.is_directory()) chmod(e.path().c_str(), 0500);
+  chmod(dir_.c_str(), 0500);
+  const auto before = test::files_under(dir_);
+  const test::WorkerResult r = test::run_worker(args(extra));
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_EQ(r["has_disk_cache"], 1);
+  EXPECT_EQ(r["disk_hits"], 1);
+  EXPECT_EQ(r["compiles"], 1);
+  EXPECT_EQ(r["warnings"], 1) << "one warning: not writable";
+  EXPECT_EQ(test::files_under(dir_), before);
+}
+
+TEST_F(CacheProcesses, FullDiskFailsTheWriteNotTheCompile) {
+  // RLIMIT_FSIZE makes every write past 1 KiB fail with EFBIG, as a full disk would.
+  const test::WorkerResult r = test::run_worker(args({"--fsize", "1024", "--keys", "2"}));
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_EQ(r["compiles"], 2);
+  EXPECT_GE(r["disk_errors"], 2);
+  EXPECT_EQ(r["warnings"], 1) << "write failures warn once";
+  EXPECT_TRUE(test::files_under(dir_).empty()) << "no partial entry, temp or lock file";
+  const test::WorkerResult after = test::run_worker(args());
+  EXPECT_EQ(after["compiles"], 1);
+  EXPECT_EQ(after["disk_errors"], 0);
+}
+
+}  // namespace
+}  // namespace moejit

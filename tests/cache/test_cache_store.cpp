@@ -1,0 +1,359 @@
+// The disk cache under the kernel store, with real (host-only) NVRTC compiles: every damaged
+// entry is a counted, warned miss followed by a good entry; modes; directory faults and the
+// security checks fall back to memory with one warning and never a wrong hit.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "cache_entry.h"
+#include "cache_key.h"
+#include "cache_test_util.h"
+#include "disk_cache.h"
+#include "error.h"
+#include "kernel_store.h"
+
+namespace moejit {
+namespace {
+
+using Source = KernelStore::Source;
+namespace fs = std::filesystem;
+
+class CacheStore : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    warnings_ = &test::WarningCounter::install();
+    warnings_->reset();
+    dir_ = scratch_ / "cache";
+  }
+  // Obtains spec i through a fresh store (a fresh process, as far as the cache can tell).
+  Source obtain(int i, Stats* stats, moejit_cache_mode mode = MOEJIT_CACHE_MODE_READ_WRITE) {
+    KernelStore store(test::cache_settings(dir_, mode), *stats);
+    Source source;
+    auto module = store.obtain(test::small_spec(i), test::test_target(), &source);
+    EXPECT_FALSE(module->image.empty());
+    return source;
+  }
+  std::string key_of(int i) {
+    Stats s;
+    KernelStore store(test::cache_settings("", MOEJIT_CACHE_MODE_DISABLED), s);
+    return cache_key(store.request_for(test::small_spec(i), test::test_target()));
+  }
+  std::string entry_of(int i) { return cache_entry_path(dir_, key_of(i)); }
+
+  test::ScratchDir scratch_;
+  std::string dir_;
+  test::WarningCounter* warnings_ = nullptr;
+};
+
+TEST_F(CacheStore, ColdCompilesWarmLoads) {
+  Stats cold, warm;
+  EXPECT_EQ(obtain(0, &cold), Source::kCompiled);
+  EXPECT_EQ(cold.compiles.load(), 1u);
+  EXPECT_EQ(obtain(0, &warm), Source::kDisk);
+  EXPECT_EQ(warm.compiles.load(), 0u);
+  EXPECT_EQ(warm.disk_hits.load(), 1u);
+  EXPECT_EQ(cold.disk_errors.load() + warm.disk_errors.load(), 0u);
+  EXPECT_EQ(warnings_->warnings(), 0);
+
+  // Layout and permissions: <dir>/v1/<ab>/<key>.moejit, directories 0700, entry 0600.
+  const std::string entry = entry_of(0);
+  EXPECT_TRUE(fs::is_regular_file(entry)) << entry;
+  struct stat st {};
+  ASSERT_EQ(stat(dir_.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  ASSERT_EQ(stat(fs::path(entry).parent_path().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  ASSERT_EQ(stat(entry.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(test::files_under(dir_).size(), 1u) << "no temp or lock file left behind";
+
+  const CacheVerifyReport report = verify_cache_dir(dir_, false);
+  EXPECT_EQ(report.entries, 1u);
+  EXPECT_EQ(report.valid, 1u);
+  EXPECT_EQ(report.bytes, fs::file_size(entry));
+}
+
+// Each damaged entry: a miss that counts a disk error and warns once, a compile that replaces
+// the entry, and then a good hit.
+TEST_F(CacheStore, DamagedEntriesAreMissesThenReplaced) {
+  Stats first;
+  ASSERT_EQ(obtain(0, &first), Source::kCompiled);
+  const std::string path = entry_of(0);
+  const std::string good = test::read_file(path);
+  ASSERT_GT(good.size(), kCacheEntryHeaderBytes);
+  auto reseal = [](std::string b) {
+    auto put = [&](size_t at, uint64_t v) {
+      for (int i = 0; i < 8; ++i) b[at + static_cast<size_t>(i)] = static_cast<char>(v >> (8 * i));
+    };
+    put(56, XXH3_64bits(b.data() + 72, b.size() - 72));
+    put(64, XXH3_64bits(b.data(), 64));
+    return b;
+  };
+  CompiledModule module;
+  std::string why;
+  ASSERT_TRUE(parse_cache_entry(good, key_of(0), &module, &why)) << why;
+
+  std::vector<std::pair<std::string, std::string>> cases = {
+      {"empty", ""},
+      {"truncated to 1", good.substr(0, 1)},
+      {"truncated to 40", good.substr(0, 40)},
+      {"truncated to header", good.substr(0, kCacheEntryHeaderBytes)},
+      {"truncated to half", good.substr(0, good.size() / 2)},
+      {"truncated by one", good.substr(0, good.size() - 1)},
+      {"garbage", std::string(good.size(), '\xa5')},
+      {"wrong key", encode_cache_entry(key_of(1), module)},
+      {"future format version", encode_cache_entry(key_of(0), module, kCacheFormatVersion + 1)},
+  };
+  std::string flipped = good;
+  flipped[20] = static_cast<char>(flipped[20] ^ 1);
+  cases.emplace_back("flipped header byte", flipped);
+  flipped = good;
+  flipped[good.size() - 100] = static_cast<char>(flipped[good.size() - 100] ^ 1);
+  cases.emplace_back("flipped payload byte", flipped);
+  std::string huge = good;
+  for (int i = 0; i < 8; ++i) huge[48 + static_cast<size_t>(i)] = i == 7 ? '\x3f' : '\xff';
+  cases.emplace_back("huge length field", reseal(huge));
+  CompiledModule other_nvrtc = module;
+  other_nvrtc.nvrtc_version = "9.9";
+  cases.emplace_back("built by another NVRTC", encode_cache_entry(key_of(0), other_nvrtc));
+
+  for (const auto& [name, bytes] : cases) {
+    SCOPED_TRACE(name);
+    test::write_file(path, bytes);
+    warnings_->reset();
+    Stats miss, hit;
+    EXPECT_EQ(obtain(0, &miss), Source::kCompiled);
+    EXPECT_EQ(miss.compiles.load(), 1u);
+    EXPECT_GE(miss.disk_errors.load(), 1u);
+    EXPECT_EQ(warnings_->warnings(), 1) << "one warning per damaged entry";
+    EXPECT_NE(warnings_->last().find(path), std::string::npos) << warnings_->last();
+    EXPECT_EQ(obtain(0, &hit), Source::kDisk) << "the damaged entry was replaced";
+    EXPECT_EQ(hit.disk_errors.load(), 0u);
+    EXPECT_EQ(test::read_file(path), good) << "the same build gives the same bytes";
+  }
+  EXPECT_EQ(verify_cache_dir(dir_, false).valid, 1u);
+}
+
+TEST_F(CacheStore, VerifyReportsAndRepairs) {
+  Stats s;
+  obtain(0, &s);
+  obtain(1, &s);
+  obtain(2, &s);
+  const std::string bad = entry_of(1);
+  test::write_file(bad, test::read_file(bad).substr(0, 100));
+  // A valid entry under another key's name is invalid too (key echo vs file name).
+  const std::string misnamed =
+      cache_entry_path(dir_, key_of(1).substr(0, 2) + std::string(30, 'f'));
+  fs::copy_file(entry_of(0), misnamed);
+  CacheVerifyReport report = verify_cache_dir(dir_, false);
+  EXPECT_EQ(report.entries, 4u);
+  EXPECT_EQ(report.valid, 2u);
+  EXPECT_EQ(report.invalid_paths.size(), 2u);
+  EXPECT_EQ(report.removed, 0u);
+  report = verify_cache_dir(dir_, true);
+  EXPECT_EQ(report.removed, 2u);
+  EXPECT_FALSE(fs::exists(bad));
+  report = verify_cache_dir(dir_, false);
+  EXPECT_EQ(report.entries, 2u);
+  EXPECT_EQ(report.valid, 2u);
+  EXPECT_EQ(verify_cache_dir(scratch_ / "nothing-here", false).entries, 0u);
+}
+
+TEST_F(CacheStore, ReadOnlyModeServesHitsAndWritesNothing) {
+  Stats s;
+  // Missing directory: not created.
+  EXPECT_EQ(obtain(0, &s, MOEJIT_CACHE_MODE_READ_ONLY), Source::kCompiled);
+  EXPECT_FALSE(fs::exists(dir_));
+  obtain(0, &s);  // warm one entry read-write
+  const auto before = test::files_under(dir_);
+  Stats ro;
+  EXPECT_EQ(obtain(0, &ro, MOEJIT_CACHE_MODE_READ_ONLY), Source::kDisk);
+  EXPECT_EQ(obtain(1, &ro, MOEJIT_CACHE_MODE_READ_ONLY), Source::kCompiled);
+  EXPECT_EQ(test::files_under(dir_), before) << "read-only wrote something";
+  EXPECT_EQ(ro.disk_errors.load(), 0u);
+}
+
+TEST_F(CacheStore, NoCompileModeServesHitsAndRefusesMisses) {
+  Stats s;
+  obtain(0, &s);
+  Stats nc;
+  EXPECT_EQ(obtain(0, &nc, MOEJIT_CACHE_MODE_NO_COMPILE), Source::kDisk);
+  KernelStore store(test::cache_settings(dir_, MOEJIT_CACHE_MODE_NO_COMPILE), nc);
+  try {
+    store.obtain(test::small_spec(1), test::test_target());
+    FAIL() << "a miss in no-compile mode must fail";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), MOEJIT_ERROR_NOT_CACHED);
+  }
+  EXPECT_EQ(nc.compiles.load(), 0u);
+  EXPECT_FALSE(fs::exists(entry_of(1)));
+}
+
+TEST_F(CacheStore, DisabledModeTouchesNoDisk) {
+  Stats s;
+  KernelStore store(test::cache_settings(dir_, MOEJIT_CACHE_MODE_DISABLED), s);
+  EXPECT_FALSE(store.has_disk_cache());
+  store.obtain(test::small_spec(0), test::test_target());
+  EXPECT_FALSE(fs::exists(dir_));
+  EXPECT_EQ(warnings_->warnings(), 0);
+}
+
+TEST_F(CacheStore, CreatesTheDirectoryAndOneMissingParent) {
+  dir_ = scratch_ / "dot-cache/moejit";  // like ~/.cache/moejit on a fresh home
+  Stats s;
+  EXPECT_EQ(obtain(0, &s), Source::kCompiled);
+  EXPECT_TRUE(fs::is_regular_file(entry_of(0)));
+  EXPECT_EQ(warnings_->warnings(), 0);
+}
+
+// Falls back to memory with exactly one warning and one counted disk error, compiles fine, and
+// writes nothing.
+void expect_memory_fallback(const std::string& dir, test::WarningCounter* warnings,
+                            const char* reason_part) {
+  warnings->reset();
+  Stats s;
+  KernelStore store(test::cache_settings(dir), s);
+  EXPECT_FALSE(store.has_disk_cache());
+  KernelStore::Source source;
+  EXPECT_NO_THROW(store.obtain(test::small_spec(0), test::test_target(), &source));
+  EXPECT_EQ(source, KernelStore::Source::kCompiled);
+  EXPECT_EQ(warnings->warnings(), 1);
+  EXPECT_NE(warnings->last().find(reason_part), std::string::npos) << warnings->last();
+  EXPECT_EQ(s.disk_errors.load(), 1u);
+}
+
+TEST_F(CacheStore, MissingParentsFallBackToMemory) {
+  dir_ = scratch_ / "no/such/parents/moejit";
+  expect_memory_fallback(dir_, warnings_, "No such file");
+  EXPECT_FALSE(fs::exists(scratch_ / "no"));
+}
+
+TEST_F(CacheStore, PathThatIsAFileFallsBackToMemory) {
+  test::write_file(dir_, "not a directory");
+  expect_memory_fallback(dir_, warnings_, "not a directory");
+  EXPECT_EQ(test::read_file(dir_), "not a directory");
+}
+
+TEST_F(CacheStore, VersionDirThatIsAFileFallsBackToMemory) {
+  fs::create_directory(dir_);
+  chmod(dir_.c_str(), 0700);
+  test::write_file(dir_ + "/v1", "");
+  expect_memory_fallback(dir_, warnings_, "not a directory");
+}
+
+TEST_F(CacheStore, WorldOrGroupWritableDirectoryIsRefused) {
+  Stats s;
+  obtain(0, &s);
+  for (mode_t mode : {0777, 0770, 0702}) {
+    chmod(dir_.c_str(), mode);
+    expect_memory_fallback(dir_, warnings_, "writable by group or others");
+  }
+  chmod(dir_.c_str(), 0700);
+  chmod((dir_ + "/v1").c_str(), 0777);
+  expect_memory_fallback(dir_, warnings_, "writable by group or others");
+}
+
+TEST_F(CacheStore, ForeignOwnedDirectoryIsRefused) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to give a directory to another uid";
+  Stats s;
+  obtain(0, &s);
+  ASSERT_EQ(chown(dir_.c_str(), 65534, 65534), 0);
+  expect_memory_fallback(dir_, warnings_, "owned by uid 65534");
+}
+
+TEST_F(CacheStore, SymlinkedCacheDirectoryIsRefused) {
+  const std::string real = scratch_ / "real";
+  dir_ = real;
+  Stats s;
+  obtain(0, &s);
+  const std::string link = scratch_ / "link";
+  fs::create_directory_symlink(real, link);
+  expect_memory_fallback(link, warnings_, "symbolic link");
+  expect_memory_fallback(link + "/", warnings_, "symbolic link");
+}
+
+TEST_F(CacheStore, SymlinkedEntryIsNotFollowed) {
+  Stats s;
+  obtain(0, &s);
+  const std::string entry = entry_of(0);
+  // A valid entry for the very key, reached through a symlink: still refused.
+  const std::string elsewhere = scratch_ / "planted.moejit";
+  fs::rename(entry, elsewhere);
+  fs::create_symlink(elsewhere, entry);
+  const std::string planted = test::read_file(elsewhere);
+  Stats miss;
+  EXPECT_EQ(obtain(0, &miss), Source::kCompiled);
+  EXPECT_EQ(miss.disk_errors.load(), 1u);
+  EXPECT_EQ(warnings_->warnings(), 1);
+  EXPECT_NE(warnings_->last().find("symbolic link"), std::string::npos) << warnings_->last();
+  EXPECT_FALSE(fs::is_symlink(entry)) << "the link was replaced, not written through";
+  EXPECT_EQ(test::read_file(elsewhere), planted);
+  Stats hit;
+  EXPECT_EQ(obtain(0, &hit), Source::kDisk);
+}
+
+TEST_F(CacheStore, SymlinkedShardDirectoryIsRefused) {
+  Stats s;
+  obtain(0, &s);
+  const fs::path shard = fs::path(entry_of(0)).parent_path();
+  const std::string moved = scratch_ / "shard";
+  fs::rename(shard, moved);
+  fs::create_directory_symlink(moved, shard);
+  Stats miss;
+  EXPECT_EQ(obtain(0, &miss), Source::kCompiled);
+  EXPECT_GE(miss.disk_errors.load(), 1u);
+  EXPECT_GE(warnings_->warnings(), 1);
+}
+
+TEST_F(CacheStore, EntryWritableByOthersOrForeignOwnedIsRefused) {
+  Stats s;
+  obtain(0, &s);
+  const std::string entry = entry_of(0);
+  chmod(entry.c_str(), 0666);
+  Stats miss;
+  EXPECT_EQ(obtain(0, &miss), Source::kCompiled);
+  EXPECT_EQ(miss.disk_errors.load(), 1u);
+  Stats hit;
+  EXPECT_EQ(obtain(0, &hit), Source::kDisk) << "replaced by a private entry";
+  if (geteuid() == 0) {
+    ASSERT_EQ(chown(entry.c_str(), 65534, 65534), 0);
+    Stats foreign;
+    EXPECT_EQ(obtain(0, &foreign), Source::kCompiled);
+    EXPECT_EQ(foreign.disk_errors.load(), 1u);
+  }
+}
+
+TEST_F(CacheStore, InvalidateDropsAnEntry) {
+  Stats s;
+  obtain(0, &s);
+  auto cache = open_disk_cache(test::cache_settings(dir_), s);
+  ASSERT_NE(cache, nullptr);
+  ASSERT_TRUE(cache->load(key_of(0)).has_value());
+  cache->invalidate(key_of(0));
+  EXPECT_FALSE(cache->load(key_of(0)).has_value());
+  EXPECT_FALSE(fs::exists(entry_of(0)));
+  // Read-only: the file stays, this cache stops serving it.
+  obtain(0, &s);
+  auto ro = open_disk_cache(test::cache_settings(dir_, MOEJIT_CACHE_MODE_READ_ONLY), s);
+  ASSERT_NE(ro, nullptr);
+  ro->invalidate(key_of(0));
+  EXPECT_FALSE(ro->load(key_of(0)).has_value());
+  EXPECT_TRUE(fs::exists(entry_of(0)));
+  EXPECT_EQ(ro->lock(key_of(0)), nullptr) << "read-only caches hand out no build lock";
+}
+
+TEST_F(CacheStore, NonKeysNeverBecomePaths) {
+  Stats s;
+  auto cache = open_disk_cache(test::cache_settings(dir_), s);
+  ASSERT_NE(cache, nullptr);
+  EXPECT_FALSE(cache->load("../../etc/passwd").has_value());
+  cache->store("../escape", CompiledModule{});
+  EXPECT_FALSE(fs::exists(dir_ + "/escape.moejit"));
+  EXPECT_EQ(cache->lock("zz"), nullptr);
+}
+
+}  // namespace
+}  // namespace moejit
