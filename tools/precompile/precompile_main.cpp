@@ -315,10 +315,12 @@ int run_precompile(const Options& o) {
     for (const KernelSpec& s : specs) jobs.push_back(Job{s, t});
 
   Stats stats;
-  // The dry run only looks (no-compile mode never writes); a directory that does not exist yet is
-  // not created by it: nothing is cached there.
-  const Settings settings =
+  // The dry run only looks (no-compile mode never writes), and a directory that does not exist
+  // yet is not even opened, so the dry run creates nothing: nothing is cached there anyway.
+  Settings settings =
       cache_settings(o, o.dry_run ? MOEJIT_CACHE_MODE_NO_COMPILE : MOEJIT_CACHE_MODE_READ_WRITE);
+  if (o.dry_run && !is_directory(settings.cache_dir))
+    settings.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
   std::unique_ptr<KernelStore> store;
   try {
     store = std::make_unique<KernelStore>(settings, stats);
@@ -336,7 +338,7 @@ int run_precompile(const Options& o) {
     results[i].key = cache_key(store->request_for(jobs[i].spec, jobs[i].target));
 
   if (o.dry_run) {
-    const bool can_look = store->has_disk_cache() && is_directory(settings.cache_dir);
+    const bool can_look = store->has_disk_cache();
     size_t cached = 0;
     for (size_t i = 0; i < jobs.size(); ++i) {
       bool hit = false;
