@@ -3,6 +3,7 @@
 //
 // It goes through the same KernelStore, cache key and atomic publish path as the runtime: what it
 // writes is exactly what moe_combine() looks up.
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -217,7 +218,13 @@ class Progress {
     std::snprintf(counts, sizeof(counts), "[%zu/%zu] compiled %zu, cached %zu, failed %zu",
                   finished_, total_, compiled_, cached_, failed_);
     if (tty_) {
-      std::fprintf(stderr, "\r\033[K%s  (%s)", counts, what.c_str());
+      // One line that fits the terminal: a wrapped line could not be overwritten by '\r'.
+      std::string line = std::string(counts) + "  (" + what + ")";
+      struct winsize ws {};
+      const size_t width =
+          ioctl(STDERR_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 10 ? ws.ws_col : 80;
+      if (line.size() >= width) line = line.substr(0, width - 4) + "...";
+      std::fprintf(stderr, "\r\033[K%s", line.c_str());
       if (finished_ == total_) std::fprintf(stderr, "\n");
     } else {
       std::fprintf(stderr, "[%zu/%zu] %s %s (%.2f s)\n", finished_, total_, status, what.c_str(),
