@@ -44,6 +44,8 @@ LoadedDriver load() {
             resolve(handle, "cuCtxGetDevice", &a.cuCtxGetDevice) &&
             resolve(handle, "cuCtxPushCurrent_v2", &a.cuCtxPushCurrent) &&
             resolve(handle, "cuCtxPopCurrent_v2", &a.cuCtxPopCurrent) &&
+            resolve(handle, "cuDeviceGetCount", &a.cuDeviceGetCount) &&
+            resolve(handle, "cuDeviceGet", &a.cuDeviceGet) &&
             resolve(handle, "cuDeviceGetAttribute", &a.cuDeviceGetAttribute) &&
             resolve(handle, "cuOccupancyMaxActiveBlocksPerMultiprocessor",
                     &a.cuOccupancyMaxActiveBlocksPerMultiprocessor) &&

@@ -19,6 +19,9 @@ struct DriverApi {
   CUresult (*cuCtxGetId)(CUcontext, unsigned long long*);  // may be null (driver < 12.0)
   CUresult (*cuCtxPushCurrent)(CUcontext);
   CUresult (*cuCtxPopCurrent)(CUcontext*);
+  // Device enumeration: tools (moejit-precompile) ask which GPU is present without a context.
+  CUresult (*cuDeviceGetCount)(int*);
+  CUresult (*cuDeviceGet)(CUdevice*, int);
   CUresult (*cuDeviceGetAttribute)(int*, CUdevice_attribute, CUdevice);
   CUresult (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int*, CUfunction, int, size_t);
   CUresult (*cuModuleLoadData)(CUmodule*, const void*);

@@ -1,0 +1,250 @@
+// moejit-precompile against the real on-disk cache: warming, second runs, the runtime's
+// no-compile lookups, concurrent runs, --verify/--repair, and that failures leave the cache valid.
+// Host only (targets sm_90 without a GPU). Keeps compiles few: NVRTC takes ~0.1-0.2 s each.
+#include <sys/stat.h>
+
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "cache_key.h"
+#include "combine_plan.h"
+#include "disk_cache.h"
+#include "gtest/gtest.h"
+#include "kernel_store.h"
+#include "precompile_inputs.h"
+#include "tool_runner.h"
+
+namespace moejit {
+namespace precompile {
+namespace {
+
+using nlohmann::json;
+using test::configs;
+
+const Target kSm90{90, false};
+const char* kExamples[] = {"deepseek-v3.json", "mixtral-8x7b.json", "qwen3-30b-a3b.json",
+                           "gpt-oss-120b.json"};
+// One layout and index type per example keeps the suite fast; Mixtral also gets the full default
+// expansion (every layout, both index types) once.
+const char* kNarrow = " --layout gather_map --index-type int32";
+
+// What the tool should have warmed, expanded with the same library functions.
+std::vector<KernelSpec> expected_specs(const std::string& file, bool full) {
+  const ModelConfig c = read_model_config(configs(file));
+  Shape s;
+  s.hidden = c.hidden;
+  s.top_k = c.top_k;
+  s.dtype = s.out_dtype = parse_dtype(*c.dtype, file);
+  std::vector<KernelSpec> specs;
+  if (full)
+    expand_shape(s, all_layouts(), all_index_types(), &specs);
+  else
+    expand_shape(s, {MOEJIT_LAYOUT_GATHER_MAP}, {MOEJIT_INDEX_INT32}, &specs);
+  return specs;
+}
+
+json parse_json(const test::ToolRun& r) {
+  try {
+    return json::parse(r.out);
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "stdout is not JSON: " << e.what() << "\n" << r.out << "\n" << r.err;
+    return json::object();
+  }
+}
+
+class WarmedCache : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    unsetenv("MOEJIT_TEMPLATE_DIR");
+    unsetenv("MOEJIT_CACHE_MODE");
+    scratch_ = test::make_temp_dir("pc-cache");
+    cache_ = scratch_ + "/cache";
+    first_seconds_ = 0;
+    expected_entries_ = 0;
+    for (const char* file : kExamples) {
+      const test::ToolRun r = warm(file, false);
+      first_seconds_ += r.seconds;
+      ASSERT_EQ(r.rc, 0) << file << "\n" << r.err;
+      const json j = parse_json(r);
+      EXPECT_EQ(j["compiled"], 1) << file;
+      EXPECT_EQ(j["failed"], 0) << file;
+      EXPECT_GT(j["bytes_written"].get<uint64_t>(), 0u) << file;
+      expected_entries_ += 1;
+    }
+    const test::ToolRun full = warm("mixtral-8x7b.json", true);
+    first_seconds_ += full.seconds;
+    ASSERT_EQ(full.rc, 0) << full.err;
+    const json j = parse_json(full);
+    EXPECT_EQ(j["compiled"], 4);  // gather_map/int32 is already there
+    EXPECT_EQ(j["cached"], 1);
+    expected_entries_ += 4;
+  }
+  static void TearDownTestSuite() { test::remove_tree(scratch_); }
+
+  static test::ToolRun warm(const std::string& file, bool full, const std::string& extra = "",
+                            const std::string& env = "") {
+    return test::run_tool("--json -j 2 --arch sm_90 --model-config '" + configs(file) +
+                              "' --cache-dir '" + cache_ + "'" + (full ? "" : kNarrow) + extra,
+                          scratch_, env);
+  }
+
+  static void expect_cache_valid(size_t entries) {
+    const CacheVerifyReport r = verify_cache_dir(cache_, false);
+    EXPECT_EQ(r.entries, entries);
+    EXPECT_EQ(r.valid, entries);
+    EXPECT_TRUE(r.invalid_paths.empty()) << r.invalid_paths.front();
+  }
+
+  static std::string scratch_, cache_;
+  static double first_seconds_;
+  static size_t expected_entries_;
+};
+
+std::string WarmedCache::scratch_, WarmedCache::cache_;
+double WarmedCache::first_seconds_;
+size_t WarmedCache::expected_entries_;
+
+TEST_F(WarmedCache, CreatesTheExpectedEntries) {
+  expect_cache_valid(expected_entries_);
+}
+
+TEST_F(WarmedCache, SecondRunCompilesNothingAndIsFast) {
+  double second_seconds = 0;
+  for (const char* file : kExamples) {
+    const test::ToolRun r = warm(file, false);
+    second_seconds += r.seconds;
+    ASSERT_EQ(r.rc, 0) << r.err;
+    const json j = parse_json(r);
+    EXPECT_EQ(j["compiled"], 0) << file;
+    EXPECT_EQ(j["cached"], 1) << file;
+    EXPECT_EQ(j["bytes_written"], 0) << file;
+  }
+  const test::ToolRun full = warm("mixtral-8x7b.json", true);
+  second_seconds += full.seconds;
+  EXPECT_EQ(parse_json(full)["compiled"], 0);
+  EXPECT_EQ(parse_json(full)["cached"], 5);
+  // The first pass paid NVRTC's start and 8 compiles; the second only reads and validates files.
+  EXPECT_LT(second_seconds, 0.5 * first_seconds_)
+      << "first " << first_seconds_ << " s, second " << second_seconds << " s";
+  expect_cache_valid(expected_entries_);
+}
+
+TEST_F(WarmedCache, DryRunReportsEverythingCached) {
+  const test::ToolRun r = warm("mixtral-8x7b.json", true, " --dry-run");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const json j = parse_json(r);
+  EXPECT_EQ(j["cached"], 5);
+  EXPECT_EQ(j["missing"], 0);
+}
+
+TEST_F(WarmedCache, NoCompileRuntimeFindsEverySpecialization) {
+  Settings settings;
+  settings.cache_dir = cache_;
+  settings.cache_mode = MOEJIT_CACHE_MODE_NO_COMPILE;
+  Stats stats;
+  KernelStore store(settings, stats);
+  ASSERT_TRUE(store.has_disk_cache());
+  size_t looked_up = 0;
+  for (const char* file : kExamples)
+    for (const KernelSpec& spec : expected_specs(file, std::string(file) == "mixtral-8x7b.json")) {
+      // Exactly what moe_combine() plans for 256-byte-aligned, unpadded buffers.
+      KernelStore::Source source;
+      EXPECT_NO_THROW(store.obtain(spec, kSm90, &source)) << file << " " << spec.describe();
+      EXPECT_EQ(source, KernelStore::Source::kDisk);
+      ++looked_up;
+    }
+  EXPECT_EQ(looked_up, expected_entries_);
+  EXPECT_EQ(stats.compiles.load(), 0u);
+  EXPECT_EQ(stats.disk_hits.load(), looked_up);
+}
+
+TEST_F(WarmedCache, BadInputsAndFailedCompilesLeaveTheCacheValid) {
+  const std::string dir = " --cache-dir '" + cache_ + "' --arch sm_90";
+  test::write_file(scratch_ + "/broken.json", "{\"hidden_size\": ");
+  test::write_file(scratch_ + "/fp8.json",
+                   R"({"hidden_size": 64, "num_experts_per_tok": 2, "torch_dtype": "float8"})");
+  for (const std::string& args :
+       {"--model-config '" + scratch_ + "/missing.json'" + dir,
+        "--model-config '" + scratch_ + "/broken.json'" + dir,
+        "--model-config '" + scratch_ + "/fp8.json'" + dir, "--hidden 64 --topk 2" + dir,
+        "--hidden 64 --topk 2 --dtype bf16 --arch sm_1" + dir}) {
+    const test::ToolRun r = test::run_tool(args, scratch_);
+    EXPECT_EQ(r.rc, 2) << args << "\n" << r.err;
+  }
+
+  // A compile failure: templates that do not compile (development override directory).
+  const std::string broken = scratch_ + "/templates";
+  ASSERT_EQ(mkdir(broken.c_str(), 0700), 0);
+  test::write_file(broken + "/combine_params.h",
+                   test::slurp(std::string(MOEJIT_TEMPLATES_SOURCE) + "/combine_params.h"));
+  test::write_file(broken + "/combine.cuh",
+                   test::slurp(std::string(MOEJIT_TEMPLATES_SOURCE) + "/combine.cuh") +
+                       "\n#error deliberately broken template\n");
+  const test::ToolRun r =
+      warm("qwen3-30b-a3b.json", false, "", "MOEJIT_TEMPLATE_DIR='" + broken + "' ");
+  EXPECT_EQ(r.rc, 1) << r.err;
+  EXPECT_NE(r.err.find("deliberately broken template"), std::string::npos) << r.err;
+  EXPECT_EQ(parse_json(r)["failed"], 1);
+  expect_cache_valid(expected_entries_);
+}
+
+TEST_F(WarmedCache, VerifyReportsAndRepairsInvalidEntries) {
+  // Truncate one entry the tool wrote, as a crash of a non-atomic writer would.
+  Settings settings;
+  settings.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
+  Stats stats;
+  KernelStore keys(settings, stats);
+  const KernelSpec spec = expected_specs("gpt-oss-120b.json", false).at(0);
+  const std::string path = cache_entry_path(cache_, cache_key(keys.request_for(spec, kSm90)));
+  const std::string bytes = test::slurp(path);
+  ASSERT_GT(bytes.size(), 64u) << path;
+  test::write_file(path, bytes.substr(0, bytes.size() / 2));
+
+  const std::string dir = " --cache-dir '" + cache_ + "'";
+  test::ToolRun r = test::run_tool("--verify" + dir, scratch_);
+  EXPECT_EQ(r.rc, 4) << r.out << r.err;
+  EXPECT_NE(r.out.find(path), std::string::npos) << r.out;
+
+  r = test::run_tool("--verify --repair --json" + dir, scratch_);
+  EXPECT_EQ(r.rc, 0) << r.out << r.err;
+  const json j = parse_json(r);
+  EXPECT_EQ(j["removed"], 1);
+  EXPECT_EQ(j["valid"], expected_entries_ - 1);
+
+  r = test::run_tool("--verify" + dir, scratch_);
+  EXPECT_EQ(r.rc, 0) << r.out << r.err;
+
+  // Warming again restores exactly the removed entry.
+  r = warm("gpt-oss-120b.json", false);
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(parse_json(r)["compiled"], 1);
+  expect_cache_valid(expected_entries_);
+}
+
+TEST(Concurrency, ParallelJobsAndTwoProcessesIntoOneDirectory) {
+  unsetenv("MOEJIT_TEMPLATE_DIR");
+  const std::string scratch = test::make_temp_dir("pc-conc");
+  const std::string args = "--json -j 2 --arch sm_90 --model-config '" +
+                           configs("qwen3-30b-a3b.json") + "' --cache-dir '" + scratch + "/cache'";
+  test::ToolRun a, b;
+  std::thread other([&] { b = test::run_tool(args, scratch); });
+  a = test::run_tool(args, scratch);
+  other.join();
+  const size_t expected = expected_specs("qwen3-30b-a3b.json", true).size();
+  for (const test::ToolRun* r : {&a, &b}) {
+    EXPECT_EQ(r->rc, 0) << r->err;
+    const json j = parse_json(*r);
+    EXPECT_EQ(j["total"], expected);
+    EXPECT_EQ(j["failed"], 0);
+    EXPECT_EQ(j["compiled"].get<size_t>() + j["cached"].get<size_t>(), expected);
+  }
+  const CacheVerifyReport v = verify_cache_dir(scratch + "/cache", false);
+  EXPECT_EQ(v.entries, expected);
+  EXPECT_EQ(v.valid, expected);
+  EXPECT_TRUE(v.invalid_paths.empty());
+  test::remove_tree(scratch);
+}
+
+}  // namespace
+}  // namespace precompile
+}  // namespace moejit

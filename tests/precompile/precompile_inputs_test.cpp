@@ -1,0 +1,336 @@
+// moejit-precompile inputs: config.json parsing, expansion, manifests, --arch, and the CLI's error
+// paths, dry run and JSON output. Needs neither a GPU nor the disk cache.
+#include <sys/stat.h>
+
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <regex>
+
+#include "cache_key.h"
+#include "combine_plan.h"
+#include "gtest/gtest.h"
+#include "kernel_store.h"
+#include "precompile_inputs.h"
+#include "tool_runner.h"
+
+namespace moejit {
+namespace precompile {
+namespace {
+
+using test::configs;
+using test::run_tool;
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no InputError thrown";
+  return std::string();
+}
+
+TEST(ModelConfig, ReadsEachExampleConfig) {
+  struct Expected {
+    const char* file;
+    int hidden, top_k;
+    const char* top_k_field;
+  };
+  for (const Expected& e : {Expected{"deepseek-v3.json", 7168, 8, "num_experts_per_tok"},
+                            Expected{"mixtral-8x7b.json", 4096, 2, "num_experts_per_tok"},
+                            Expected{"qwen3-30b-a3b.json", 2048, 8, "num_experts_per_tok"},
+                            Expected{"gpt-oss-120b.json", 2880, 4, "experts_per_token"}}) {
+    const ModelConfig c = read_model_config(configs(e.file));
+    EXPECT_EQ(c.hidden, e.hidden) << e.file;
+    EXPECT_EQ(c.top_k, e.top_k) << e.file;
+    EXPECT_EQ(c.top_k_field, e.top_k_field) << e.file;
+    ASSERT_TRUE(c.dtype.has_value()) << e.file;
+    EXPECT_EQ(parse_dtype(*c.dtype, "t"), MOEJIT_DTYPE_BFLOAT16) << e.file;
+  }
+}
+
+TEST(ModelConfig, EveryTopKNameAndDtypeField) {
+  for (const std::string& name : top_k_field_names()) {
+    const ModelConfig c = parse_model_config(
+        R"({"hidden_size": 1024, ")" + name + R"(": 6, "dtype": "float16"})", "x.json");
+    EXPECT_EQ(c.top_k, 6) << name;
+    EXPECT_EQ(c.top_k_field, name);
+    EXPECT_EQ(c.dtype_field, "dtype");
+  }
+}
+
+TEST(ModelConfig, LooksInsideNestedTextConfig) {
+  // A multimodal layout: the vision tower has its own hidden_size, which must not be taken.
+  const ModelConfig c = parse_model_config(R"({
+      "architectures": ["X"], "torch_dtype": "bfloat16",
+      "audio_config": {"hidden_size": 1280},
+      "vision_config": {"hidden_size": 1152},
+      "text_config": {"hidden_size": 5120, "num_experts_per_tok": 1}})",
+                                           "mm.json");
+  EXPECT_EQ(c.hidden, 5120);
+  EXPECT_EQ(c.top_k, 1);
+  EXPECT_EQ(c.hidden_field, "text_config.hidden_size");
+  EXPECT_EQ(c.top_k_field, "text_config.num_experts_per_tok");
+  EXPECT_EQ(c.dtype_field, "torch_dtype");  // from the enclosing object
+  EXPECT_EQ(*c.dtype, "bfloat16");
+}
+
+TEST(ModelConfig, ErrorsNameFileFieldAndExpectation) {
+  std::string m = error_of([] { read_model_config("/nonexistent/config.json"); });
+  EXPECT_NE(m.find("/nonexistent/config.json"), std::string::npos) << m;
+
+  m = error_of([] { parse_model_config("{\"hidden_size\": 7168,", "bad.json"); });
+  EXPECT_NE(m.find("bad.json"), std::string::npos) << m;
+  EXPECT_NE(m.find("not valid JSON"), std::string::npos) << m;
+
+  m = error_of([] { parse_model_config(R"({"num_experts_per_tok": 8})", "nohidden.json"); });
+  EXPECT_NE(m.find("nohidden.json"), std::string::npos) << m;
+  EXPECT_NE(m.find("missing field hidden_size"), std::string::npos) << m;
+
+  m = error_of([] { parse_model_config(R"({"hidden_size": 4096})", "dense.json"); });
+  EXPECT_NE(m.find("dense.json"), std::string::npos) << m;
+  EXPECT_NE(m.find("num_experts_per_tok"), std::string::npos) << m;
+  EXPECT_NE(m.find("experts_per_token"), std::string::npos) << m;
+
+  m = error_of([] { parse_model_config(R"({"hidden_size": "big", "top_k": 2})", "s.json"); });
+  EXPECT_NE(m.find("hidden_size = \"big\""), std::string::npos) << m;
+  EXPECT_NE(m.find("positive integer"), std::string::npos) << m;
+
+  m = error_of([] {
+    parse_model_config(R"({"hidden_size": 64, "top_k": 2, "num_experts_per_tok": 4})", "k.json");
+  });
+  EXPECT_NE(m.find("num_experts_per_tok = 4"), std::string::npos) << m;
+  EXPECT_NE(m.find("top_k = 2"), std::string::npos) << m;
+}
+
+TEST(Parse, DtypesLayoutsIndexTypes) {
+  EXPECT_EQ(parse_dtype("float32", "x"), MOEJIT_DTYPE_FLOAT32);
+  EXPECT_EQ(parse_dtype("FP32", "x"), MOEJIT_DTYPE_FLOAT32);
+  EXPECT_EQ(parse_dtype("half", "x"), MOEJIT_DTYPE_FLOAT16);
+  EXPECT_EQ(parse_dtype("float16", "x"), MOEJIT_DTYPE_FLOAT16);
+  EXPECT_EQ(parse_dtype("torch.bfloat16", "x"), MOEJIT_DTYPE_BFLOAT16);
+  EXPECT_EQ(parse_dtype("bf16", "x"), MOEJIT_DTYPE_BFLOAT16);
+  const std::string m =
+      error_of([] { parse_dtype("float8_e4m3fn", "cfg.json: field torch_dtype"); });
+  EXPECT_NE(m.find("cfg.json: field torch_dtype = \"float8_e4m3fn\""), std::string::npos) << m;
+  EXPECT_NE(m.find("fp32, fp16 or bf16"), std::string::npos) << m;
+  EXPECT_EQ(parse_layout("gather_map", "x"), MOEJIT_LAYOUT_GATHER_MAP);
+  EXPECT_EQ(parse_index_type("int64", "x"), MOEJIT_INDEX_INT64);
+  EXPECT_FALSE(error_of([] { parse_layout("scatter", "--layout"); }).empty());
+  EXPECT_FALSE(error_of([] { parse_index_type("int16", "--index-type"); }).empty());
+}
+
+TEST(Expand, MatchesWhatMoeCombineRequests) {
+  Shape s;
+  s.hidden = 7168;
+  s.top_k = 8;
+  s.dtype = s.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+  s.origin = "test";
+  std::vector<KernelSpec> specs;
+  expand_shape(s, all_layouts(), all_index_types(), &specs);
+  // token_major has no index: 1 + gather_map x 2 + token_index x 2.
+  ASSERT_EQ(specs.size(), 5u);
+  for (moejit_layout l : all_layouts())
+    for (moejit_index_type t : all_index_types()) {
+      const KernelSpec want =
+          spec_for_shape(l, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, t, 7168, 8, 256);
+      EXPECT_NE(std::find(specs.begin(), specs.end(), want), specs.end()) << want.describe();
+    }
+  expand_shape(s, all_layouts(), all_index_types(), &specs);  // no duplicates
+  EXPECT_EQ(specs.size(), 5u);
+
+  s.hidden = 0;
+  EXPECT_NE(error_of([&] {
+              expand_shape(s, all_layouts(), all_index_types(), &specs);
+            }).find("hidden size 0"),
+            std::string::npos);
+  s.hidden = 64;
+  s.top_k = 65;
+  EXPECT_NE(
+      error_of([&] { expand_shape(s, all_layouts(), all_index_types(), &specs); }).find("top-k 65"),
+      std::string::npos);
+}
+
+TEST(Manifest, ExactAndShapeLines) {
+  const KernelSpec exact = spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_FLOAT16,
+                                          MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2880, 4, 256);
+  const std::string text = "# warm list\n\n" + exact.describe() +
+                           "  # from a log\n"
+                           "hidden=4096 topk=2 dtype=bf16 layout=gather_map index_type=int32\n"
+                           "hidden=2048 topk=8 layout=token_major,token_index index_type=int64\n";
+  ManifestDefaults d;
+  d.dtype = MOEJIT_DTYPE_FLOAT32;
+  std::vector<KernelSpec> specs;
+  parse_manifest(text, "m.txt", d, &specs);
+  ASSERT_EQ(specs.size(), 4u);
+  EXPECT_EQ(specs[0], exact);
+  EXPECT_EQ(specs[1], spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
+                                     MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256));
+  EXPECT_EQ(specs[2], spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32,
+                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256));
+  EXPECT_EQ(specs[3], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256));
+
+  auto bad = [&](const std::string& line) {
+    return error_of([&] {
+      std::vector<KernelSpec> s;
+      parse_manifest("# header\n" + line + "\n", "m.txt", ManifestDefaults{}, &s);
+    });
+  };
+  EXPECT_NE(bad("hidden=4096 topk=2 dtype=bf16 color=red").find("m.txt:2: unknown key \"color\""),
+            std::string::npos);
+  EXPECT_NE(bad("topk=2 dtype=bf16").find("m.txt:2"), std::string::npos);
+  EXPECT_NE(bad("hidden=4096 topk=2").find("no dtype"), std::string::npos);
+  EXPECT_NE(bad("hidden=4096 topk=2 dtype=int8").find("unknown dtype"), std::string::npos);
+  EXPECT_NE(bad("layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=3 K=2 tpt=8 tpb=16 cap=0")
+                .find("vec = 3"),
+            std::string::npos);
+  EXPECT_NE(bad("layout=gather_map in=bf16 H=64").find("\"out\" is missing"), std::string::npos);
+  EXPECT_NE(bad("hidden").find("expected key=value"), std::string::npos);
+}
+
+TEST(Arch, ListsAllAndErrors) {
+  const std::vector<int> supported{60, 75, 80, 90, 100};
+  std::vector<Target> t = parse_archs("sm_90,80,compute_100", supported);
+  ASSERT_EQ(t.size(), 3u);
+  EXPECT_EQ(t[0], (Target{90, false}));
+  EXPECT_EQ(t[1], (Target{80, false}));
+  EXPECT_EQ(t[2], (Target{100, true}));
+  t = parse_archs("all", supported);
+  ASSERT_EQ(t.size(), 4u);  // sm_60 is below sm_70
+  EXPECT_EQ(t[0].sm, 75);
+  std::string m = error_of([&] { parse_archs("sm_70", supported); });
+  EXPECT_NE(m.find("sm_70"), std::string::npos) << m;
+  EXPECT_NE(m.find("sm_75, sm_80, sm_90, sm_100"), std::string::npos) << m;
+  EXPECT_FALSE(error_of([&] { parse_archs("hopper", supported); }).empty());
+  EXPECT_FALSE(error_of([&] { parse_archs("", supported); }).empty());
+}
+
+// ---- the CLI, for what needs no disk cache -----------------------------------------------------
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    unsetenv("MOEJIT_TEMPLATE_DIR");
+    unsetenv("MOEJIT_CACHE_MODE");
+    scratch_ = test::make_temp_dir("pc-cli");
+  }
+  void TearDown() override { test::remove_tree(scratch_); }
+  test::ToolRun run(const std::string& args) { return run_tool(args, scratch_); }
+  std::string scratch_;
+};
+
+TEST_F(Cli, HelpDocumentsExitCodesAndManifest) {
+  const test::ToolRun r = run("--help");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("Exit codes"), std::string::npos);
+  EXPECT_NE(r.out.find("3  the cache directory is unusable"), std::string::npos);
+  EXPECT_NE(r.out.find("KernelSpec::describe()"), std::string::npos);
+}
+
+TEST_F(Cli, BadInputsExitTwoWithAClearMessage) {
+  const std::string cache = " --cache-dir '" + scratch_ + "/cache' --arch sm_90 ";
+  test::write_file(scratch_ + "/broken.json", "{\"hidden_size\": 7168,");
+  test::write_file(scratch_ + "/nohidden.json", "{\"num_experts_per_tok\": 8}");
+  test::write_file(scratch_ + "/fp8.json",
+                   R"({"hidden_size": 7168, "num_experts_per_tok": 8, "torch_dtype": "float8"})");
+  test::write_file(scratch_ + "/nodtype.json", R"({"hidden_size": 7168, "top_k": 8})");
+  struct Case {
+    std::string args;
+    std::vector<std::string> message;
+  };
+  const std::vector<Case> cases{
+      {"--model-config '" + scratch_ + "/missing.json'", {"missing.json", "cannot be read"}},
+      {"--model-config '" + scratch_ + "/broken.json'", {"broken.json", "not valid JSON"}},
+      {"--model-config '" + scratch_ + "/nohidden.json'", {"nohidden.json", "hidden_size"}},
+      {"--model-config '" + scratch_ + "/fp8.json'",
+       {"fp8.json", "torch_dtype", "\"float8\"", "unknown dtype"}},
+      {"--model-config '" + scratch_ + "/nodtype.json'", {"nodtype.json", "--dtype"}},
+      {"--hidden 4096 --topk 2 --dtype int8", {"--dtype", "int8", "fp32, fp16 or bf16"}},
+      {"--hidden 4096 --dtype bf16", {"--hidden needs --topk"}},
+      {"--hidden 4096 --topk 99 --dtype bf16", {"top-k 99", "1..64"}},
+      {"--hidden 4096 --topk 2 --dtype bf16 --layout diagonal", {"--layout", "diagonal"}},
+      {"--manifest '" + scratch_ + "/none.txt'", {"none.txt", "cannot be read"}},
+      {"", {"nothing to compile"}},
+      {"--jobs 0 --hidden 4096 --topk 2 --dtype bf16", {"jobs"}},
+      {"--no-such-flag", {"no-such-flag"}},
+  };
+  for (const Case& c : cases) {
+    const test::ToolRun r = run(c.args + cache);
+    EXPECT_EQ(r.rc, 2) << c.args << "\n" << r.err;
+    for (const std::string& piece : c.message)
+      EXPECT_NE(r.err.find(piece), std::string::npos) << c.args << "\nwants: " << piece << "\n"
+                                                      << r.err;
+  }
+  const test::ToolRun arch = run("--model-config '" + configs("mixtral-8x7b.json") +
+                                 "' --arch sm_42 --cache-dir '" + scratch_ + "/cache'");
+  EXPECT_EQ(arch.rc, 2);
+  EXPECT_NE(arch.err.find("sm_42"), std::string::npos) << arch.err;
+  EXPECT_NE(arch.err.find("supports: sm_"), std::string::npos) << arch.err;
+}
+
+TEST_F(Cli, WithoutGpuAsksForArch) {
+  const test::ToolRun r = run("--dry-run --model-config '" + configs("mixtral-8x7b.json") +
+                              "' --cache-dir '" + scratch_ + "/cache'");
+  if (r.rc == 0) GTEST_SKIP() << "a GPU is present: its arch was used";
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.err.find("--arch"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("supports: sm_"), std::string::npos) << r.err;
+}
+
+TEST_F(Cli, UnusableCacheDirExitsThree) {
+  test::write_file(scratch_ + "/file", "not a directory");
+  for (const std::string& dir : {scratch_ + "/file", scratch_ + "/file/sub"}) {
+    const test::ToolRun r = run("--model-config '" + configs("mixtral-8x7b.json") +
+                                "' --arch sm_90 --layout gather_map --index-type int32 "
+                                "--cache-dir '" +
+                                dir + "'");
+    EXPECT_EQ(r.rc, 3) << r.err;
+    EXPECT_NE(r.err.find(dir), std::string::npos) << r.err;
+  }
+}
+
+TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
+  const std::string cache = scratch_ + "/cache";
+  const test::ToolRun text = run("-n --model-config '" + configs("deepseek-v3.json") +
+                                 "' --arch sm_90,sm_80 --cache-dir '" + cache + "'");
+  ASSERT_EQ(text.rc, 0) << text.err;
+  const std::regex line(R"((sm_90|sm_80)  layout=\w+ .* key=[0-9a-f]{32}  missing)");
+  size_t lines = 0;
+  std::istringstream in(text.out);
+  for (std::string l; std::getline(in, l);)
+    if (std::regex_match(l, line)) ++lines;
+  EXPECT_EQ(lines, 10u) << text.out;  // 5 specs x 2 targets
+
+  const test::ToolRun js =
+      run("--dry-run --json --model-config '" + configs("qwen3-30b-a3b.json") +
+          "' --arch sm_90 --layout gather_map,token_index --cache-dir '" + cache + "'");
+  ASSERT_EQ(js.rc, 0) << js.err;
+  const nlohmann::json j = nlohmann::json::parse(js.out);
+  EXPECT_EQ(j["total"], 4);
+  EXPECT_EQ(j["missing"], 4);
+  EXPECT_EQ(j["cached"], 0);
+  // The keys are the runtime's own: recompute them through KernelStore::request_for.
+  Settings settings;
+  settings.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
+  Stats stats;
+  KernelStore store(settings, stats);
+  std::vector<KernelSpec> specs;
+  Shape s;
+  s.hidden = 2048;
+  s.top_k = 8;
+  s.dtype = s.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+  expand_shape(s, {MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_LAYOUT_TOKEN_INDEX}, all_index_types(), &specs);
+  ASSERT_EQ(specs.size(), j["jobs"].size());
+  for (size_t i = 0; i < specs.size(); ++i) {
+    EXPECT_EQ(j["jobs"][i]["spec"], specs[i].describe());
+    EXPECT_EQ(j["jobs"][i]["target"], "sm_90");
+    EXPECT_EQ(j["jobs"][i]["key"], cache_key(store.request_for(specs[i], Target{90, false})));
+  }
+  struct stat st;
+  EXPECT_NE(::stat(cache.c_str(), &st), 0) << "the dry run created the cache directory";
+}
+
+}  // namespace
+}  // namespace precompile
+}  // namespace moejit

@@ -1,0 +1,537 @@
+// moejit-precompile: fills libmoejit's kernel cache ahead of time, on any machine (no GPU or
+// driver needed), so that serving processes in read-only or no-compile mode never compile.
+//
+// It goes through the same KernelStore, cache key and atomic publish path as the runtime: what it
+// writes is exactly what moe_combine() looks up.
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cache_key.h"
+#include "disk_cache.h"
+#include "driver.h"
+#include "error.h"
+#include "kernel_store.h"
+#include "precompile_inputs.h"
+#include "settings.h"
+
+namespace moejit {
+namespace precompile {
+namespace {
+
+using nlohmann::json;
+
+// Exit codes, documented in --help. Fixed: scripts test them.
+constexpr int kExitOk = 0;
+constexpr int kExitCompileFailed = 1;
+constexpr int kExitBadInput = 2;
+constexpr int kExitCacheUnusable = 3;
+constexpr int kExitInvalidEntries = 4;
+
+// A failure that ends the run with a given exit code and message.
+struct Fatal {
+  int code;
+  std::string message;
+};
+
+struct Options {
+  std::vector<std::string> model_configs;
+  std::vector<int> hidden;
+  std::vector<int> top_k;
+  std::vector<std::string> dtypes;
+  std::string out_dtype;
+  std::vector<std::string> layouts;
+  std::vector<std::string> index_types;
+  std::vector<std::string> manifests;
+  std::string arch;
+  std::string cache_dir;
+  unsigned jobs = 0;
+  bool quiet = false;
+  bool dry_run = false;
+  bool json = false;
+  bool verify = false;
+  bool repair = false;
+};
+
+const char* kFooter = R"(Inputs (any mix; every source adds shapes):
+  --model-config reads hidden_size, the top-k field (num_experts_per_tok, moe_top_k, top_k,
+  num_experts_per_token or experts_per_token) and torch_dtype / dtype, at the top level or in a
+  nested config such as text_config. --dtype overrides the config's dtype.
+  --hidden and --topk give extra shapes (every combination); they need --dtype.
+  --manifest: one line per specialization, '#' starts a comment. Either an exact spec in the
+  KernelSpec::describe() format that --dry-run prints:
+    layout=gather_map in=bf16 out=bf16 idx=int32 H=7168 vec=8 K=8 tpt=128 tpb=1 cap=0
+  or a shape, expanded like --hidden/--topk (layout and index_type take comma lists and default to
+  --layout / --index-type; dtype defaults to --dtype; out_dtype to the dtype):
+    hidden=7168 topk=8 dtype=bf16 out_dtype=bf16 layout=gather_map,token_index index_type=int32
+  Shapes expand to what moe_combine() requests for 256-byte-aligned, unpadded buffers; for the
+  token_index layout, top-k stands for the expected rows per token.
+
+Targets: --arch sm_90,sm_100 (or 90; compute_90 for PTX) or 'all' (every arch of the local NVRTC
+from sm_70 up). Without --arch: the GPU of device 0; with no GPU, --arch is required.
+
+Exit codes:
+  0  every specialization is in the cache (or --verify found every entry valid)
+  1  a compilation failed (the NVRTC log is printed)
+  2  bad input or usage: unreadable file, invalid JSON, missing field, unknown dtype, unsupported
+     arch, no GPU and no --arch
+  3  the cache directory is unusable (cannot be created or written)
+  4  --verify found invalid entries (without --repair, or some could not be removed)
+)";
+
+std::vector<int> supported_archs() {
+  return nvrtc_supported_archs();
+}
+
+std::vector<Target> choose_targets(const Options& o) {
+  if (!o.arch.empty()) return parse_archs(o.arch, supported_archs());
+  std::string why;
+  try {
+    const DriverApi& d = driver();
+    int count = 0;
+    CUresult r = d.cuDeviceGetCount(&count);
+    if (r == CUDA_SUCCESS && count > 0) {
+      CUdevice dev = 0;
+      int major = 0, minor = 0;
+      check_cuda(d.cuDeviceGet(&dev, 0), "cuDeviceGet");
+      check_cuda(d.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
+                 "cuDeviceGetAttribute");
+      check_cuda(d.cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
+                 "cuDeviceGetAttribute");
+      // The runtime's own rule: the GPU's cubin, or PTX of the newest arch for a newer GPU.
+      return {target_for_device(major * 10 + minor)};
+    }
+    why = r == CUDA_SUCCESS ? "the driver reports no CUDA device"
+                            : describe_cuda_error("cuDeviceGetCount", r);
+  } catch (const Error& e) {
+    if (e.status() == MOEJIT_ERROR_UNSUPPORTED) throw InputError(e.what());
+    why = e.what();
+  }
+  throw InputError("no GPU to take the target from (" + why +
+                   "): pass --arch, e.g. --arch sm_90, a list, or 'all'; the local NVRTC "
+                   "supports: " +
+                   arch_list(supported_archs()));
+}
+
+std::vector<KernelSpec> collect_specs(const Options& o) {
+  std::optional<moejit_dtype> dtype_override;
+  std::vector<moejit_dtype> dtypes;
+  for (const std::string& d : o.dtypes) dtypes.push_back(parse_dtype(d, "--dtype"));
+  if (dtypes.size() == 1) dtype_override = dtypes[0];
+  std::optional<moejit_dtype> out_dtype;
+  if (!o.out_dtype.empty()) out_dtype = parse_dtype(o.out_dtype, "--out-dtype");
+
+  ManifestDefaults defaults;
+  defaults.dtype = dtype_override;
+  defaults.out_dtype = out_dtype;
+  if (!o.layouts.empty()) {
+    defaults.layouts.clear();
+    for (const std::string& l : o.layouts) defaults.layouts.push_back(parse_layout(l, "--layout"));
+  }
+  if (!o.index_types.empty()) {
+    defaults.index_types.clear();
+    for (const std::string& t : o.index_types)
+      defaults.index_types.push_back(parse_index_type(t, "--index-type"));
+  }
+
+  std::vector<KernelSpec> specs;
+  auto expand_dtypes = [&](Shape shape, const std::vector<moejit_dtype>& list) {
+    for (moejit_dtype d : list) {
+      shape.dtype = d;
+      shape.out_dtype = out_dtype.value_or(d);
+      expand_shape(shape, defaults.layouts, defaults.index_types, &specs);
+    }
+  };
+
+  for (const std::string& path : o.model_configs) {
+    const ModelConfig cfg = read_model_config(path);
+    Shape shape;
+    shape.hidden = cfg.hidden;
+    shape.top_k = cfg.top_k;
+    shape.origin = path;
+    if (!dtypes.empty()) {
+      expand_dtypes(shape, dtypes);
+    } else if (cfg.dtype) {
+      expand_dtypes(shape, {parse_dtype(*cfg.dtype, path + ": field " + cfg.dtype_field)});
+    } else {
+      throw InputError(path + ": missing field torch_dtype (or dtype) next to " + cfg.hidden_field +
+                       "; pass --dtype");
+    }
+  }
+
+  if (o.hidden.empty() != o.top_k.empty())
+    throw InputError(o.hidden.empty() ? "--topk needs --hidden" : "--hidden needs --topk");
+  if (!o.hidden.empty() && dtypes.empty())
+    throw InputError("--hidden/--topk need --dtype (fp32, fp16 or bf16)");
+  for (int h : o.hidden)
+    for (int k : o.top_k) {
+      Shape shape;
+      shape.hidden = h;
+      shape.top_k = k;
+      shape.origin = "--hidden " + std::to_string(h) + " --topk " + std::to_string(k);
+      expand_dtypes(shape, dtypes);
+    }
+
+  for (const std::string& path : o.manifests) {
+    if (dtypes.size() > 1)
+      throw InputError("--manifest takes at most one --dtype (the default of its shape lines)");
+    read_manifest(path, defaults, &specs);
+  }
+  if (specs.empty())
+    throw InputError(
+        "nothing to compile: give --model-config, --hidden with --topk, or --manifest "
+        "(see --help)");
+  return specs;
+}
+
+// Progress on stderr: one self-overwriting line on a terminal, plain lines otherwise (CI logs).
+class Progress {
+ public:
+  Progress(size_t total, bool quiet)
+      : total_(total), quiet_(quiet), tty_(isatty(STDERR_FILENO) != 0) {}
+
+  void done(const std::string& what, const char* status, double seconds, const std::string& error) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++finished_;
+    if (std::string(status) == "compiled") ++compiled_;
+    if (std::string(status) == "cached") ++cached_;
+    if (!error.empty()) ++failed_;
+    if (!error.empty()) {
+      if (tty_ && !quiet_) std::fprintf(stderr, "\r\033[K");
+      std::fprintf(stderr, "FAILED %s:\n%s\n", what.c_str(), error.c_str());
+    }
+    if (quiet_) return;
+    char counts[160];
+    std::snprintf(counts, sizeof(counts), "[%zu/%zu] compiled %zu, cached %zu, failed %zu",
+                  finished_, total_, compiled_, cached_, failed_);
+    if (tty_) {
+      // One line that fits the terminal: a wrapped line could not be overwritten by '\r'.
+      std::string line = std::string(counts) + "  (" + what + ")";
+      struct winsize ws {};
+      const size_t width =
+          ioctl(STDERR_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 10 ? ws.ws_col : 80;
+      if (line.size() >= width) line = line.substr(0, width - 4) + "...";
+      std::fprintf(stderr, "\r\033[K%s", line.c_str());
+      if (finished_ == total_) std::fprintf(stderr, "\n");
+    } else {
+      std::fprintf(stderr, "[%zu/%zu] %s %s (%.2f s)\n", finished_, total_, status, what.c_str(),
+                   seconds);
+    }
+    std::fflush(stderr);
+  }
+
+ private:
+  std::mutex mutex_;
+  const size_t total_;
+  const bool quiet_;
+  const bool tty_;
+  size_t finished_ = 0, compiled_ = 0, cached_ = 0, failed_ = 0;
+};
+
+struct JobResult {
+  std::string status;  // compiled | cached | failed | not_written | missing (dry run)
+  std::string key;
+  std::string error;
+  uint64_t bytes = 0;
+  double seconds = 0;
+};
+
+struct Job {
+  KernelSpec spec;
+  Target target;
+};
+
+uint64_t file_size(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) ? static_cast<uint64_t>(st.st_size)
+                                                               : 0;
+}
+
+bool is_directory(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+Settings cache_settings(const Options& o, moejit_cache_mode mode) {
+  moejit_runtime_options ro;
+  moejit_runtime_options_init(&ro);
+  ro.cache_mode = mode;
+  if (!o.cache_dir.empty()) ro.cache_dir = o.cache_dir.c_str();
+  Settings s = resolve_settings(&ro);
+  if (s.cache_dir.empty())
+    throw Fatal{kExitCacheUnusable,
+                "no cache directory: neither --cache-dir, MOEJIT_CACHE_DIR, XDG_CACHE_HOME nor "
+                "HOME is set"};
+  return s;
+}
+
+json job_json(const Job& job, const JobResult& r) {
+  json j{{"spec", job.spec.describe()},
+         {"target", job.target.name()},
+         {"key", r.key},
+         {"status", r.status}};
+  if (r.bytes != 0) j["bytes"] = r.bytes;
+  if (!r.error.empty()) j["error"] = r.error;
+  return j;
+}
+
+int run_verify(const Options& o) {
+  const Settings s = cache_settings(o, MOEJIT_CACHE_MODE_READ_WRITE);
+  if (!is_directory(s.cache_dir))
+    throw Fatal{kExitCacheUnusable, "cache directory \"" + s.cache_dir + "\" does not exist"};
+  const CacheVerifyReport r = verify_cache_dir(s.cache_dir, o.repair);
+  const size_t left = r.invalid_paths.size() - std::min(r.removed, r.invalid_paths.size());
+  if (o.json) {
+    std::cout << json{{"cache_dir", s.cache_dir},   {"entries", r.entries}, {"valid", r.valid},
+                      {"invalid", r.invalid_paths}, {"removed", r.removed}, {"bytes", r.bytes}}
+                     .dump(2)
+              << "\n";
+  } else {
+    for (const std::string& p : r.invalid_paths)
+      std::cout << (o.repair ? "removed invalid entry " : "invalid entry ") << p << "\n";
+    if (!o.quiet)
+      std::cout << "moejit-precompile --verify: " << s.cache_dir << ": " << r.entries
+                << " entries, " << r.valid << " valid, " << r.invalid_paths.size() << " invalid, "
+                << r.removed << " removed, " << r.bytes << " bytes valid\n";
+  }
+  if (!o.repair && !r.invalid_paths.empty() && !o.quiet && !o.json)
+    std::cerr << "run again with --repair to remove the invalid entries\n";
+  if (o.repair && left != 0) std::cerr << left << " invalid entries could not be removed\n";
+  return (o.repair ? left == 0 : r.invalid_paths.empty()) ? kExitOk : kExitInvalidEntries;
+}
+
+int run_precompile(const Options& o) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<KernelSpec> specs = collect_specs(o);
+  const std::vector<Target> targets = choose_targets(o);
+  std::vector<Job> jobs;
+  for (const Target& t : targets)
+    for (const KernelSpec& s : specs) jobs.push_back(Job{s, t});
+
+  Stats stats;
+  // The dry run only looks (no-compile mode never writes), and a directory that does not exist
+  // yet is not even opened, so the dry run creates nothing: nothing is cached there anyway.
+  Settings settings =
+      cache_settings(o, o.dry_run ? MOEJIT_CACHE_MODE_NO_COMPILE : MOEJIT_CACHE_MODE_READ_WRITE);
+  if (o.dry_run && !is_directory(settings.cache_dir))
+    settings.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
+  std::unique_ptr<KernelStore> store;
+  try {
+    store = std::make_unique<KernelStore>(settings, stats);
+  } catch (const Error& e) {
+    throw InputError(e.what());  // e.g. an unreadable MOEJIT_TEMPLATE_DIR
+  }
+  if (!o.dry_run && !store->has_disk_cache())
+    throw Fatal{kExitCacheUnusable,
+                "cache directory \"" + settings.cache_dir +
+                    "\" is unusable: it must be a directory this user can create and write, "
+                    "owned by this user and not writable by others (see the warning above)"};
+
+  std::vector<JobResult> results(jobs.size());
+  for (size_t i = 0; i < jobs.size(); ++i)
+    results[i].key = cache_key(store->request_for(jobs[i].spec, jobs[i].target));
+
+  if (o.dry_run) {
+    const bool can_look = store->has_disk_cache();
+    size_t cached = 0;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      bool hit = false;
+      if (can_look) {
+        try {
+          KernelStore::Source source;
+          store->obtain(jobs[i].spec, jobs[i].target, &source);
+          hit = true;
+        } catch (const Error&) {
+          // Not cached (or an invalid entry, which the runtime also treats as a miss).
+        }
+      }
+      results[i].status = hit ? "cached" : "missing";
+      cached += hit ? 1 : 0;
+      if (!o.json)
+        std::cout << jobs[i].target.name() << "  " << jobs[i].spec.describe()
+                  << "  key=" << results[i].key << "  " << results[i].status << "\n";
+    }
+    if (o.json) {
+      json list = json::array();
+      for (size_t i = 0; i < jobs.size(); ++i) list.push_back(job_json(jobs[i], results[i]));
+      std::cout
+          << json{{"dry_run", true},  {"cache_dir", settings.cache_dir}, {"total", jobs.size()},
+                  {"cached", cached}, {"missing", jobs.size() - cached}, {"jobs", list}}
+                 .dump(2)
+          << "\n";
+    } else if (!o.quiet) {
+      std::cout << "moejit-precompile --dry-run: " << jobs.size() << " specializations, " << cached
+                << " already cached, " << jobs.size() - cached << " to compile ("
+                << settings.cache_dir << ")\n";
+    }
+    return kExitOk;
+  }
+
+  // NVRTC is thread-safe and each job is independent: a pool of workers takes the next job.
+  unsigned workers = o.jobs != 0 ? o.jobs : std::max(1u, std::thread::hardware_concurrency());
+  workers = static_cast<unsigned>(std::min<size_t>(workers, jobs.size()));
+  Progress progress(jobs.size(), o.quiet);
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next.fetch_add(1); i < jobs.size(); i = next.fetch_add(1)) {
+      const Job& job = jobs[i];
+      JobResult& r = results[i];
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        KernelStore::Source source = KernelStore::Source::kCompiled;
+        store->obtain(job.spec, job.target, &source);
+        if (source == KernelStore::Source::kCompiled) {
+          // The store never fails a compile for I/O: check the entry really landed, so a full
+          // disk or a size cap smaller than the set is reported instead of a silent cold start.
+          r.bytes = file_size(cache_entry_path(settings.cache_dir, r.key));
+          r.status = r.bytes != 0 ? "compiled" : "not_written";
+          if (r.bytes == 0)
+            r.error = "compiled, but no cache entry appeared at " +
+                      cache_entry_path(settings.cache_dir, r.key) +
+                      " (disk full, cache size cap (MOEJIT_CACHE_MAX_BYTES), or permissions)";
+        } else {
+          r.status = "cached";
+        }
+      } catch (const std::exception& e) {
+        r.status = "failed";
+        r.error = e.what();
+      }
+      r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      progress.done(job.target.name() + " " + job.spec.describe(), r.status.c_str(), r.seconds,
+                    r.error);
+    }
+  };
+  std::vector<std::thread> pool;
+  for (unsigned w = 1; w < workers; ++w) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+
+  size_t compiled = 0, cached = 0, failed = 0, not_written = 0;
+  uint64_t bytes = 0;
+  for (const JobResult& r : results) {
+    compiled += r.status == "compiled";
+    cached += r.status == "cached";
+    failed += r.status == "failed";
+    not_written += r.status == "not_written";
+    bytes += r.bytes;
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  std::ostringstream summary;
+  summary << "moejit-precompile: " << jobs.size() << " kernels (" << specs.size()
+          << " specializations x " << targets.size()
+          << (targets.size() == 1 ? " target" : " targets") << "): " << compiled << " compiled, "
+          << cached << " already cached, " << failed + not_written << " failed, " << bytes
+          << " bytes written, " << std::fixed;
+  summary.precision(2);
+  summary << seconds << " s (cache " << settings.cache_dir << ")";
+  if (o.json) {
+    json list = json::array();
+    std::vector<std::string> target_names;
+    for (const Target& t : targets) target_names.push_back(t.name());
+    for (size_t i = 0; i < jobs.size(); ++i) list.push_back(job_json(jobs[i], results[i]));
+    std::cout << json{{"cache_dir", settings.cache_dir},
+                      {"targets", target_names},
+                      {"total", jobs.size()},
+                      {"compiled", compiled},
+                      {"cached", cached},
+                      {"failed", failed + not_written},
+                      {"bytes_written", bytes},
+                      {"seconds", seconds},
+                      {"jobs", list}}
+                     .dump(2)
+              << "\n";
+    if (!o.quiet) std::cerr << summary.str() << "\n";
+  } else if (!o.quiet) {
+    std::cout << summary.str() << "\n";
+  }
+  if (failed != 0) return kExitCompileFailed;
+  if (not_written != 0) return kExitCacheUnusable;
+  return kExitOk;
+}
+
+int main_impl(int argc, char** argv) {
+  Options o;
+  CLI::App app{
+      "moejit-precompile: compile libmoejit's combine kernels into its on-disk cache "
+      "ahead of time (no GPU needed), so serving never compiles.",
+      "moejit-precompile"};
+  app.footer(kFooter);
+  app.add_option("--model-config", o.model_configs, "Hugging Face config.json of the model")
+      ->type_name("PATH");
+  app.add_option("--hidden", o.hidden, "hidden sizes (comma list)")->delimiter(',');
+  app.add_option("--topk", o.top_k, "top-k values (comma list)")->delimiter(',');
+  app.add_option("--dtype", o.dtypes, "fp32|fp16|bf16 (aliases float32, float16, half, bfloat16)")
+      ->delimiter(',');
+  app.add_option("--out-dtype", o.out_dtype, "output dtype (default: the same as --dtype)");
+  app.add_option("--layout", o.layouts, "token_major|gather_map|token_index (default: all three)")
+      ->delimiter(',');
+  app.add_option("--index-type", o.index_types, "int32|int64 (default: both)")->delimiter(',');
+  app.add_option("--manifest", o.manifests, "file of specializations or shapes, one per line")
+      ->type_name("PATH");
+  app.add_option("--arch", o.arch, "sm_80,sm_90,... or all (default: the GPU present)");
+  app.add_option("--cache-dir", o.cache_dir,
+                 "cache directory (default: MOEJIT_CACHE_DIR, $XDG_CACHE_HOME/moejit or "
+                 "~/.cache/moejit, as the library)")
+      ->type_name("DIR");
+  app.add_option("-j,--jobs", o.jobs, "parallel compilations (default: number of cores)")
+      ->check(CLI::Range(1u, 1024u));
+  app.add_flag("-q,--quiet", o.quiet, "no progress and no summary (errors are still printed)");
+  app.add_flag("-n,--dry-run", o.dry_run,
+               "list each specialization, target, cache key and whether it is cached; compile "
+               "nothing");
+  app.add_flag("--json", o.json, "print a machine-readable summary to stdout");
+  auto* verify = app.add_flag("--verify", o.verify,
+                              "check every entry of the cache directory and report invalid ones");
+  app.add_flag("--repair", o.repair, "with --verify: remove the invalid entries")->needs(verify);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? kExitOk : kExitBadInput;
+  }
+
+  try {
+    if (o.verify) {
+      if (!o.model_configs.empty() || !o.hidden.empty() || !o.manifests.empty() || o.dry_run)
+        throw InputError("--verify checks the cache directory only; it takes no model inputs");
+      return run_verify(o);
+    }
+    return run_precompile(o);
+  } catch (const InputError& e) {
+    std::cerr << "moejit-precompile: error: " << e.what() << "\n";
+    return kExitBadInput;
+  } catch (const Fatal& f) {
+    std::cerr << "moejit-precompile: error: " << f.message << "\n";
+    return f.code;
+  } catch (const Error& e) {
+    // Library errors before any compile (settings from the environment, NVRTC missing).
+    std::cerr << "moejit-precompile: error: " << e.what() << "\n";
+    return e.status() == MOEJIT_ERROR_INVALID_ARGUMENT ? kExitBadInput : kExitCompileFailed;
+  } catch (const std::exception& e) {
+    std::cerr << "moejit-precompile: error: " << e.what() << "\n";
+    return kExitCompileFailed;
+  }
+}
+
+}  // namespace
+}  // namespace precompile
+}  // namespace moejit
+
+int main(int argc, char** argv) {
+  return moejit::precompile::main_impl(argc, argv);
+}
