@@ -66,6 +66,7 @@ if(IS_ABSOLUTE "${MOEJIT_INSTALL_PKGCONFIGDIR}")
 else()
   # Walk up from <prefix>/<pkgconfigdir> to <prefix>, computed on a dummy root.
   file(RELATIVE_PATH MOEJIT_PC_UP "/root/${MOEJIT_INSTALL_PKGCONFIGDIR}" "/root")
+  string(REGEX REPLACE "/$" "" MOEJIT_PC_UP "${MOEJIT_PC_UP}")
   set(MOEJIT_PC_PREFIX "\${pcfiledir}/${MOEJIT_PC_UP}")
 endif()
 moejit_pc_path(MOEJIT_PC_LIBDIR "${CMAKE_INSTALL_LIBDIR}")
