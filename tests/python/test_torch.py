@@ -3,15 +3,29 @@
 Skips (with the reason) without torch; the GPU tests also skip without a CUDA device. Every
 result is compared with a float64 reference computed by torch, on a NaN-poisoned output.
 """
+import os
 import threading
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch is not installed")
+# MOEJIT_REQUIRE_GPU=1 (tools/gpu-check-package.sh) turns "skip" into "fail": on the GPU machine a
+# missing torch or GPU is a broken setup, not a reason to pass.
+REQUIRE_GPU = os.environ.get("MOEJIT_REQUIRE_GPU") == "1"
+if REQUIRE_GPU:
+    import torch
+else:
+    torch = pytest.importorskip("torch", reason="torch is not installed")
 
 import moejit  # noqa: E402
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+needs_gpu = pytest.mark.skipif(not REQUIRE_GPU and not torch.cuda.is_available(),
+                               reason="no CUDA GPU")
+
+
+def test_gpu_present_when_required():
+    if not REQUIRE_GPU:
+        pytest.skip("MOEJIT_REQUIRE_GPU is not set")
+    assert torch.cuda.is_available(), "MOEJIT_REQUIRE_GPU=1 but torch sees no CUDA GPU"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
