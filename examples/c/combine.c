@@ -33,7 +33,7 @@ static float float_from_bf16(uint16_t h) {
   return f;
 }
 
-/* Small deterministic generator so the example needs no seeding and gives the same data anywhere. */
+/* A tiny deterministic generator: the same data on every machine, no seeding. */
 static uint32_t rng_state = 12345u;
 static uint32_t next_u32(void) {
   rng_state = rng_state * 1664525u + 1013904223u;
@@ -73,17 +73,19 @@ int main(void) {
   /* Device buffers; out is poisoned (bf16 0xFFFF is a NaN) so unwritten elements cannot pass. */
   void *d_hidden = NULL, *d_out = NULL, *d_idx = NULL, *d_gates = NULL, *d_workspace = NULL;
   cudaStream_t stream = NULL;
-  int ok = cuda_ok(cudaStreamCreate(&stream), "cudaStreamCreate") &&
-           cuda_ok(cudaMalloc(&d_hidden, sizeof(uint16_t) * kRows * kHidden), "cudaMalloc") &&
-           cuda_ok(cudaMalloc(&d_out, sizeof(uint16_t) * kTokens * kHidden), "cudaMalloc") &&
-           cuda_ok(cudaMalloc(&d_idx, sizeof(token_idx)), "cudaMalloc") &&
-           cuda_ok(cudaMalloc(&d_gates, sizeof(gates)), "cudaMalloc") &&
-           cuda_ok(cudaMemcpy(d_hidden, hidden, sizeof(uint16_t) * kRows * kHidden,
-                              cudaMemcpyHostToDevice), "cudaMemcpy") &&
-           cuda_ok(cudaMemcpy(d_idx, token_idx, sizeof(token_idx), cudaMemcpyHostToDevice),
-                   "cudaMemcpy") &&
-           cuda_ok(cudaMemcpy(d_gates, gates, sizeof(gates), cudaMemcpyHostToDevice), "cudaMemcpy") &&
-           cuda_ok(cudaMemset(d_out, 0xFF, sizeof(uint16_t) * kTokens * kHidden), "cudaMemset");
+  int ok =
+      cuda_ok(cudaStreamCreate(&stream), "cudaStreamCreate") &&
+      cuda_ok(cudaMalloc(&d_hidden, sizeof(uint16_t) * kRows * kHidden), "cudaMalloc") &&
+      cuda_ok(cudaMalloc(&d_out, sizeof(uint16_t) * kTokens * kHidden), "cudaMalloc") &&
+      cuda_ok(cudaMalloc(&d_idx, sizeof(token_idx)), "cudaMalloc") &&
+      cuda_ok(cudaMalloc(&d_gates, sizeof(gates)), "cudaMalloc") &&
+      cuda_ok(
+          cudaMemcpy(d_hidden, hidden, sizeof(uint16_t) * kRows * kHidden, cudaMemcpyHostToDevice),
+          "cudaMemcpy") &&
+      cuda_ok(cudaMemcpy(d_idx, token_idx, sizeof(token_idx), cudaMemcpyHostToDevice),
+              "cudaMemcpy") &&
+      cuda_ok(cudaMemcpy(d_gates, gates, sizeof(gates), cudaMemcpyHostToDevice), "cudaMemcpy") &&
+      cuda_ok(cudaMemset(d_out, 0xFF, sizeof(uint16_t) * kTokens * kHidden), "cudaMemset");
   if (!ok) return 1;
 
   moejit_combine_args args;
@@ -120,8 +122,8 @@ int main(void) {
     return 1;
   }
   if (!cuda_ok(cudaStreamSynchronize(stream), "cudaStreamSynchronize") ||
-      !cuda_ok(cudaMemcpy(out, d_out, sizeof(uint16_t) * kTokens * kHidden,
-                          cudaMemcpyDeviceToHost), "cudaMemcpy"))
+      !cuda_ok(cudaMemcpy(out, d_out, sizeof(uint16_t) * kTokens * kHidden, cudaMemcpyDeviceToHost),
+               "cudaMemcpy"))
     return 1;
 
   /* CPU reference in double; the library sums in fp32 and rounds to bf16 once, so allow one bf16
@@ -132,7 +134,8 @@ int main(void) {
     for (int h = 0; h < kHidden; ++h) {
       double ref = 0.0;
       for (int r = 0; r < kRows; ++r)
-        if (token_idx[r] == t) ref += (double)gates[r] * float_from_bf16(hidden[(size_t)r * kHidden + h]);
+        if (token_idx[r] == t)
+          ref += (double)gates[r] * float_from_bf16(hidden[(size_t)r * kHidden + h]);
       const double got = float_from_bf16(out[(size_t)t * kHidden + h]);
       const double err = fabs(got - ref);
       if (!(err <= fabs(ref) / 128.0 + 1e-3)) {
@@ -151,9 +154,10 @@ int main(void) {
   free(out);
   free(hidden);
 
-  printf("%s: token-index combine, T=%d rows=%d H=%d bf16, workspace %zu bytes, max abs error %.3g"
-         " (libmoejit %s)\n",
-         bad ? "FAIL" : "PASS", kTokens, kRows, kHidden, workspace_bytes, worst,
-         moejit_version_string());
+  printf(
+      "%s: token-index combine, T=%d rows=%d H=%d bf16, workspace %zu bytes, max abs error %.3g"
+      " (libmoejit %s)\n",
+      bad ? "FAIL" : "PASS", kTokens, kRows, kHidden, workspace_bytes, worst,
+      moejit_version_string());
   return bad ? 1 : 0;
 }

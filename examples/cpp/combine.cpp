@@ -42,7 +42,8 @@ float from_bf16(uint16_t h) {
 }
 
 void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
 }
 
 // Device memory owned by a unique_ptr, so every early exit frees it.
@@ -80,10 +81,12 @@ int run() {
 
   cudaStream_t stream = nullptr;
   check_cuda(cudaStreamCreate(&stream), "cudaStreamCreate");
-  std::unique_ptr<CUstream_st, decltype(&cudaStreamDestroy)> stream_owner(stream, cudaStreamDestroy);
+  std::unique_ptr<CUstream_st, decltype(&cudaStreamDestroy)> stream_owner(stream,
+                                                                          cudaStreamDestroy);
   DeviceBuffer d_hidden = upload(hidden), d_map = upload(gather_map), d_gates = upload(gates);
   // Poisoned (bf16 0xFFFF is a NaN) so an element the kernel does not write cannot pass.
-  DeviceBuffer d_out = upload(std::vector<uint16_t>(static_cast<size_t>(kTokens) * kHidden, 0xFFFF));
+  DeviceBuffer d_out =
+      upload(std::vector<uint16_t>(static_cast<size_t>(kTokens) * kHidden, 0xFFFF));
 
   moejit_combine_args args = MOEJIT_COMBINE_ARGS_INIT;
   args.layout = MOEJIT_LAYOUT_GATHER_MAP;
@@ -108,9 +111,9 @@ int run() {
   }
   check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   std::vector<uint16_t> out(static_cast<size_t>(kTokens) * kHidden);
-  check_cuda(cudaMemcpy(out.data(), d_out.get(), out.size() * sizeof(uint16_t),
-                        cudaMemcpyDeviceToHost),
-             "cudaMemcpy");
+  check_cuda(
+      cudaMemcpy(out.data(), d_out.get(), out.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost),
+      "cudaMemcpy");
 
   // CPU reference in double. The library sums in fp32 and rounds to bf16 once: allow one bf16
   // rounding (2^-8 relative, doubled for margin) plus fp32 summation error.
@@ -121,7 +124,8 @@ int run() {
       double ref = 0;
       for (int k = 0; k < kTopK; ++k) {
         const int32_t row = gather_map[t * kTopK + k];
-        if (row >= 0) ref += double(gates[t * kTopK + k]) * from_bf16(hidden[size_t(row) * kHidden + h]);
+        if (row >= 0)
+          ref += double(gates[t * kTopK + k]) * from_bf16(hidden[size_t(row) * kHidden + h]);
       }
       ref *= kScale;
       const double got = from_bf16(out[size_t(t) * kHidden + h]);
@@ -135,11 +139,12 @@ int run() {
   moejit_stats stats{};
   stats.struct_size = sizeof(stats);
   moejit_runtime_get_stats(nullptr, &stats);
-  std::printf("%s: gather-map combine, T=%d K=%d H=%d bf16, scale %.1f, max abs error %.3g "
-              "(libmoejit %s; %llu compiles, %llu disk hits)\n",
-              bad ? "FAIL" : "PASS", kTokens, kTopK, kHidden, double(kScale), worst,
-              moejit_version_string(), static_cast<unsigned long long>(stats.compiles),
-              static_cast<unsigned long long>(stats.disk_hits));
+  std::printf(
+      "%s: gather-map combine, T=%d K=%d H=%d bf16, scale %.1f, max abs error %.3g "
+      "(libmoejit %s; %llu compiles, %llu disk hits)\n",
+      bad ? "FAIL" : "PASS", kTokens, kTopK, kHidden, double(kScale), worst,
+      moejit_version_string(), static_cast<unsigned long long>(stats.compiles),
+      static_cast<unsigned long long>(stats.disk_hits));
   return bad ? 1 : 0;
 }
 

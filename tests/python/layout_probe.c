@@ -5,9 +5,9 @@
 
 #include <moejit/moejit.h>
 
-#define FIELD(type, field) \
+#define FIELD(type, field)                                                         \
   printf("%s\"%s\": [%zu, %zu]", first ? "" : ", ", #field, offsetof(type, field), \
-         sizeof(((type*)0)->field)); \
+         sizeof(((type*)0)->field));                                               \
   first = 0;
 
 int main(void) {
@@ -50,16 +50,17 @@ int main(void) {
   FIELD(moejit_stats, disk_errors)
   FIELD(moejit_stats, launches)
   FIELD(moejit_stats, compile_seconds)
-  printf("}},\n \"constants\": {\"DTYPE_FLOAT32\": %d, \"DTYPE_FLOAT16\": %d, "
-         "\"DTYPE_BFLOAT16\": %d, \"INDEX_INT32\": %d, \"INDEX_INT64\": %d, "
-         "\"LAYOUT_TOKEN_MAJOR\": %d, \"LAYOUT_GATHER_MAP\": %d, \"LAYOUT_TOKEN_INDEX\": %d, "
-         "\"MAX_HIDDEN_DIM\": %d, \"MAX_TOP_K\": %d, \"sizeof_enum\": %zu},\n",
-         MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32,
-         MOEJIT_INDEX_INT64, MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP,
-         MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_MAX_HIDDEN_DIM, MOEJIT_MAX_TOP_K, sizeof(moejit_layout));
+  printf(
+      "}},\n \"constants\": {\"DTYPE_FLOAT32\": %d, \"DTYPE_FLOAT16\": %d, "
+      "\"DTYPE_BFLOAT16\": %d, \"INDEX_INT32\": %d, \"INDEX_INT64\": %d, "
+      "\"LAYOUT_TOKEN_MAJOR\": %d, \"LAYOUT_GATHER_MAP\": %d, \"LAYOUT_TOKEN_INDEX\": %d, "
+      "\"MAX_HIDDEN_DIM\": %d, \"MAX_TOP_K\": %d, \"sizeof_enum\": %zu},\n",
+      MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32,
+      MOEJIT_INDEX_INT64, MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP,
+      MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_MAX_HIDDEN_DIM, MOEJIT_MAX_TOP_K, sizeof(moejit_layout));
   first = 1;
   printf(" \"status\": {");
-#define STATUS_ENTRY(name, value, description) \
+#define STATUS_ENTRY(name, value, description)                 \
   printf("%s\"%d\": \"%s\"", first ? "" : ", ", value, #name); \
   first = 0;
   MOEJIT_STATUS_TABLE(STATUS_ENTRY)
