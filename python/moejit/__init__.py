@@ -31,7 +31,11 @@ def __getattr__(name):
     if name in ("combine", "combine_op"):
         from . import torch_ops
 
-        return getattr(torch_ops, name)
+        value = getattr(torch_ops, name)
+        # From now on a plain module attribute: torch.compile (dynamo) then sees an ordinary
+        # function, and later lookups skip this hook.
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'moejit' has no attribute {name!r}")
 
 

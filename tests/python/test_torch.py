@@ -284,8 +284,10 @@ def test_torch_compile_with_the_custom_op():
     expert, g, index = make_case("gather_map", T, K, H, torch.bfloat16, seed=12)
     shared = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
 
+    combine_op = moejit.combine_op
+
     def moe_block(expert, m, g, shared):
-        y = moejit.combine_op(expert, layout="gather_map", gather_map=m, gates=g, base=shared,
+        y = combine_op(expert, layout="gather_map", gather_map=m, gates=g, base=shared,
                               scale=2.5)
         return torch.nn.functional.silu(y.float()).to(torch.bfloat16)
 
