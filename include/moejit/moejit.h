@@ -39,9 +39,14 @@ extern "C" {
 #define MOEJIT_VERSION_NUMBER \
   (MOEJIT_VERSION_MAJOR * 10000 + MOEJIT_VERSION_MINOR * 100 + MOEJIT_VERSION_PATCH)
 
-/* The version of the library actually loaded (MOEJIT_VERSION_NUMBER of its build). Since 0.1. */
+/*
+ * The version of the library actually loaded: MOEJIT_VERSION_NUMBER of the build that produced it.
+ * Compare it with MOEJIT_VERSION_NUMBER of the header you compiled against to detect a library
+ * older than your header. Takes no arguments, cannot fail, needs no GPU. Thread-safe. Since 0.1.
+ */
 MOEJIT_API int moejit_version(void);
-/* The same as a string, e.g. "0.1.0". Never NULL. Since 0.1. */
+/* The loaded library's version as a string, e.g. "0.1.0". Never NULL; the string is static (never
+   freed). Cannot fail. Thread-safe. Since 0.1. */
 MOEJIT_API const char* moejit_version_string(void);
 
 /* ---- Status codes --------------------------------------------------------------------------- */
@@ -75,13 +80,22 @@ MOEJIT_API const char* moejit_version_string(void);
 typedef enum moejit_status { MOEJIT_STATUS_TABLE(MOEJIT_STATUS_ENUM_ENTRY_) } moejit_status;
 #undef MOEJIT_STATUS_ENUM_ENTRY_
 
-/* "MOEJIT_ERROR_INVALID_ARGUMENT" etc.; "MOEJIT_STATUS_UNKNOWN" for other values. Never NULL. */
+/*
+ * The enumerator's name of `status` as a static string, e.g. "MOEJIT_ERROR_INVALID_ARGUMENT";
+ * "MOEJIT_STATUS_UNKNOWN" for a value not in MOEJIT_STATUS_TABLE (e.g. from a newer library).
+ * Never NULL, never freed. Does not change moejit_last_error_message(). Thread-safe. Since 0.1.
+ */
 MOEJIT_API const char* moejit_status_name(moejit_status status);
-/* One sentence saying what the status means and what to do. Never NULL. Since 0.1. */
+/* One static sentence saying what `status` means and what to do about it ("unknown status code"
+   for a value not in the table). Never NULL, never freed. Does not change
+   moejit_last_error_message(). Thread-safe. Since 0.1. */
 MOEJIT_API const char* moejit_status_description(moejit_status status);
 /*
- * The message of the last failed call made by this thread ("" if none failed yet). The pointer
- * stays valid until this thread's next libmoejit call. Thread-local: never racy. Since 0.1.
+ * The message of the last call made by this thread that returned an error ("" if none has yet):
+ * names the argument, its value and what is allowed, or carries the NVRTC log or the failing CUDA
+ * call and its CUresult name. Successful calls do not clear it, so read it only right after a
+ * call that failed. The pointer stays valid until this thread's next libmoejit call that fails;
+ * copy the text to keep it. Thread-local: each thread sees only its own. Since 0.1.
  */
 MOEJIT_API const char* moejit_last_error_message(void);
 
@@ -133,7 +147,8 @@ typedef struct CUstream_st* moejit_stream_t;
  * library cannot check device data without synchronizing, so such values are not reported.
  */
 typedef struct moejit_combine_args {
-  size_t struct_size; /* sizeof(moejit_combine_args) of the caller's header */
+  size_t struct_size; /* sizeof(moejit_combine_args) of the caller's header (0.1 accepts exactly
+                         its own size) */
   moejit_layout layout;
   int64_t num_tokens; /* T >= 0: rows of out */
   int64_t top_k;      /* K in 1..MOEJIT_MAX_TOP_K (token-major, gather map); ignored otherwise */
@@ -170,14 +185,27 @@ typedef struct moejit_combine_args {
         1.0f, 0, NULL, 0                                                                         \
   }
 
-/* Fills *args with the defaults (zeros, scale 1, struct_size set). Accepts NULL (returns
-   MOEJIT_ERROR_INVALID_ARGUMENT). Since 0.1. */
+/*
+ * Fills *args with the defaults of this header's version (the same as MOEJIT_COMBINE_ARGS_INIT):
+ * struct_size = sizeof(moejit_combine_args), token-major layout, all counts 0, all pointers NULL,
+ * fp32 data, int32 indices, scale 1, accumulate 0.
+ *   args  the struct to fill; must not be NULL.
+ * Returns MOEJIT_SUCCESS, or MOEJIT_ERROR_INVALID_ARGUMENT if args is NULL. Needs no GPU.
+ * Thread-safe (touches only *args). Since 0.1.
+ */
 MOEJIT_API moejit_status moejit_combine_args_init(moejit_combine_args* args);
 
 /*
- * Bytes of workspace moe_combine() needs for these arguments (only shape fields are read; the
- * pointers may be NULL). 0 for the token-major and gather-map layouts. Since 0.1.
- * Returns MOEJIT_ERROR_INVALID_ARGUMENT for bad shapes (same checks as moe_combine()).
+ * The number of bytes of device workspace moe_combine() needs for the shape in *args: nonzero only
+ * for MOEJIT_LAYOUT_TOKEN_INDEX with num_tokens > 0, and 0 for the token-major and gather-map
+ * layouts. It depends only on the shape fields (layout, num_tokens, num_rows, hidden_dim, top_k,
+ * dtypes, index type, strides); pointers are not read and may be NULL. The same shape always
+ * needs the same size, so a workspace can be sized once and reused for every call of that shape.
+ *   args   the combine to size (struct_size must be set: use moejit_combine_args_init()).
+ *   bytes  receives the size; must not be NULL. Left unchanged on failure.
+ * Returns MOEJIT_SUCCESS, or MOEJIT_ERROR_INVALID_ARGUMENT for a NULL argument or a bad shape
+ * (the same shape checks as moe_combine(), with the same messages). Needs no GPU. Thread-safe.
+ * Since 0.1.
  */
 MOEJIT_API moejit_status moejit_combine_workspace_size(const moejit_combine_args* args,
                                                        size_t* bytes);
@@ -224,14 +252,37 @@ typedef struct moejit_runtime_options {
   const char* template_dir;
 } moejit_runtime_options;
 
-/* Fills *options with the defaults (everything from the environment). Since 0.1. */
+/*
+ * Fills *options with the defaults: struct_size set, every other field zero / NULL /
+ * MOEJIT_CACHE_MODE_DEFAULT / MOEJIT_LOG_DEFAULT, i.e. "take it from the environment".
+ *   options  the struct to fill; must not be NULL.
+ * Returns MOEJIT_SUCCESS, or MOEJIT_ERROR_INVALID_ARGUMENT if options is NULL. Needs no GPU.
+ * Thread-safe (touches only *options). Since 0.1.
+ */
 MOEJIT_API moejit_status moejit_runtime_options_init(moejit_runtime_options* options);
 
-/* Creates a runtime. options may be NULL (all defaults). Needs no GPU. Since 0.1. */
+/*
+ * Creates an explicit runtime with its own settings, kernel caches and statistics. The settings
+ * are resolved now (options, then environment, then built-in defaults); the strings in *options
+ * are copied, so they need not outlive the call. log_level, when set, applies to the library's
+ * one logger ("moejit"), which all runtimes share.
+ *   options  NULL for all defaults, or a struct prepared with moejit_runtime_options_init().
+ *   runtime  receives the handle (NULL on failure); must not be NULL. Release it with
+ *            moejit_runtime_destroy().
+ * Returns MOEJIT_SUCCESS; MOEJIT_ERROR_INVALID_ARGUMENT for a NULL runtime, a bad struct_size,
+ * cache_mode or log_level, or a malformed environment variable (the message names it);
+ * MOEJIT_ERROR_OUT_OF_MEMORY. Needs no GPU: the driver is first used by the first combine.
+ * Thread-safe. Since 0.1.
+ */
 MOEJIT_API moejit_status moejit_runtime_create(const moejit_runtime_options* options,
                                                moejit_runtime_t* runtime);
-/* Destroys a runtime and unloads its modules. Accepts NULL. No call with this runtime may run
-   concurrently or later; kernels already launched on streams complete normally. Since 0.1. */
+/*
+ * Destroys a runtime and unloads its modules.
+ *   runtime  a handle from moejit_runtime_create(), or NULL (then nothing happens).
+ * No call with this runtime may run concurrently with or after this one (the only function that is
+ * not thread-safe with respect to its argument); kernels already launched on streams complete
+ * normally. Returns MOEJIT_SUCCESS. Since 0.1.
+ */
 MOEJIT_API moejit_status moejit_runtime_destroy(moejit_runtime_t runtime);
 
 /* ---- The combine ---------------------------------------------------------------------------- */
@@ -241,15 +292,30 @@ MOEJIT_API moejit_status moejit_runtime_destroy(moejit_runtime_t runtime);
  * (the CUDA runtime makes the device's primary context current; driver-API users push theirs).
  * Stream-ordered: returns once the kernels are enqueued. The first call for a new shape compiles
  * (or loads from the disk cache) and may take tens of milliseconds; warm calls allocate nothing,
- * synchronize nothing and only launch, so they may be captured into a CUDA graph.
- *
- * Returns MOEJIT_SUCCESS, MOEJIT_ERROR_INVALID_ARGUMENT / _UNSUPPORTED / _WORKSPACE_TOO_SMALL
- * for caller errors, or an environment error (_DRIVER_NOT_FOUND, _NO_DEVICE, _CUDA, _COMPILE,
- * _NOT_CACHED). Uses the default runtime. Thread-safe. Since 0.1.
+ * synchronize nothing and only launch, so they may be captured into a CUDA graph (warm the shape
+ * before capturing).
+ *   args    the combine (see moejit_combine_args); struct_size must be set. Only read during the
+ *           call: it may be reused or freed on return. The device buffers it points to must stay
+ *           valid until the kernels have run on `stream`.
+ *   stream  the CUDA stream to launch on (CUstream or cudaStream_t); NULL is the legacy default
+ *           stream. Must belong to the current context.
+ * All arguments are checked before the GPU is touched, and a failed call launches nothing.
+ * Returns MOEJIT_SUCCESS; caller errors MOEJIT_ERROR_INVALID_ARGUMENT, _UNSUPPORTED,
+ * _WORKSPACE_TOO_SMALL; environment errors _DRIVER_NOT_FOUND, _NO_DEVICE, _CUDA, _COMPILE,
+ * _NOT_CACHED, _OUT_OF_MEMORY; _INTERNAL for a library bug. The message is in
+ * moejit_last_error_message(). An invalid environment setting (e.g. MOEJIT_CACHE_MODE) makes
+ * every call on the default runtime fail with _INVALID_ARGUMENT naming the variable.
+ * Uses the default runtime (created on first use from the environment). Thread-safe: any number
+ * of threads may call it at once, on the same or different streams and contexts. Since 0.1.
  */
 MOEJIT_API moejit_status moe_combine(const moejit_combine_args* args, moejit_stream_t stream);
 
-/* moe_combine() on an explicit runtime (NULL: the default runtime). Since 0.1. */
+/*
+ * moe_combine() on an explicit runtime: the same arguments, semantics and return codes, using
+ * runtime's settings, caches and statistics.
+ *   runtime  from moejit_runtime_create(), or NULL for the default runtime.
+ * Thread-safe, except that it must not race with moejit_runtime_destroy(runtime). Since 0.1.
+ */
 MOEJIT_API moejit_status moejit_runtime_combine(moejit_runtime_t runtime,
                                                 const moejit_combine_args* args,
                                                 moejit_stream_t stream);
@@ -266,8 +332,16 @@ typedef struct moejit_stats {
   double compile_seconds;   /* wall time spent in NVRTC */
 } moejit_stats;
 
-/* Copies the runtime's counters (NULL runtime: the default one) into *stats, whose struct_size
-   the caller sets. Since 0.1. */
+/*
+ * Copies a runtime's counters (cumulative since its creation) into *stats.
+ *   runtime  from moejit_runtime_create(), or NULL for the default runtime.
+ *   stats    must not be NULL; the caller sets stats->struct_size = sizeof(moejit_stats). Only
+ *            the fields that fit in struct_size are written, so older callers stay safe.
+ * Returns MOEJIT_SUCCESS, or MOEJIT_ERROR_INVALID_ARGUMENT for a NULL stats or a struct_size too
+ * small to hold any counter. Counters are read without stopping other threads: each is exact,
+ * but together they are a snapshot only when no combine runs concurrently. Needs no GPU.
+ * Thread-safe (not against moejit_runtime_destroy(runtime)). Since 0.1.
+ */
 MOEJIT_API moejit_status moejit_runtime_get_stats(moejit_runtime_t runtime, moejit_stats* stats);
 
 #ifdef __cplusplus

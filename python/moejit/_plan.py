@@ -1,0 +1,323 @@
+"""Checks the arguments of moejit.combine and derives the C call's shape fields.
+
+Imports no torch: it reads only what every tensor has (shape, stride(), dtype, device), so it runs
+on real tensors, on FakeTensors while torch.compile traces (the custom op's fake implementation
+uses it to compute the output shape), and on stand-in objects in the torch-free tests.
+
+Errors name the argument, its value and what is allowed: TypeError for a wrong type or dtype,
+ValueError for a wrong shape, stride, device or value.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+from . import _capi
+
+LAYOUTS = {
+    "token_major": _capi.LAYOUT_TOKEN_MAJOR,
+    "gather_map": _capi.LAYOUT_GATHER_MAP,
+    "token_index": _capi.LAYOUT_TOKEN_INDEX,
+}
+FLOAT_DTYPES = {
+    "float32": _capi.DTYPE_FLOAT32,
+    "float16": _capi.DTYPE_FLOAT16,
+    "bfloat16": _capi.DTYPE_BFLOAT16,
+}
+INDEX_DTYPES = {"int32": _capi.INDEX_INT32, "int64": _capi.INDEX_INT64}
+
+_FLOATS = "torch.float32, torch.float16 or torch.bfloat16"
+_INDICES = "torch.int32 or torch.int64"
+
+
+@dataclass
+class CombinePlan:
+    layout: int
+    num_tokens: Any  # int, or a SymInt while torch.compile traces
+    top_k: Any
+    num_rows: Any
+    hidden_dim: Any
+    expert_dtype: int
+    expert_row_stride: Any  # elements; 0 means hidden_dim
+    indices: Any  # the gather map or token_idx tensor, or None
+    index_type: int
+    gates: Any
+    out_shape: Tuple[Any, Any]
+    out_dtype: int
+    out_dtype_name: str  # "float32" | "float16" | "bfloat16"
+    out_row_stride: Any  # of the given out; 0 when out is allocated (contiguous)
+    scale: float
+    accumulate: bool
+
+
+def dtype_name(dtype):
+    """"bfloat16" for torch.bfloat16 (whose str() is "torch.bfloat16")."""
+    s = str(dtype)
+    return s[len("torch."):] if s.startswith("torch.") else s
+
+
+def _fail(exc, message):
+    raise exc("moejit.combine: " + message)
+
+
+def _is_tensor(x):
+    return hasattr(x, "shape") and hasattr(x, "stride") and hasattr(x, "dtype")
+
+
+def _is_int(x):
+    # SymInt: an int that torch.compile traces symbolically (e.g. num_tokens=x.shape[0]).
+    return (isinstance(x, int) and not isinstance(x, bool)) or type(x).__name__ == "SymInt"
+
+
+def _require_tensor(name, x):
+    if not _is_tensor(x):
+        _fail(TypeError, f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def _require_dtype(name, x, allowed, allowed_text):
+    if dtype_name(x.dtype) not in allowed:
+        _fail(TypeError, f"{name} has dtype {x.dtype}; allowed: {allowed_text}")
+
+
+def _require_device(name, x, device):
+    if x.device.type != "cuda":
+        _fail(ValueError, f"{name} is on device {x.device}; moejit needs CUDA "
+              "tensors")
+    if device is not None and x.device.index != device.index:
+        _fail(ValueError, f"{name} is on device {x.device} but expert_hidden is "
+              f"on {device}; all tensors must be on the same device")
+
+
+def _contiguous(shape, strides):
+    expected = 1
+    for size, stride in zip(reversed(tuple(shape)), reversed(tuple(strides))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _require_contiguous(name, x):
+    if not _contiguous(x.shape, x.stride()):
+        _fail(ValueError, f"{name} with shape {tuple(x.shape)} has strides {tuple(x.stride())}; it "
+              "must be contiguous (call .contiguous())")
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _row_stride(name, x, rows, hidden):
+    """Row pitch (elements) of a [rows, hidden] matrix whose inner stride must be 1; 0 (= hidden)
+    when there is at most one row, whose pitch no kernel ever uses."""
+    inner, outer = x.stride()[-1], x.stride()[0]
+    if hidden > 1 and inner != 1:
+        _fail(ValueError, f"{name} has strides {tuple(x.stride())}; the last dimension must have "
+              "stride 1 (rows may be padded, elements may not)")
+    if rows <= 1:
+        return 0
+    if outer < hidden:
+        _fail(ValueError, f"{name} has row stride {outer} < hidden_dim {hidden}; rows must not "
+              "overlap (stride 0 / expanded tensors are not supported)")
+    return outer
+
+
+def _check_indices(name, x, device):
+    _require_tensor(name, x)
+    _require_dtype(name, x, INDEX_DTYPES, _INDICES)
+    _require_device(name, x, device)
+    _require_contiguous(name, x)
+
+
+def plan_combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=None,
+                 token_idx=None, gates=None, num_tokens=None, out=None, out_dtype=None,
+                 scale=1.0, accumulate=False) -> CombinePlan:
+    if layout not in LAYOUTS:
+        _fail(ValueError, f"layout = {layout!r}; allowed: " + ", ".join(repr(k) for k in LAYOUTS))
+    _require_tensor("expert_hidden", expert_hidden)
+    _require_dtype("expert_hidden", expert_hidden, FLOAT_DTYPES, _FLOATS)
+    _require_device("expert_hidden", expert_hidden, None)
+    device = expert_hidden.device
+    shape = tuple(expert_hidden.shape)
+    if top_k is not None and not _is_int(top_k):
+        _fail(TypeError, f"top_k must be an int, got {type(top_k).__name__}")
+    if num_tokens is not None and not _is_int(num_tokens):
+        _fail(TypeError, f"num_tokens must be an int, got {type(num_tokens).__name__}")
+    if top_k is not None and not 1 <= top_k <= _capi.MAX_TOP_K:
+        _fail(ValueError, f"top_k = {top_k}; allowed: 1..{_capi.MAX_TOP_K}")
+    if num_tokens is not None and num_tokens < 0:
+        _fail(ValueError, f"num_tokens = {num_tokens}; must be >= 0")
+
+    for name, value, used_by in (("gather_map", gather_map, "gather_map"),
+                                 ("token_idx", token_idx, "token_index")):
+        if value is not None and layout != used_by:
+            _fail(ValueError, f"{name} is given but layout = {layout!r}; {name} is only used by "
+                  f"layout={used_by!r}")
+
+    indices, index_type = None, _capi.INDEX_INT32
+    if layout == "token_major":
+        if len(shape) == 3:
+            T, K, H = shape
+            if top_k is not None and top_k != K:
+                _fail(ValueError, f"top_k = {top_k} but expert_hidden has shape {shape} = "
+                      "[num_tokens, top_k, hidden]")
+            R = T * K
+            s0, s1, s2 = expert_hidden.stride()
+            if H > 1 and s2 != 1:
+                _fail(ValueError, f"expert_hidden has strides {(s0, s1, s2)}; the last dimension "
+                      "must have stride 1")
+            # Rows t*K + k must be evenly spaced: one pitch for the [T*K, H] view.
+            pitch = s1 if K > 1 else (s0 if T > 1 else H)
+            if (K > 1 and T > 1 and s0 != K * s1) or (R > 1 and pitch < H):
+                _fail(ValueError, f"expert_hidden with shape {shape} has strides "
+                      f"{(s0, s1, s2)}; the token-major rows must be evenly spaced with a pitch >= "
+                      f"hidden (strides [top_k*p, p, 1], p >= {H})")
+            row_stride = pitch if R > 1 else 0
+        elif len(shape) == 2:
+            if top_k is None:
+                _fail(ValueError, f"top_k is required when expert_hidden is 2-D {shape} = "
+                      "[num_tokens*top_k, hidden] (or pass it 3-D [num_tokens, top_k, hidden])")
+            R, H = shape
+            K = top_k
+            if R % K != 0:
+                _fail(ValueError, f"expert_hidden has {R} rows, not a multiple of top_k = {K}")
+            T = R // K
+            row_stride = _row_stride("expert_hidden", expert_hidden, R, H)
+        else:
+            _fail(ValueError, f"expert_hidden has shape {shape}; allowed for layout "
+                  "'token_major': [num_tokens, top_k, hidden] or [num_tokens*top_k, hidden]")
+        if num_tokens is not None and num_tokens != T:
+            _fail(ValueError, f"num_tokens = {num_tokens} but expert_hidden {shape} holds {T} tokens")
+    else:
+        if len(shape) != 2:
+            _fail(ValueError, f"expert_hidden has shape {shape}; allowed for layout {layout!r}: "
+                  "[num_rows, hidden]")
+        R, H = shape
+        row_stride = _row_stride("expert_hidden", expert_hidden, R, H)
+        if layout == "gather_map":
+            if gather_map is None:
+                _fail(ValueError, "gather_map is required for layout='gather_map' ([num_tokens, "
+                      "top_k] row indices, -1 for a dropped slot)")
+            _check_indices("gather_map", gather_map, device)
+            gshape = tuple(gather_map.shape)
+            if len(gshape) == 2:
+                T, K = gshape
+                if top_k is not None and top_k != K:
+                    _fail(ValueError, f"top_k = {top_k} but gather_map has shape {gshape} = "
+                          "[num_tokens, top_k]")
+            elif len(gshape) == 1:
+                if top_k is None:
+                    _fail(ValueError, f"top_k is required when gather_map is 1-D {gshape} (or pass "
+                          "it 2-D [num_tokens, top_k])")
+                K = top_k
+                if gshape[0] % K != 0:
+                    _fail(ValueError, f"gather_map has {gshape[0]} entries, not a multiple of "
+                          f"top_k = {K}")
+                T = gshape[0] // K
+            else:
+                _fail(ValueError, f"gather_map has shape {gshape}; allowed: [num_tokens, top_k] "
+                      "or [num_tokens*top_k]")
+            if num_tokens is not None and num_tokens != T:
+                _fail(ValueError, f"num_tokens = {num_tokens} but gather_map {gshape} maps {T} "
+                      "tokens")
+            indices = gather_map
+        else:
+            if top_k is not None:
+                _fail(ValueError, f"top_k = {top_k} is given but layout='token_index' does not use "
+                      "it (any token may receive any number of rows)")
+            if token_idx is None:
+                _fail(ValueError, "token_idx is required for layout='token_index' ([num_rows] "
+                      "token of each row, -1 for a dropped row)")
+            _check_indices("token_idx", token_idx, device)
+            if tuple(token_idx.shape) != (R,):
+                _fail(ValueError, f"token_idx has shape {tuple(token_idx.shape)}; must be "
+                      f"[num_rows] = ({R},) like expert_hidden {shape}")
+            if num_tokens is not None:
+                T = num_tokens
+            elif out is not None and _is_tensor(out) and len(out.shape) >= 1:
+                T = out.shape[0]
+            else:
+                _fail(ValueError, "num_tokens is required for layout='token_index' (the number "
+                      "of output rows cannot be read from token_idx without a device sync); or "
+                      "pass out")
+            K = 0
+            indices = token_idx
+        index_type = INDEX_DTYPES[dtype_name(indices.dtype)]
+
+    if not 1 <= H <= _capi.MAX_HIDDEN_DIM:
+        _fail(ValueError, f"hidden size {H} of expert_hidden {shape} is not in "
+              f"1..{_capi.MAX_HIDDEN_DIM}")
+
+    if gates is not None:
+        _require_tensor("gates", gates)
+        _require_dtype("gates", gates, ("float32",), "torch.float32")
+        _require_device("gates", gates, device)
+        _require_contiguous("gates", gates)
+        gshape = tuple(gates.shape)
+        if layout == "token_index":
+            ok, allowed = gshape == (R,), f"[num_rows] = ({R},)"
+        else:
+            ok = gshape in ((T, K), (T * K,))
+            allowed = f"[num_tokens, top_k] = ({T}, {K}) or [num_tokens*top_k] = ({T * K},)"
+        if not ok:
+            _fail(ValueError, f"gates has shape {gshape}; allowed: {allowed}")
+
+    if not isinstance(accumulate, (bool, int)) or accumulate not in (0, 1):
+        _fail(TypeError, f"accumulate must be a bool, got {accumulate!r}")
+    if out is not None:
+        _require_tensor("out", out)
+        _require_dtype("out", out, FLOAT_DTYPES, _FLOATS)
+        _require_device("out", out, device)
+        if tuple(out.shape) != (T, H):
+            _fail(ValueError, f"out has shape {tuple(out.shape)}; must be [num_tokens, hidden] = "
+                  f"({T}, {H})")
+        out_row_stride = _row_stride("out", out, T, H)
+        if out_dtype is not None and dtype_name(out_dtype) != dtype_name(out.dtype):
+            _fail(ValueError, f"out_dtype = {out_dtype} but out has dtype {out.dtype}; pass one "
+                  "or make them agree")
+        out_name = dtype_name(out.dtype)
+    else:
+        if accumulate:
+            _fail(ValueError, "accumulate=True adds into out, so out must be given")
+        out_name = dtype_name(out_dtype) if out_dtype is not None else dtype_name(
+            expert_hidden.dtype)
+        if out_name not in FLOAT_DTYPES:
+            _fail(TypeError, f"out_dtype = {out_dtype}; allowed: {_FLOATS}")
+        out_row_stride = 0
+
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        _fail(TypeError, f"scale must be a float, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        _fail(ValueError, f"scale = {scale}; must be a finite number")
+
+    return CombinePlan(
+        layout=LAYOUTS[layout], num_tokens=T, top_k=K, num_rows=R, hidden_dim=H,
+        expert_dtype=FLOAT_DTYPES[dtype_name(expert_hidden.dtype)], expert_row_stride=row_stride,
+        indices=indices, index_type=index_type, gates=gates, out_shape=(T, H),
+        out_dtype=FLOAT_DTYPES[out_name], out_dtype_name=out_name, out_row_stride=out_row_stride,
+        scale=float(scale), accumulate=bool(accumulate))
+
+
+def fill_args(args, plan: CombinePlan, expert_ptr, gates_ptr, indices_ptr, out_ptr,
+              out_row_stride: Optional[int] = None):
+    """Writes the plan and the device pointers into a _capi.CombineArgs."""
+    args.layout = plan.layout
+    args.num_tokens = int(plan.num_tokens)
+    args.top_k = int(plan.top_k)
+    args.num_rows = int(plan.num_rows)
+    args.hidden_dim = int(plan.hidden_dim)
+    args.expert_hidden = expert_ptr
+    args.expert_dtype = plan.expert_dtype
+    args.expert_row_stride = int(plan.expert_row_stride)
+    args.gates = gates_ptr
+    args.indices = indices_ptr
+    args.index_type = plan.index_type
+    args.out = out_ptr
+    args.out_dtype = plan.out_dtype
+    args.out_row_stride = int(plan.out_row_stride if out_row_stride is None else out_row_stride)
+    args.scale = plan.scale
+    args.accumulate = 1 if plan.accumulate else 0
+    return args

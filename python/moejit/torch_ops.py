@@ -1,0 +1,137 @@
+"""moejit.combine for torch tensors, and the torch.library custom op "moejit::combine".
+
+Imported lazily by the package (moejit.combine / moejit.combine_op), so `import moejit` never
+imports torch.
+
+Two entry points:
+  combine(...)     eager, the fastest path: checks, allocates out unless given, launches on
+                   torch.cuda.current_stream(), returns out. Writes into `out` (accumulate=True adds
+                   into it), so torch.compile cannot trace it: it graph-breaks there.
+  combine_op(...)  the functional custom op torch.ops.moejit.combine: never mutates its inputs
+                   (accumulation adds into a copy of `base`), has a fake implementation, so it
+                   composes with torch.compile and with CUDA graph capture.
+No autograd formula is registered: the combine is for inference.
+
+Workspace (token-index layout): allocated per call with torch.empty on the current stream. The
+torch caching allocator is already the cache (a warm allocation costs microseconds and no
+cudaMalloc), and it is stream-ordered: a block freed after this call is reused only by work
+ordered after it on the same stream, and during CUDA graph capture it comes from the graph's
+private pool, as the replay needs. A buffer cached here instead could be shared by two streams
+running concurrently, which would be a silent race.
+"""
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from . import _capi, _plan
+
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def _ptr(t):
+    return t.data_ptr() if t is not None else None
+
+
+def _launch(plan, expert_hidden, out):
+    device = expert_hidden.device
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        args = _plan.fill_args(_capi.new_combine_args(), plan, expert_hidden.data_ptr(),
+                               _ptr(plan.gates), _ptr(plan.indices), out.data_ptr(),
+                               out_row_stride=_plan._row_stride("out", out, out.shape[0],
+                                                                out.shape[1]))
+        if plan.layout == _capi.LAYOUT_TOKEN_INDEX:
+            nbytes = _capi.combine_workspace_size(args)
+            if nbytes:
+                workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                args.workspace = workspace.data_ptr()
+                args.workspace_bytes = nbytes
+        status = _capi.load_library().moe_combine(ctypes.byref(args), stream or None)
+        if status == _capi.ERROR_NO_DEVICE:
+            # libmoejit launches in the thread's current CUDA context. torch binds the device's
+            # primary context to a thread lazily, on its first CUDA runtime call there, and
+            # selecting a device does not count: a fresh Python thread may have none yet. Any
+            # kernel launch binds it; then try once more.
+            torch.zeros(1, device=device)
+            status = _capi.load_library().moe_combine(ctypes.byref(args), stream or None)
+        _capi.check("moe_combine", status)
+    return out
+
+
+def combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=None, token_idx=None,
+            gates=None, num_tokens=None, out=None, out_dtype=None, scale=1.0, accumulate=False):
+    """out[t, :] (+)= scale * sum of gates[r] * expert_hidden[r, :] over the rows r of token t.
+
+    layout="token_major": expert_hidden is [T, K, H] (or [T*K, H] with top_k); gates [T, K].
+    layout="gather_map":  expert_hidden is [R, H]; gather_map [T, K] (int32/int64) gives the row of
+                          slot k of token t, -1 if dropped; gates [T, K].
+    layout="token_index": expert_hidden is [R, H]; token_idx [R] (int32/int64) gives each row's
+                          token, -1 if dropped; gates [R]; num_tokens (or out) gives T.
+    gates: float32 or None (all ones). out: [T, H] float32/float16/bfloat16, row stride >= H and
+    unit inner stride; allocated (dtype out_dtype, default expert_hidden's) if None.
+    accumulate=True adds into out. Sums in fp32 in a fixed order; bitwise deterministic.
+    Runs on torch.cuda.current_stream() of expert_hidden's device and returns out.
+
+    Raises TypeError / ValueError for bad arguments (naming the argument, its value and what is
+    allowed) and moejit.MoejitError when the library fails (status name + library message).
+    """
+    plan = _plan.plan_combine(expert_hidden, layout=layout, top_k=top_k, gather_map=gather_map,
+                              token_idx=token_idx, gates=gates, num_tokens=num_tokens, out=out,
+                              out_dtype=out_dtype, scale=scale, accumulate=accumulate)
+    if out is None:
+        out = torch.empty(plan.out_shape, dtype=_TORCH_DTYPES[plan.out_dtype_name],
+                          device=expert_hidden.device)
+    return _launch(plan, expert_hidden, out)
+
+
+# ---- The custom op -------------------------------------------------------------------------------
+
+
+def _op_plan(expert_hidden, indices, gates, base, layout, top_k, num_tokens, out_dtype, scale):
+    index_arg = {"token_idx" if layout == "token_index" else "gather_map": indices}
+    return _plan.plan_combine(expert_hidden, layout=layout, top_k=top_k, gates=gates,
+                              num_tokens=num_tokens, out=base, out_dtype=out_dtype, scale=scale,
+                              accumulate=base is not None, **index_arg)
+
+
+@torch.library.custom_op("moejit::combine", mutates_args=())
+def _combine_op(expert_hidden: torch.Tensor, indices: Optional[torch.Tensor],
+                gates: Optional[torch.Tensor], base: Optional[torch.Tensor], layout: str,
+                top_k: Optional[int], num_tokens: Optional[int], out_dtype: Optional[torch.dtype],
+                scale: float) -> torch.Tensor:
+    plan = _op_plan(expert_hidden, indices, gates, base, layout, top_k, num_tokens, out_dtype,
+                    scale)
+    if base is not None:
+        # Functional: accumulate into a fresh copy, never into the caller's tensor.
+        out = base.clone(memory_format=torch.contiguous_format)
+    else:
+        out = torch.empty(plan.out_shape, dtype=_TORCH_DTYPES[plan.out_dtype_name],
+                          device=expert_hidden.device)
+    return _launch(plan, expert_hidden, out)
+
+
+@_combine_op.register_fake
+def _(expert_hidden, indices, gates, base, layout, top_k, num_tokens, out_dtype, scale):
+    # The same checks as the real op, so torch.compile reports bad arguments while tracing.
+    plan = _op_plan(expert_hidden, indices, gates, base, layout, top_k, num_tokens, out_dtype,
+                    scale)
+    return expert_hidden.new_empty(plan.out_shape, dtype=_TORCH_DTYPES[plan.out_dtype_name])
+
+
+def combine_op(expert_hidden, *, layout="token_major", top_k=None, gather_map=None,
+               token_idx=None, gates=None, num_tokens=None, base=None, out_dtype=None,
+               scale=1.0):
+    """Functional combine through torch.ops.moejit.combine: returns a new tensor
+    (base + scale * sum ... when base is given, else scale * sum ...). Same arguments as
+    combine(), with `base` instead of out/accumulate. Use this inside torch.compile'd code."""
+    if gather_map is not None and token_idx is not None:
+        raise ValueError("moejit.combine_op: pass gather_map or token_idx, not both")
+    indices = gather_map if gather_map is not None else token_idx
+    return torch.ops.moejit.combine(expert_hidden, indices, gates, base, layout, top_k,
+                                    num_tokens, out_dtype, float(scale))

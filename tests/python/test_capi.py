@@ -1,0 +1,234 @@
+"""The ctypes layer against the C header and the library: no torch, no GPU needed."""
+import ctypes
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from moejit import _capi
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+HEADER = REPO / "include" / "moejit" / "moejit.h"
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    """sizeof/offsetof and constants as the C compiler sees them (tests/python/layout_probe.c)."""
+    exe = os.environ.get("MOEJIT_LAYOUT_PROBE")
+    if not exe:
+        cc = shutil.which(os.environ.get("CC", "cc"))
+        if cc is None:
+            pytest.skip("no MOEJIT_LAYOUT_PROBE and no C compiler to build the layout probe")
+        exe = str(tmp_path_factory.mktemp("probe") / "layout_probe")
+        subprocess.run([cc, "-std=c99", "-I", str(REPO / "include"),
+                        str(pathlib.Path(__file__).with_name("layout_probe.c")), "-o", exe],
+                       check=True)
+    return json.loads(subprocess.run([exe], check=True, capture_output=True, text=True).stdout)
+
+
+@pytest.mark.parametrize("cname,pytype", [("moejit_combine_args", _capi.CombineArgs),
+                                          ("moejit_runtime_options", _capi.RuntimeOptions),
+                                          ("moejit_stats", _capi.Stats)])
+def test_struct_layout_matches_c(probe, cname, pytype):
+    c = probe[cname]
+    assert ctypes.sizeof(pytype) == c["sizeof"]
+    py_fields = [name for name, _ in pytype._fields_]
+    assert py_fields == list(c["fields"]), "fields missing, extra or out of order"
+    for name, (offset, size) in c["fields"].items():
+        field = getattr(pytype, name)
+        assert (field.offset, field.size) == (offset, size), name
+
+
+def test_constants_match_c(probe):
+    for name, value in probe["constants"].items():
+        if name == "sizeof_enum":
+            assert value == ctypes.sizeof(ctypes.c_int)
+        else:
+            assert getattr(_capi, name) == value, name
+    assert {int(k): v for k, v in probe["status"].items()} == _capi.STATUS_NAMES
+
+
+def test_status_table_matches_header_text():
+    # Independent of the probe: parse the X-macro table itself.
+    text = HEADER.read_text()
+    entries = dict((int(v), n) for n, v in re.findall(r"X\((MOEJIT_\w+),\s*(\d+)", text))
+    assert entries == _capi.STATUS_NAMES
+    for value, name in entries.items():
+        assert getattr(_capi, name[len("MOEJIT_"):]) == value
+
+
+def test_library_status_names_and_descriptions():
+    lib = _capi.load_library()
+    for value, name in _capi.STATUS_NAMES.items():
+        assert lib.moejit_status_name(value).decode() == name
+        assert lib.moejit_status_description(value)
+    assert lib.moejit_status_name(999).decode() == "MOEJIT_STATUS_UNKNOWN"
+    assert _capi.status_name(999) == "MOEJIT_STATUS_UNKNOWN"
+
+
+def test_version():
+    lib = _capi.load_library()
+    major, minor, patch = (int(x) for x in _capi.version().split("."))
+    assert lib.moejit_version() == major * 10000 + minor * 100 + patch
+    import moejit
+
+    assert moejit.version() == _capi.version()
+
+
+def test_stats_is_a_dict_of_counters():
+    import moejit
+
+    s = moejit.stats()
+    assert set(s) == {"memory_hits", "disk_hits", "compiles", "disk_errors", "launches",
+                      "compile_seconds"}
+
+
+def test_args_defaults_come_from_the_library():
+    a = _capi.new_combine_args()
+    assert a.struct_size == ctypes.sizeof(_capi.CombineArgs)
+    assert a.scale == 1.0 and a.accumulate == 0 and a.workspace is None
+
+
+def shape_args(**fields):
+    a = _capi.new_combine_args()
+    for k, v in fields.items():
+        setattr(a, k, v)
+    return a
+
+
+def expect_error(status, fn, *args):
+    with pytest.raises(_capi.MoejitError) as info:
+        fn(*args)
+    assert info.value.status == status
+    assert info.value.status_name == _capi.STATUS_NAMES[status]
+    assert info.value.status_name in str(info.value)
+    return info.value
+
+
+def test_workspace_size_bad_hidden_dim():
+    e = expect_error(_capi.ERROR_INVALID_ARGUMENT, _capi.combine_workspace_size,
+                     shape_args(hidden_dim=0, top_k=2))
+    assert "args->hidden_dim = 0" in e.message and "1..65536" in e.message
+
+
+def test_workspace_size_bad_top_k():
+    e = expect_error(_capi.ERROR_INVALID_ARGUMENT, _capi.combine_workspace_size,
+                     shape_args(layout=_capi.LAYOUT_GATHER_MAP, hidden_dim=64, top_k=65))
+    assert "args->top_k = 65" in e.message
+
+
+def test_workspace_size_bad_struct_size():
+    a = shape_args(hidden_dim=64, top_k=2)
+    a.struct_size = 8
+    e = expect_error(_capi.ERROR_INVALID_ARGUMENT, _capi.combine_workspace_size, a)
+    assert "struct_size = 8" in e.message
+
+
+def test_workspace_size_values():
+    assert _capi.combine_workspace_size(shape_args(hidden_dim=64, top_k=2, num_tokens=33)) == 0
+    n = _capi.combine_workspace_size(
+        shape_args(layout=_capi.LAYOUT_TOKEN_INDEX, hidden_dim=64, num_tokens=33, num_rows=66))
+    assert n >= 33 * 4
+
+
+def test_workspace_size_null_arguments():
+    lib = _capi.load_library()
+    nbytes = ctypes.c_size_t()
+    assert lib.moejit_combine_workspace_size(None, ctypes.byref(nbytes)) == 1
+    assert "args = NULL" in _capi.last_error_message()
+    a = shape_args(hidden_dim=64, top_k=2)
+    assert lib.moejit_combine_workspace_size(ctypes.byref(a), None) == 1
+    assert "bytes = NULL" in _capi.last_error_message()
+
+
+def test_combine_null_args():
+    assert _capi.load_library().moe_combine(None, None) == _capi.ERROR_INVALID_ARGUMENT
+    assert "args = NULL" in _capi.last_error_message()
+
+
+# The cases below fail argument validation, which the library finishes before it touches the
+# driver, so the (fake, aligned) pointers are never dereferenced, GPU or not.
+FAKE = 0x10000
+
+
+def test_combine_token_index_without_workspace():
+    a = shape_args(layout=_capi.LAYOUT_TOKEN_INDEX, hidden_dim=64, num_tokens=4, num_rows=8,
+                   expert_hidden=FAKE, indices=FAKE, out=FAKE)
+    e = expect_error(_capi.ERROR_WORKSPACE_TOO_SMALL, _capi.combine, a, 0)
+    assert "moejit_combine_workspace_size" in e.message
+
+
+def test_combine_bad_accumulate():
+    a = shape_args(hidden_dim=64, top_k=2, num_tokens=4, expert_hidden=FAKE, out=FAKE,
+                   accumulate=2)
+    e = expect_error(_capi.ERROR_INVALID_ARGUMENT, _capi.combine, a, 0)
+    assert "args->accumulate = 2" in e.message
+
+
+def test_combine_missing_out():
+    a = shape_args(hidden_dim=64, top_k=2, num_tokens=4, expert_hidden=FAKE)
+    e = expect_error(_capi.ERROR_INVALID_ARGUMENT, _capi.combine, a, 0)
+    assert "args->out = NULL" in e.message
+
+
+def test_combine_bad_dtype_enum():
+    a = shape_args(hidden_dim=64, top_k=2, num_tokens=4, expert_hidden=FAKE, out=FAKE,
+                   out_dtype=7)
+    e = expect_error(_capi.ERROR_INVALID_ARGUMENT, _capi.combine, a, 0)
+    assert "args->out_dtype = 7" in e.message
+
+
+def test_last_error_is_per_thread():
+    expect_error(_capi.ERROR_INVALID_ARGUMENT, _capi.combine_workspace_size, shape_args())
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(_capi.last_error_message()))
+    t.start()
+    t.join()
+    assert seen == [""]
+    assert "hidden_dim" in _capi.last_error_message()
+
+
+def run_python(code, env_update, cwd):
+    env = {k: v for k, v in os.environ.items() if k not in ("MOEJIT_LIBRARY", "PYTHONPATH")}
+    env.update(env_update)
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True,
+                          text=True)
+
+
+def test_missing_library_names_what_was_tried(tmp_path):
+    r = run_python("import moejit; moejit.version()",
+                   {"MOEJIT_LIBRARY": str(tmp_path / "nope.so"),
+                    "PYTHONPATH": str(REPO / "python")}, tmp_path)
+    assert r.returncode != 0
+    assert "LibraryNotFoundError" in r.stderr and "nope.so" in r.stderr
+    assert "MOEJIT_LIBRARY" in r.stderr
+
+
+def test_library_next_to_the_package(tmp_path):
+    lib = os.environ.get("MOEJIT_LIBRARY")
+    if not lib:
+        pytest.skip("MOEJIT_LIBRARY not set: no built library to copy")
+    pkg = tmp_path / "moejit"
+    shutil.copytree(REPO / "python" / "moejit", pkg,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(lib, pkg / "libmoejit.so.0")
+    r = run_python("import moejit, moejit._capi as c; moejit.version(); "
+                   "print(c.load_library()._name)", {"PYTHONPATH": str(tmp_path)}, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(pkg / "libmoejit.so.0")
+
+
+def test_import_does_not_import_torch(tmp_path):
+    r = run_python("import sys, moejit; moejit.version(); moejit.stats(); "
+                   "print('torch' in sys.modules)",
+                   {"PYTHONPATH": str(REPO / "python"),
+                    "MOEJIT_LIBRARY": os.environ.get("MOEJIT_LIBRARY", "libmoejit.so.0")},
+                   tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"

@@ -1,0 +1,176 @@
+"""Argument checking of moejit.combine, without torch or a GPU: moejit._plan reads only shape,
+stride(), dtype and device, so small stand-ins exercise every check the torch path runs."""
+import pytest
+
+from moejit import _capi, _plan
+
+
+class Device:
+    def __init__(self, type_="cuda", index=0):
+        self.type, self.index = type_, index
+
+    def __str__(self):
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+
+class DType:
+    def __init__(self, name):
+        self.name = name
+
+    def __str__(self):
+        return "torch." + self.name
+
+
+class T:
+    """A tensor stand-in: contiguous unless strides are given."""
+
+    def __init__(self, shape, dtype="bfloat16", strides=None, device=None):
+        self.shape = tuple(shape)
+        self.dtype = DType(dtype)
+        self.device = device or Device()
+        if strides is None:
+            strides, acc = [], 1
+            for s in reversed(self.shape):
+                strides.insert(0, acc)
+                acc *= s
+        self._strides = tuple(strides)
+
+    def stride(self):
+        return self._strides
+
+
+H = 4096
+
+
+def err(exc, match, **kw):
+    expert = kw.pop("expert_hidden", None) or T((66, H))
+    with pytest.raises(exc, match=match) as info:
+        _plan.plan_combine(expert, **kw)
+    assert str(info.value).startswith("moejit.combine: ")
+    return info.value
+
+
+def test_token_major_3d():
+    p = _plan.plan_combine(T((33, 2, H)), gates=T((33, 2), "float32"), scale=2.5)
+    assert (p.layout, p.num_tokens, p.top_k, p.num_rows, p.hidden_dim) == (
+        _capi.LAYOUT_TOKEN_MAJOR, 33, 2, 66, H)
+    assert p.out_shape == (33, H) and p.out_dtype_name == "bfloat16" and p.scale == 2.5
+    assert p.expert_row_stride == H
+
+
+def test_token_major_2d_needs_top_k():
+    err(ValueError, "top_k is required", layout="token_major")
+    p = _plan.plan_combine(T((66, H)), top_k=2, out_dtype=DType("float32"))
+    assert p.num_tokens == 33 and p.out_dtype == _capi.DTYPE_FLOAT32
+    err(ValueError, "not a multiple of top_k = 4", expert_hidden=T((66, H)), top_k=4)
+
+
+def test_token_major_rejects_uneven_rows():
+    # [T, K, H] slice of a [T, 4, H] tensor: rows t*K+k are not evenly spaced.
+    err(ValueError, "evenly spaced", expert_hidden=T((33, 2, H), strides=(4 * H, H, 1)))
+    p = _plan.plan_combine(T((33, 2, H), strides=(2 * (H + 64), H + 64, 1)))
+    assert p.expert_row_stride == H + 64
+
+
+def test_gather_map():
+    p = _plan.plan_combine(T((70, H)), layout="gather_map", gather_map=T((33, 2), "int64"),
+                           gates=T((66,), "float32"))
+    assert (p.num_tokens, p.top_k, p.num_rows, p.index_type) == (33, 2, 70, _capi.INDEX_INT64)
+    p = _plan.plan_combine(T((70, H)), layout="gather_map", gather_map=T((66,), "int32"),
+                           top_k=2)
+    assert p.num_tokens == 33
+    err(ValueError, "gather_map is required", layout="gather_map")
+    err(ValueError, "top_k = 3 but gather_map has shape", layout="gather_map",
+        gather_map=T((33, 2), "int32"), top_k=3)
+    err(TypeError, "gather_map has dtype torch.float32; allowed: torch.int32 or torch.int64",
+        layout="gather_map", gather_map=T((33, 2), "float32"))
+    err(ValueError, "must be contiguous", layout="gather_map",
+        gather_map=T((33, 2), "int32", strides=(1, 33)))
+
+
+def test_token_index():
+    p = _plan.plan_combine(T((66, H)), layout="token_index", token_idx=T((66,), "int32"),
+                           num_tokens=40)
+    assert (p.layout, p.num_tokens, p.num_rows, p.top_k) == (_capi.LAYOUT_TOKEN_INDEX, 40, 66, 0)
+    p = _plan.plan_combine(T((66, H)), layout="token_index", token_idx=T((66,), "int32"),
+                           out=T((40, H)), accumulate=True)
+    assert p.num_tokens == 40 and p.accumulate
+    err(ValueError, "num_tokens is required", layout="token_index", token_idx=T((66,), "int32"))
+    err(ValueError, r"token_idx has shape \(65,\)", layout="token_index",
+        token_idx=T((65,), "int32"), num_tokens=4)
+    err(ValueError, "does not use it", layout="token_index", token_idx=T((66,), "int32"),
+        num_tokens=4, top_k=2)
+    err(ValueError, r"gates has shape \(33, 2\); allowed: \[num_rows\]", layout="token_index",
+        token_idx=T((66,), "int32"), num_tokens=4, gates=T((33, 2), "float32"))
+
+
+def test_index_for_the_wrong_layout():
+    err(ValueError, "token_idx is given but layout = 'gather_map'", layout="gather_map",
+        gather_map=T((33, 2), "int32"), token_idx=T((66,), "int32"))
+    err(ValueError, "gather_map is given but layout = 'token_major'", top_k=2,
+        gather_map=T((33, 2), "int32"))
+
+
+def test_layout_and_types():
+    err(ValueError, "layout = 'sorted'; allowed: 'token_major', 'gather_map', 'token_index'",
+        layout="sorted")
+    with pytest.raises(TypeError, match="expert_hidden must be a torch.Tensor, got list"):
+        _plan.plan_combine([[1.0]])
+    err(TypeError, "expert_hidden has dtype torch.int8; allowed: torch.float32, torch.float16 "
+        "or torch.bfloat16", expert_hidden=T((66, H), "int8"), top_k=2)
+    err(TypeError, "top_k must be an int, got float", top_k=2.0)
+    err(ValueError, r"top_k = 65; allowed: 1\.\.64", top_k=65)
+    err(TypeError, "scale must be a float, got str", top_k=2, scale="2")
+    err(ValueError, "scale = inf", top_k=2, scale=float("inf"))
+    err(ValueError, "num_tokens = 5 but expert_hidden", top_k=2, num_tokens=5)
+
+
+def test_devices():
+    err(ValueError, "expert_hidden is on device cpu; moejit needs CUDA tensors",
+        expert_hidden=T((66, H), device=Device("cpu", None)), top_k=2)
+    err(ValueError, "gates is on device cuda:1 but expert_hidden is on cuda:0", top_k=2,
+        gates=T((66,), "float32", device=Device("cuda", 1)))
+    err(ValueError, "out is on device cpu", top_k=2, out=T((33, H), device=Device("cpu", None)))
+
+
+def test_gates():
+    err(TypeError, "gates has dtype torch.bfloat16; allowed: torch.float32", top_k=2,
+        gates=T((33, 2)))
+    err(ValueError, r"gates has shape \(66, 1\)", top_k=2, gates=T((66, 1), "float32"))
+
+
+def test_strides():
+    err(ValueError, "the last dimension must have stride 1", layout="gather_map",
+        expert_hidden=T((66, H), strides=(1, 66)), gather_map=T((33, 2), "int32"))
+    err(ValueError, "row stride 0 < hidden_dim", layout="gather_map",
+        expert_hidden=T((66, H), strides=(0, 1)), gather_map=T((33, 2), "int32"))
+    p = _plan.plan_combine(T((66, H), strides=(H + 8, 1)), layout="gather_map",
+                           gather_map=T((33, 2), "int32"), out=T((33, H), strides=(2 * H, 1)))
+    assert p.expert_row_stride == H + 8 and p.out_row_stride == 2 * H
+    # One row: its pitch is never used, whatever torch reports.
+    p = _plan.plan_combine(T((1, 1, H), strides=(7, 7, 1)), out=T((1, H), strides=(1, 1)))
+    assert p.expert_row_stride == 0 and p.out_row_stride == 0
+
+
+def test_out():
+    err(ValueError, r"out has shape \(33, 4095\); must be \[num_tokens, hidden\] = \(33, 4096\)",
+        top_k=2, out=T((33, H - 1)))
+    err(ValueError, "out_dtype = torch.float32 but out has dtype torch.bfloat16", top_k=2,
+        out=T((33, H)), out_dtype=DType("float32"))
+    err(ValueError, "accumulate=True adds into out", top_k=2, accumulate=True)
+    err(TypeError, "out_dtype = torch.int32", top_k=2, out_dtype=DType("int32"))
+    err(TypeError, "accumulate must be a bool", top_k=2, out=T((33, H)), accumulate=3)
+
+
+def test_hidden_limits():
+    err(ValueError, "hidden size 70000", expert_hidden=T((2, 70000)), top_k=2)
+
+
+def test_fill_args():
+    p = _plan.plan_combine(T((66, H)), layout="token_index", token_idx=T((66,), "int64"),
+                           num_tokens=33, gates=T((66,), "float32"), scale=0.5)
+    a = _plan.fill_args(_capi.new_combine_args(), p, 0x1000, 0x2000, 0x3000, 0x4000)
+    assert (a.layout, a.num_tokens, a.num_rows, a.hidden_dim) == (2, 33, 66, H)
+    assert (a.expert_hidden, a.gates, a.indices, a.out) == (0x1000, 0x2000, 0x3000, 0x4000)
+    assert (a.index_type, a.scale, a.accumulate) == (_capi.INDEX_INT64, 0.5, 0)
+    assert _capi.combine_workspace_size(a) > 0
