@@ -106,8 +106,8 @@ double Timer::median_us(const std::function<void()>& enqueue, int warmup, int re
   std::vector<double> us(static_cast<size_t>(reps));
   for (int i = 0; i < reps; ++i) {
     float ms = 0.0f;
-    BENCH_CUDA(cudaEventElapsedTime(&ms, starts_[static_cast<size_t>(i)],
-                                    stops_[static_cast<size_t>(i)]));
+    BENCH_CUDA(
+        cudaEventElapsedTime(&ms, starts_[static_cast<size_t>(i)], stops_[static_cast<size_t>(i)]));
     us[static_cast<size_t>(i)] = static_cast<double>(ms) * 1e3;
   }
   return median(std::move(us));

@@ -34,8 +34,8 @@ class DeviceBuffer {
 
   void* get() const { return ptr_; }
   size_t bytes() const { return bytes_; }
-  void upload(const void* host, size_t bytes);          // synchronous
-  void download(void* host, size_t bytes) const;        // synchronous
+  void upload(const void* host, size_t bytes);    // synchronous
+  void download(void* host, size_t bytes) const;  // synchronous
 
  private:
   void* ptr_ = nullptr;

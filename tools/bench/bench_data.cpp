@@ -89,22 +89,31 @@ double decode(moejit_dtype dtype, const uint8_t* base, int64_t index) {
 
 }  // namespace
 
-int dtype_bytes(moejit_dtype dtype) { return dtype == MOEJIT_DTYPE_FLOAT32 ? 4 : 2; }
+int dtype_bytes(moejit_dtype dtype) {
+  return dtype == MOEJIT_DTYPE_FLOAT32 ? 4 : 2;
+}
 
 const char* dtype_text(moejit_dtype dtype) {
   switch (dtype) {
-    case MOEJIT_DTYPE_FLOAT32: return "fp32";
-    case MOEJIT_DTYPE_FLOAT16: return "fp16";
-    case MOEJIT_DTYPE_BFLOAT16: return "bf16";
+    case MOEJIT_DTYPE_FLOAT32:
+      return "fp32";
+    case MOEJIT_DTYPE_FLOAT16:
+      return "fp16";
+    case MOEJIT_DTYPE_BFLOAT16:
+      return "bf16";
   }
   return "unknown";
 }
 
 bool parse_dtype(const std::string& text, moejit_dtype* dtype) {
-  if (text == "fp32" || text == "float32") *dtype = MOEJIT_DTYPE_FLOAT32;
-  else if (text == "fp16" || text == "float16") *dtype = MOEJIT_DTYPE_FLOAT16;
-  else if (text == "bf16" || text == "bfloat16") *dtype = MOEJIT_DTYPE_BFLOAT16;
-  else return false;
+  if (text == "fp32" || text == "float32")
+    *dtype = MOEJIT_DTYPE_FLOAT32;
+  else if (text == "fp16" || text == "float16")
+    *dtype = MOEJIT_DTYPE_FLOAT16;
+  else if (text == "bf16" || text == "bfloat16")
+    *dtype = MOEJIT_DTYPE_BFLOAT16;
+  else
+    return false;
   return true;
 }
 
@@ -125,7 +134,8 @@ HostInputs make_inputs(const Shape& shape, uint64_t seed) {
   HostInputs in;
   in.shape = shape;
   const int64_t T = shape.tokens, K = shape.top_k, H = shape.hidden, R = shape.rows();
-  const size_t row_bytes = static_cast<size_t>(H) * static_cast<size_t>(dtype_bytes(shape.in_dtype));
+  const size_t row_bytes =
+      static_cast<size_t>(H) * static_cast<size_t>(dtype_bytes(shape.in_dtype));
   in.token_major.resize(static_cast<size_t>(R) * row_bytes);
 
   const uint64_t data_seed = mix(seed ^ 0x5eedda7aull);
@@ -150,9 +160,8 @@ HostInputs make_inputs(const Shape& shape, uint64_t seed) {
   for (int64_t t = 0; t < T; ++t) {
     double sum = 0.0;
     for (int64_t k = 0; k < K; ++k) {
-      const double u = 0.05 + 0.95 * static_cast<double>(mix(gate_seed + static_cast<uint64_t>(
-                                                                             t * K + k)) >> 11) *
-                                  0x1.0p-53;
+      const uint64_t h = mix(gate_seed + static_cast<uint64_t>(t * K + k));
+      const double u = 0.05 + 0.95 * static_cast<double>(h >> 11) * 0x1.0p-53;  // [0.05, 1)
       in.gates[static_cast<size_t>(t * K + k)] = static_cast<float>(u);
       sum += u;
     }
@@ -237,7 +246,8 @@ CheckResult check_output(const HostInputs& in, const std::vector<uint8_t>& out,
     for (double old = ref2.load(); !ref2.compare_exchange_weak(old, old + r);) {
     }
   });
-  result.rel_err = ref2.load() > 0.0 ? std::sqrt(err2.load() / ref2.load()) : std::sqrt(err2.load());
+  result.rel_err =
+      ref2.load() > 0.0 ? std::sqrt(err2.load() / ref2.load()) : std::sqrt(err2.load());
   return result;
 }
 

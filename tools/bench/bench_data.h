@@ -31,17 +31,17 @@ struct Shape {
 };
 
 int dtype_bytes(moejit_dtype dtype);
-const char* dtype_text(moejit_dtype dtype);        // "fp32" | "fp16" | "bf16"
+const char* dtype_text(moejit_dtype dtype);  // "fp32" | "fp16" | "bf16"
 bool parse_dtype(const std::string& text, moejit_dtype* dtype);
 
 struct HostInputs {
   Shape shape;
-  std::vector<uint8_t> token_major;   // R rows of H elements of in_dtype
-  std::vector<uint8_t> sorted;        // the same rows, permuted
-  std::vector<float> gates;           // [T*K], indexed t*K + k; each token's gates sum to 1
-  std::vector<float> gates_by_row;    // [R], gates of the sorted rows (token-index layout)
-  std::vector<int32_t> gather_map;    // [T*K] -> row of `sorted`
-  std::vector<int32_t> token_idx;     // [R] -> token of each row of `sorted`
+  std::vector<uint8_t> token_major;  // R rows of H elements of in_dtype
+  std::vector<uint8_t> sorted;       // the same rows, permuted
+  std::vector<float> gates;          // [T*K], indexed t*K + k; each token's gates sum to 1
+  std::vector<float> gates_by_row;   // [R], gates of the sorted rows (token-index layout)
+  std::vector<int32_t> gather_map;   // [T*K] -> row of `sorted`
+  std::vector<int32_t> token_idx;    // [R] -> token of each row of `sorted`
 };
 
 // Random inputs, never zero: every element has magnitude in [1/16, 2) and a random sign, drawn as
@@ -53,8 +53,8 @@ HostInputs make_inputs(const Shape& shape, uint64_t seed);
 std::vector<int64_t> check_tokens(int64_t tokens, int64_t max_tokens);
 
 struct CheckResult {
-  double rel_err = 0.0;        // ||out - ref|| / ||ref|| over the checked tokens
-  int64_t unwritten = 0;       // NaN elements anywhere in out (the poison survived, or worse)
+  double rel_err = 0.0;   // ||out - ref|| / ||ref|| over the checked tokens
+  int64_t unwritten = 0;  // NaN elements anywhere in out (the poison survived, or worse)
 };
 
 // Compares out (T rows of H elements of out_dtype, as downloaded) against the float64 reference on

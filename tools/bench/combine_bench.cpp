@@ -101,7 +101,8 @@ CaseResult run_layout(const HostInputs& in, const DeviceInputs& d, moejit_layout
     BENCH_CUDA(cudaStreamSynchronize(stream));
     std::vector<uint8_t> first(out_bytes);
     d.out.download(first.data(), out_bytes);
-    const CheckResult check = check_output(in, first, check_tokens(s.tokens, settings.check_tokens));
+    const CheckResult check =
+        check_output(in, first, check_tokens(s.tokens, settings.check_tokens));
     r.rel_err = check.rel_err;
     r.unwritten = check.unwritten;
 
@@ -132,9 +133,12 @@ CaseResult run_layout(const HostInputs& in, const DeviceInputs& d, moejit_layout
 
 const char* layout_text(moejit_layout layout) {
   switch (layout) {
-    case MOEJIT_LAYOUT_TOKEN_MAJOR: return "token_major";
-    case MOEJIT_LAYOUT_GATHER_MAP: return "gather_map";
-    case MOEJIT_LAYOUT_TOKEN_INDEX: return "token_index";
+    case MOEJIT_LAYOUT_TOKEN_MAJOR:
+      return "token_major";
+    case MOEJIT_LAYOUT_GATHER_MAP:
+      return "gather_map";
+    case MOEJIT_LAYOUT_TOKEN_INDEX:
+      return "token_index";
   }
   return "unknown";
 }

@@ -14,9 +14,9 @@ namespace moejit_bench {
 
 struct BenchSettings {
   int warmup = 10;
-  int reps = 0;                  // 0: by size (200 below 64 MB of minimal bytes, else 100)
-  bool l2_warm = true;           // also time with a warm L2
-  int64_t check_tokens = 512;    // float64 reference on at most this many tokens (>= 2)
+  int reps = 0;                // 0: by size (200 below 64 MB of minimal bytes, else 100)
+  bool l2_warm = true;         // also time with a warm L2
+  int64_t check_tokens = 512;  // float64 reference on at most this many tokens (>= 2)
   uint64_t seed = 20261130;
 };
 
@@ -36,11 +36,11 @@ struct CaseResult {
   double pct_ceiling = 0.0;
   double ratio_empty = 0.0;
   double rel_err = 0.0;
-  int64_t unwritten = 0;       // NaN elements after the checked run
-  bool deterministic = true;   // output after the timed runs == output of the checked run
-  bool correct = false;        // no NaN, rel_err within the output dtype's bound, deterministic
+  int64_t unwritten = 0;      // NaN elements after the checked run
+  bool deterministic = true;  // output after the timed runs == output of the checked run
+  bool correct = false;       // no NaN, rel_err within the output dtype's bound, deterministic
   int reps = 0;
-  std::string error;           // non-empty: the case did not run (message of the failure)
+  std::string error;  // non-empty: the case did not run (message of the failure)
 };
 
 const char* layout_text(moejit_layout layout);  // "token_major" | "gather_map" | "token_index"
@@ -53,7 +53,6 @@ double error_bound(moejit_dtype out_dtype);
 // Runs one shape in each of `layouts`. Environment failures (CUDA) throw; a failed moe_combine
 // call is recorded in that layout's CaseResult::error and the other layouts still run.
 std::vector<CaseResult> run_case(const Shape& shape, const std::vector<moejit_layout>& layouts,
-                                 const BenchSettings& settings, const Floors& floors,
-                                 Timer& timer);
+                                 const BenchSettings& settings, const Floors& floors, Timer& timer);
 
 }  // namespace moejit_bench

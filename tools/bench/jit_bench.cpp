@@ -38,12 +38,12 @@ moejit::Settings settings_without_disk() {
 // likely first call of a real process.
 std::vector<moejit::KernelSpec> cold_specs() {
   return {
-      moejit::spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
-                             MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256),
+      moejit::spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                             MOEJIT_INDEX_INT32, 7168, 8, 256),
       moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
                              MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256),
-      moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32,
-                             MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 128, 2, 256),
+      moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
+                             MOEJIT_INDEX_INT32, 128, 2, 256),
   };
 }
 
@@ -178,10 +178,11 @@ void measure_disk_cache(const moejit::Target& target, bool gpu, JitFigures* figu
       const auto hit = reader.obtain(spec, target, &source);
       const double elapsed = ms_since(start);
       if (source != moejit::KernelStore::Source::kDisk || stats.disk_hits.load() != 1) {
-        figures->disk_note = "disk cache unavailable: a fresh store on the directory just written "
-                             "compiled instead of hitting (disk_hits " +
-                             std::to_string(stats.disk_hits.load()) + ", disk_errors " +
-                             std::to_string(stats.disk_errors.load()) + ")";
+        figures->disk_note =
+            "disk cache unavailable: a fresh store on the directory just written "
+            "compiled instead of hitting (disk_hits " +
+            std::to_string(stats.disk_hits.load()) + ", disk_errors " +
+            std::to_string(stats.disk_errors.load()) + ")";
         break;
       }
       if (hit->image != module->image) {
@@ -241,10 +242,10 @@ void measure_calls(cudaStream_t stream, JitFigures* figures) {
   const moejit::DriverApi& d = moejit::driver();
   const auto threads = static_cast<unsigned>(plan.spec.block_threads());
   figures->bare_launch_host_us = host_us_per_call(stream, kBatches, kPerBatch, [&] {
-    moejit::check_cuda(d.cuLaunchKernel(kernels.functions[moejit::kCombineKernel],
-                                        plan.combine_blocks, 1, 1, threads, 1, 1, 0, cu_stream,
-                                        kernel_args, nullptr),
-                       "cuLaunchKernel(combine)");
+    moejit::check_cuda(
+        d.cuLaunchKernel(kernels.functions[moejit::kCombineKernel], plan.combine_blocks, 1, 1,
+                         threads, 1, 1, 0, cu_stream, kernel_args, nullptr),
+        "cuLaunchKernel(combine)");
   });
 }
 
@@ -255,23 +256,25 @@ void print_jit(const JitFigures& f) {
                 i == 0 ? "(first in process)" : "(later, different)", f.cold[i].ms,
                 f.cold[i].image_bytes, f.cold[i].spec.c_str());
   if (f.disk_available)
-    std::printf("  disk-cache hit (read + validate): %.3f ms; + cuModuleLoadData %.3f ms = %.3f ms"
-                " (%s)\n",
-                f.disk_hit_ms, f.module_load_ms, f.disk_hit_ms + f.module_load_ms,
-                f.disk_note.c_str());
+    std::printf(
+        "  disk-cache hit (read + validate): %.3f ms; + cuModuleLoadData %.3f ms = %.3f ms"
+        " (%s)\n",
+        f.disk_hit_ms, f.module_load_ms, f.disk_hit_ms + f.module_load_ms, f.disk_note.c_str());
   else
     std::printf("  %s\n", f.disk_note.c_str());
   if (f.module_load_ms > 0)
     std::printf("  cuModuleLoadData + cuModuleGetFunction: %.3f ms (median of 20)\n",
                 f.module_load_ms);
   if (f.host_calls > 0) {
-    std::printf("  first call, fresh runtime, cache off (compile + load + launch + sync): "
-                "%.1f ms; next call + sync: %.1f us\n",
-                f.first_call_ms, f.second_call_us);
-    std::printf("  host time per enqueue (%s, %d calls): moe_combine %.2f us, bare "
-                "cuLaunchKernel %.2f us, library overhead %.2f us\n",
-                f.host_case.c_str(), f.host_calls, f.moe_combine_host_us, f.bare_launch_host_us,
-                f.moe_combine_host_us - f.bare_launch_host_us);
+    std::printf(
+        "  first call, fresh runtime, cache off (compile + load + launch + sync): "
+        "%.1f ms; next call + sync: %.1f us\n",
+        f.first_call_ms, f.second_call_us);
+    std::printf(
+        "  host time per enqueue (%s, %d calls): moe_combine %.2f us, bare "
+        "cuLaunchKernel %.2f us, library overhead %.2f us\n",
+        f.host_case.c_str(), f.host_calls, f.moe_combine_host_us, f.bare_launch_host_us,
+        f.moe_combine_host_us - f.bare_launch_host_us);
   }
 }
 

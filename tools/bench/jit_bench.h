@@ -20,25 +20,25 @@
 namespace moejit_bench {
 
 struct CompileFigure {
-  std::string spec;    // KernelSpec::describe()
+  std::string spec;  // KernelSpec::describe()
   double ms = 0.0;
   size_t image_bytes = 0;
 };
 
 struct JitFigures {
-  std::string target;        // "sm_90"
+  std::string target;  // "sm_90"
   std::string nvrtc_version;
   std::vector<CompileFigure> cold;  // in order: the first is the first compile of the process
 
   bool disk_available = false;
-  std::string disk_note;     // why it is unavailable, or what was measured
-  double disk_hit_ms = 0.0;  // median obtain() on a fresh store (read + validate)
+  std::string disk_note;        // why it is unavailable, or what was measured
+  double disk_hit_ms = 0.0;     // median obtain() on a fresh store (read + validate)
   double module_load_ms = 0.0;  // median cuModuleLoadData + cuModuleGetFunction (0: no GPU)
 
   double first_call_ms = 0.0;   // fresh runtime, cache disabled: first call + synchronize
   double second_call_us = 0.0;  // the same runtime's next call + synchronize
 
-  std::string host_case;        // the shape and layout timed for host overhead
+  std::string host_case;  // the shape and layout timed for host overhead
   int host_calls = 0;
   double moe_combine_host_us = 0.0;  // per call
   double bare_launch_host_us = 0.0;  // per call

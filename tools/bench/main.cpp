@@ -33,7 +33,7 @@ struct Options {
   std::vector<Shape> cases;  // from --case; empty: the built-in list
   bool all = false;          // --all: the built-in list as well as --case shapes
   bool quick = false;
-  bool extra = true;         // the other models' shapes
+  bool extra = true;  // the other models' shapes
   bool jit = false;
   bool jit_only = false;
   std::vector<moejit_layout> layouts;
@@ -42,29 +42,29 @@ struct Options {
 };
 
 void usage(FILE* to) {
-  std::fprintf(to,
-               "usage: moejit-bench [options]\n"
-               "  --case T,K,H,dtype[,out_dtype]  run this shape (repeatable); dtype fp32|fp16|bf16.\n"
-               "                                  With --case only the given shapes run, unless --all\n"
-               "  --all                           with --case: also run the built-in shapes\n"
-               "  --layout L[,L...]               token_major | gather_map | token_index (default all)\n"
-               "  --quick                         a short subset, 50 timed runs each\n"
-               "  --no-extra                      skip the shapes of other models (Qwen3-235B, ...)\n"
-               "  --no-l2-warm                    skip the L2-warm timing\n"
-               "  --reps N                        timed runs per figure (default 200, 100 if > 64 MB)\n"
-               "  --warmup N                      untimed runs first (default 10)\n"
-               "  --check-tokens N                float64 reference on at most N tokens (default 512)\n"
-               "  --seed N                        input seed\n"
-               "  --jit                           also measure compile, disk-cache and launch costs\n"
-               "  --jit-only                      only the JIT figures\n"
-               "  --json PATH                     write every figure as JSON\n"
-               "Exit: 0 ok (or no GPU found), 1 CUDA/environment failure, 2 usage, 3 a check "
-               "failed.\n");
+  std::fprintf(
+      to,
+      "usage: moejit-bench [options]\n"
+      "  --case T,K,H,dtype[,out_dtype]  run this shape (repeatable); dtype fp32|fp16|bf16.\n"
+      "                                  With --case only the given shapes run, unless --all\n"
+      "  --all                           with --case: also run the built-in shapes\n"
+      "  --layout L[,L...]               token_major | gather_map | token_index (default all)\n"
+      "  --quick                         a short subset, 50 timed runs each\n"
+      "  --no-extra                      skip the shapes of other models (Qwen3-235B, ...)\n"
+      "  --no-l2-warm                    skip the L2-warm timing\n"
+      "  --reps N                        timed runs per figure (default 200, 100 if > 64 MB)\n"
+      "  --warmup N                      untimed runs first (default 10)\n"
+      "  --check-tokens N                float64 reference on at most N tokens (default 512)\n"
+      "  --seed N                        input seed\n"
+      "  --jit                           also measure compile, disk-cache and launch costs\n"
+      "  --jit-only                      only the JIT figures\n"
+      "  --json PATH                     write every figure as JSON\n"
+      "Exit: 0 ok (or no GPU found), 1 CUDA/environment failure, 2 usage, 3 a check "
+      "failed.\n");
 }
 
 std::vector<Shape> builtin_cases(bool quick, bool extra) {
-  const auto bf16 = MOEJIT_DTYPE_BFLOAT16, fp16 = MOEJIT_DTYPE_FLOAT16,
-             fp32 = MOEJIT_DTYPE_FLOAT32;
+  const auto bf16 = MOEJIT_DTYPE_BFLOAT16, fp16 = MOEJIT_DTYPE_FLOAT16, fp32 = MOEJIT_DTYPE_FLOAT32;
   auto shape = [](int64_t t, int64_t k, int64_t h, moejit_dtype dt, const char* label) {
     Shape s;
     s.tokens = t;
@@ -142,8 +142,10 @@ bool parse(int argc, char** argv, Options* o) {
       s.out_dtype = s.in_dtype;
       if (ok && f.size() == 5) ok = parse_dtype(f[4], &s.out_dtype);
       if (!ok) {
-        std::fprintf(stderr, "moejit-bench: --case %s: expected T,K,H,dtype[,out_dtype] with "
-                             "positive integers and dtype fp32|fp16|bf16\n", v.c_str());
+        std::fprintf(stderr,
+                     "moejit-bench: --case %s: expected T,K,H,dtype[,out_dtype] with "
+                     "positive integers and dtype fp32|fp16|bf16\n",
+                     v.c_str());
         return false;
       }
       o->cases.push_back(s);
@@ -152,8 +154,10 @@ bool parse(int argc, char** argv, Options* o) {
       for (const std::string& name : split(v, ',')) {
         moejit_layout l;
         if (!parse_layout(name, &l)) {
-          std::fprintf(stderr, "moejit-bench: --layout %s: expected token_major, gather_map or "
-                               "token_index\n", name.c_str());
+          std::fprintf(stderr,
+                       "moejit-bench: --layout %s: expected token_major, gather_map or "
+                       "token_index\n",
+                       name.c_str());
           return false;
         }
         o->layouts.push_back(l);
@@ -258,9 +262,10 @@ void write_json(const std::string& path, const std::string& device, const Floors
   j.member("date", utc_now());
   j.member("device", device);
   if (!error.empty()) j.member("error", error);
-  j.member("method", "CUDA events around each run; median; L2 flushed by a 256 MB memset "
-                     "between runs (l2_warm_us: a GPU spin instead, no flush); minimal bytes = "
-                     "R*H*in + R*8 + T*H*out");
+  j.member("method",
+           "CUDA events around each run; median; L2 flushed by a 256 MB memset "
+           "between runs (l2_warm_us: a GPU spin instead, no flush); minimal bytes = "
+           "R*H*in + R*8 + T*H*out");
   j.member("copy_ceiling_gbps", floors.copy_ceiling_gbps);
   j.member("empty_kernel_us", floors.empty_kernel_us);
   j.member("empty_kernel_l2_warm_us", floors.empty_kernel_warm_us);
@@ -307,8 +312,10 @@ void write_json(const std::string& path, const std::string& device, const Floors
     j.end_array();
     j.member("disk_cache_available", jit->disk_available);
     j.member("disk_cache_note", jit->disk_note);
-    if (jit->disk_available) j.member("disk_hit_ms", jit->disk_hit_ms);
-    else j.key("disk_hit_ms").null();
+    if (jit->disk_available)
+      j.member("disk_hit_ms", jit->disk_hit_ms);
+    else
+      j.key("disk_hit_ms").null();
     j.member("module_load_ms", jit->module_load_ms);
     j.member("first_call_ms", jit->first_call_ms);
     j.member("second_call_us", jit->second_call_us);
@@ -344,10 +351,9 @@ int run(const Options& o) {
   int devices = 0;
   const cudaError_t probe = cudaGetDeviceCount(&devices);
   if (probe != cudaSuccess || devices == 0) {
-    const std::string why = probe != cudaSuccess
-                                ? std::string(cudaGetErrorName(probe)) + ": " +
-                                      cudaGetErrorString(probe)
-                                : "no devices";
+    const std::string why = probe != cudaSuccess ? std::string(cudaGetErrorName(probe)) + ": " +
+                                                       cudaGetErrorString(probe)
+                                                 : "no devices";
     std::printf("moejit-bench: no GPU found (%s); nothing to measure.\n", why.c_str());
     JitFigures jit;
     if (o.jit) {
@@ -386,9 +392,10 @@ int run(const Options& o) {
   bool all_correct = true;
   if (!o.jit_only) {
     floors = measure_floors(timer, helpers);
-    std::printf("copy ceiling %.0f GB/s (1 GiB device-to-device, read + written); empty kernel "
-                "%.2f us (L2 flushed), %.2f us (warm)\n\n",
-                floors.copy_ceiling_gbps, floors.empty_kernel_us, floors.empty_kernel_warm_us);
+    std::printf(
+        "copy ceiling %.0f GB/s (1 GiB device-to-device, read + written); empty kernel "
+        "%.2f us (L2 flushed), %.2f us (warm)\n\n",
+        floors.copy_ceiling_gbps, floors.empty_kernel_us, floors.empty_kernel_warm_us);
     print_header();
     for (const Shape& shape : o.cases) {
       for (const CaseResult& r : run_case(shape, o.layouts, o.bench, floors, timer)) {
