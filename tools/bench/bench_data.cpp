@@ -1,0 +1,254 @@
+#include "bench_data.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <thread>
+
+namespace moejit_bench {
+namespace {
+
+// Runs body(begin, end) over [0, n) split across the host's cores. Big prefill cases generate
+// hundreds of millions of elements; one thread would dominate the tool's run time.
+// `grain` is the least work worth a thread.
+template <typename Body>
+void parallel_for(int64_t n, int64_t grain, Body body) {
+  const int64_t workers = std::max<int64_t>(
+      1, std::min<int64_t>(static_cast<int64_t>(std::thread::hardware_concurrency()),
+                           (n + grain - 1) / grain));
+  if (workers == 1) {
+    body(int64_t{0}, n);
+    return;
+  }
+  std::vector<std::thread> threads;
+  const int64_t per = (n + workers - 1) / workers;
+  for (int64_t w = 0; w < workers; ++w) {
+    const int64_t begin = w * per, end = std::min(n, begin + per);
+    if (begin < end) threads.emplace_back([=] { body(begin, end); });
+  }
+  for (std::thread& t : threads) t.join();
+}
+
+// A counter-based generator: element i's bits depend only on (seed, i), so any thread can make
+// any element and the inputs do not depend on the thread count.
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Magnitude in [1/16, 2): one of five binades, random mantissa, random sign.
+uint32_t random_fp32(uint64_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h >> 63);
+  const uint32_t exponent = 123u + static_cast<uint32_t>((h >> 32) % 5u);
+  return sign << 31 | exponent << 23 | static_cast<uint32_t>(h & 0x7fffffu);
+}
+uint16_t random_bf16(uint64_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h >> 63);
+  const uint32_t exponent = 123u + static_cast<uint32_t>((h >> 32) % 5u);
+  return static_cast<uint16_t>(sign << 15 | exponent << 7 | static_cast<uint32_t>(h & 0x7fu));
+}
+uint16_t random_fp16(uint64_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h >> 63);
+  const uint32_t exponent = 11u + static_cast<uint32_t>((h >> 32) % 5u);
+  return static_cast<uint16_t>(sign << 15 | exponent << 10 | static_cast<uint32_t>(h & 0x3ffu));
+}
+
+double decode(moejit_dtype dtype, const uint8_t* base, int64_t index) {
+  switch (dtype) {
+    case MOEJIT_DTYPE_FLOAT32: {
+      float f;
+      std::memcpy(&f, base + index * 4, 4);
+      return f;
+    }
+    case MOEJIT_DTYPE_BFLOAT16: {
+      uint16_t b;
+      std::memcpy(&b, base + index * 2, 2);
+      const uint32_t u = static_cast<uint32_t>(b) << 16;
+      float f;
+      std::memcpy(&f, &u, 4);
+      return f;
+    }
+    case MOEJIT_DTYPE_FLOAT16: {
+      uint16_t b;
+      std::memcpy(&b, base + index * 2, 2);
+      const double sign = (b & 0x8000u) ? -1.0 : 1.0;
+      const int exponent = (b >> 10) & 0x1f;
+      const int mantissa = b & 0x3ff;
+      if (exponent == 0) return sign * std::ldexp(mantissa, -24);
+      if (exponent == 31) return mantissa != 0 ? std::nan("") : sign * HUGE_VAL;
+      return sign * std::ldexp(1024 + mantissa, exponent - 25);
+    }
+  }
+  return std::nan("");
+}
+
+}  // namespace
+
+int dtype_bytes(moejit_dtype dtype) {
+  return dtype == MOEJIT_DTYPE_FLOAT32 ? 4 : 2;
+}
+
+const char* dtype_text(moejit_dtype dtype) {
+  switch (dtype) {
+    case MOEJIT_DTYPE_FLOAT32:
+      return "fp32";
+    case MOEJIT_DTYPE_FLOAT16:
+      return "fp16";
+    case MOEJIT_DTYPE_BFLOAT16:
+      return "bf16";
+  }
+  return "unknown";
+}
+
+bool parse_dtype(const std::string& text, moejit_dtype* dtype) {
+  if (text == "fp32" || text == "float32")
+    *dtype = MOEJIT_DTYPE_FLOAT32;
+  else if (text == "fp16" || text == "float16")
+    *dtype = MOEJIT_DTYPE_FLOAT16;
+  else if (text == "bf16" || text == "bfloat16")
+    *dtype = MOEJIT_DTYPE_BFLOAT16;
+  else
+    return false;
+  return true;
+}
+
+double Shape::minimal_bytes() const {
+  const double r = static_cast<double>(rows()), t = static_cast<double>(tokens),
+               h = static_cast<double>(hidden);
+  return r * h * dtype_bytes(in_dtype) + r * 8.0 + t * h * dtype_bytes(out_dtype);
+}
+
+std::string Shape::describe() const {
+  std::string s = "T" + std::to_string(tokens) + " K" + std::to_string(top_k) + " H" +
+                  std::to_string(hidden) + " " + dtype_text(in_dtype);
+  if (out_dtype != in_dtype) s += std::string("->") + dtype_text(out_dtype);
+  return s;
+}
+
+HostInputs make_inputs(const Shape& shape, uint64_t seed) {
+  HostInputs in;
+  in.shape = shape;
+  const int64_t T = shape.tokens, K = shape.top_k, H = shape.hidden, R = shape.rows();
+  const size_t row_bytes =
+      static_cast<size_t>(H) * static_cast<size_t>(dtype_bytes(shape.in_dtype));
+  in.token_major.resize(static_cast<size_t>(R) * row_bytes);
+
+  const uint64_t data_seed = mix(seed ^ 0x5eedda7aull);
+  uint8_t* tm = in.token_major.data();
+  const moejit_dtype dt = shape.in_dtype;
+  parallel_for(R * H, 1 << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint64_t h = mix(data_seed + static_cast<uint64_t>(i));
+      if (dt == MOEJIT_DTYPE_FLOAT32) {
+        const uint32_t bits = random_fp32(h);
+        std::memcpy(tm + i * 4, &bits, 4);
+      } else {
+        const uint16_t bits = dt == MOEJIT_DTYPE_BFLOAT16 ? random_bf16(h) : random_fp16(h);
+        std::memcpy(tm + i * 2, &bits, 2);
+      }
+    }
+  });
+
+  // Gates like a router's top-k softmax: positive, each token's sum 1.
+  in.gates.resize(static_cast<size_t>(R));
+  const uint64_t gate_seed = mix(seed ^ 0x6a7e5ull);
+  for (int64_t t = 0; t < T; ++t) {
+    double sum = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      const uint64_t h = mix(gate_seed + static_cast<uint64_t>(t * K + k));
+      const double u = 0.05 + 0.95 * static_cast<double>(h >> 11) * 0x1.0p-53;  // [0.05, 1)
+      in.gates[static_cast<size_t>(t * K + k)] = static_cast<float>(u);
+      sum += u;
+    }
+    for (int64_t k = 0; k < K; ++k)
+      in.gates[static_cast<size_t>(t * K + k)] =
+          static_cast<float>(in.gates[static_cast<size_t>(t * K + k)] / sum);
+  }
+
+  // "Expert-sorted" rows: a random permutation of token-major order.
+  std::vector<int32_t> source(static_cast<size_t>(R));
+  std::iota(source.begin(), source.end(), 0);
+  std::mt19937_64 rng(mix(seed ^ 0x9e47ull));
+  std::shuffle(source.begin(), source.end(), rng);
+
+  in.sorted.resize(in.token_major.size());
+  uint8_t* sorted = in.sorted.data();
+  parallel_for(R, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      std::memcpy(sorted + static_cast<size_t>(p) * row_bytes,
+                  tm + static_cast<size_t>(source[static_cast<size_t>(p)]) * row_bytes, row_bytes);
+  });
+  in.gather_map.resize(static_cast<size_t>(R));
+  in.token_idx.resize(static_cast<size_t>(R));
+  in.gates_by_row.resize(static_cast<size_t>(R));
+  for (int64_t p = 0; p < R; ++p) {
+    const int32_t src = source[static_cast<size_t>(p)];
+    in.gather_map[static_cast<size_t>(src)] = static_cast<int32_t>(p);
+    in.token_idx[static_cast<size_t>(p)] = static_cast<int32_t>(src / K);
+    in.gates_by_row[static_cast<size_t>(p)] = in.gates[static_cast<size_t>(src)];
+  }
+  return in;
+}
+
+std::vector<int64_t> check_tokens(int64_t tokens, int64_t max_tokens) {
+  std::vector<int64_t> list;
+  if (tokens <= max_tokens || max_tokens < 2) {
+    for (int64_t t = 0; t < tokens; ++t) list.push_back(t);
+    return list;
+  }
+  for (int64_t i = 0; i < max_tokens; ++i) list.push_back(i * (tokens - 1) / (max_tokens - 1));
+  list.erase(std::unique(list.begin(), list.end()), list.end());
+  return list;
+}
+
+CheckResult check_output(const HostInputs& in, const std::vector<uint8_t>& out,
+                         const std::vector<int64_t>& tokens) {
+  const Shape& s = in.shape;
+  const int64_t K = s.top_k, H = s.hidden;
+  CheckResult result;
+
+  std::atomic<int64_t> unwritten{0};
+  parallel_for(s.tokens * H, 1 << 16, [&](int64_t begin, int64_t end) {
+    int64_t n = 0;
+    for (int64_t i = begin; i < end; ++i) n += std::isnan(decode(s.out_dtype, out.data(), i));
+    unwritten += n;
+  });
+  result.unwritten = unwritten.load();
+
+  std::atomic<double> err2{0.0}, ref2{0.0};
+  parallel_for(static_cast<int64_t>(tokens.size()), 4, [&](int64_t begin, int64_t end) {
+    double e = 0.0, r = 0.0;
+    std::vector<double> ref(static_cast<size_t>(H));
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = tokens[static_cast<size_t>(i)];
+      std::fill(ref.begin(), ref.end(), 0.0);
+      for (int64_t k = 0; k < K; ++k) {
+        const double g = in.gates[static_cast<size_t>(t * K + k)];
+        const int64_t row = t * K + k;
+        for (int64_t h = 0; h < H; ++h)
+          ref[static_cast<size_t>(h)] += g * decode(s.in_dtype, in.token_major.data(), row * H + h);
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        const double o = decode(s.out_dtype, out.data(), t * H + h);
+        const double d = o - ref[static_cast<size_t>(h)];
+        e += d * d;
+        r += ref[static_cast<size_t>(h)] * ref[static_cast<size_t>(h)];
+      }
+    }
+    // atomic<double> has no fetch_add before C++20: a CAS loop.
+    for (double old = err2.load(); !err2.compare_exchange_weak(old, old + e);) {
+    }
+    for (double old = ref2.load(); !ref2.compare_exchange_weak(old, old + r);) {
+    }
+  });
+  result.rel_err =
+      ref2.load() > 0.0 ? std::sqrt(err2.load() / ref2.load()) : std::sqrt(err2.load());
+  return result;
+}
+
+}  // namespace moejit_bench

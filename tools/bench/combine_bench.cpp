@@ -1,0 +1,171 @@
+#include "combine_bench.h"
+
+#include <cstring>
+#include <stdexcept>
+
+namespace moejit_bench {
+namespace {
+
+// A moe_combine failure: reported for the case, not fatal for the run.
+struct CombineFailed : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+void combine(const moejit_combine_args& args, cudaStream_t stream) {
+  const moejit_status status = moe_combine(&args, stream);
+  if (status != MOEJIT_SUCCESS)
+    throw CombineFailed(std::string("moe_combine: ") + moejit_status_name(status) + ": " +
+                        moejit_last_error_message());
+}
+
+// The case's inputs on the device, in every layout.
+struct DeviceInputs {
+  DeviceBuffer token_major, sorted, gates, gates_by_row, gather_map, token_idx, out;
+
+  explicit DeviceInputs(const HostInputs& in)
+      : token_major(in.token_major.size()),
+        sorted(in.sorted.size()),
+        gates(in.gates.size() * sizeof(float)),
+        gates_by_row(in.gates_by_row.size() * sizeof(float)),
+        gather_map(in.gather_map.size() * sizeof(int32_t)),
+        token_idx(in.token_idx.size() * sizeof(int32_t)),
+        out(static_cast<size_t>(in.shape.tokens * in.shape.hidden) *
+            static_cast<size_t>(dtype_bytes(in.shape.out_dtype))) {
+    token_major.upload(in.token_major.data(), token_major.bytes());
+    sorted.upload(in.sorted.data(), sorted.bytes());
+    gates.upload(in.gates.data(), gates.bytes());
+    gates_by_row.upload(in.gates_by_row.data(), gates_by_row.bytes());
+    gather_map.upload(in.gather_map.data(), gather_map.bytes());
+    token_idx.upload(in.token_idx.data(), token_idx.bytes());
+  }
+};
+
+moejit_combine_args args_for(const Shape& s, moejit_layout layout, const DeviceInputs& d) {
+  moejit_combine_args a;
+  moejit_combine_args_init(&a);
+  a.layout = layout;
+  a.num_tokens = s.tokens;
+  a.top_k = s.top_k;
+  a.num_rows = s.rows();
+  a.hidden_dim = s.hidden;
+  a.expert_dtype = s.in_dtype;
+  a.out = d.out.get();
+  a.out_dtype = s.out_dtype;
+  a.index_type = MOEJIT_INDEX_INT32;
+  switch (layout) {
+    case MOEJIT_LAYOUT_TOKEN_MAJOR:
+      a.expert_hidden = d.token_major.get();
+      a.gates = static_cast<const float*>(d.gates.get());
+      break;
+    case MOEJIT_LAYOUT_GATHER_MAP:
+      a.expert_hidden = d.sorted.get();
+      a.gates = static_cast<const float*>(d.gates.get());  // indexed t*K + k, like the map
+      a.indices = d.gather_map.get();
+      break;
+    case MOEJIT_LAYOUT_TOKEN_INDEX:
+      a.expert_hidden = d.sorted.get();
+      a.gates = static_cast<const float*>(d.gates_by_row.get());  // indexed by row
+      a.indices = d.token_idx.get();
+      break;
+  }
+  return a;
+}
+
+CaseResult run_layout(const HostInputs& in, const DeviceInputs& d, moejit_layout layout,
+                      const BenchSettings& settings, const Floors& floors, Timer& timer) {
+  const Shape& s = in.shape;
+  CaseResult r;
+  r.shape = s;
+  r.layout = layout;
+  cudaStream_t stream = timer.stream();
+  moejit_combine_args args = args_for(s, layout, d);
+
+  DeviceBuffer workspace;
+  size_t workspace_bytes = 0;
+  if (moejit_combine_workspace_size(&args, &workspace_bytes) != MOEJIT_SUCCESS) {
+    r.error = std::string("moejit_combine_workspace_size: ") + moejit_last_error_message();
+    return r;
+  }
+  if (workspace_bytes > 0) {
+    workspace = DeviceBuffer(workspace_bytes);
+    args.workspace = workspace.get();
+    args.workspace_bytes = workspace_bytes;
+  }
+
+  const size_t out_bytes = d.out.bytes();
+  try {
+    // Checked run: poison (all-ones bytes are NaN in fp32, fp16 and bf16), one call, compare.
+    // It also compiles the specialization, so no compile lands in a timed run.
+    BENCH_CUDA(cudaMemsetAsync(d.out.get(), 0xff, out_bytes, stream));
+    combine(args, stream);
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    std::vector<uint8_t> first(out_bytes);
+    d.out.download(first.data(), out_bytes);
+    const CheckResult check =
+        check_output(in, first, check_tokens(s.tokens, settings.check_tokens));
+    r.rel_err = check.rel_err;
+    r.unwritten = check.unwritten;
+
+    r.reps = settings.reps > 0 ? settings.reps : (s.minimal_bytes() < 64e6 ? 200 : 100);
+    const auto enqueue = [&] { combine(args, stream); };
+    r.median_us = timer.median_us(enqueue, settings.warmup, r.reps, CacheState::kFlushed);
+    if (settings.l2_warm)
+      r.l2_warm_us = timer.median_us(enqueue, settings.warmup, r.reps, CacheState::kWarm);
+
+    // Every timed run rewrote out; the library promises bitwise-identical results.
+    std::vector<uint8_t> last(out_bytes);
+    d.out.download(last.data(), out_bytes);
+    r.deterministic = std::memcmp(first.data(), last.data(), out_bytes) == 0;
+  } catch (const CombineFailed& e) {
+    r.error = e.what();
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    return r;
+  }
+
+  r.gbps = s.minimal_bytes() / (r.median_us * 1e-6) / 1e9;
+  r.pct_ceiling = floors.copy_ceiling_gbps > 0 ? 100.0 * r.gbps / floors.copy_ceiling_gbps : 0.0;
+  r.ratio_empty = floors.empty_kernel_us > 0 ? r.median_us / floors.empty_kernel_us : 0.0;
+  r.correct = r.unwritten == 0 && r.rel_err <= error_bound(s.out_dtype) && r.deterministic;
+  return r;
+}
+
+}  // namespace
+
+const char* layout_text(moejit_layout layout) {
+  switch (layout) {
+    case MOEJIT_LAYOUT_TOKEN_MAJOR:
+      return "token_major";
+    case MOEJIT_LAYOUT_GATHER_MAP:
+      return "gather_map";
+    case MOEJIT_LAYOUT_TOKEN_INDEX:
+      return "token_index";
+  }
+  return "unknown";
+}
+
+bool parse_layout(const std::string& text, moejit_layout* layout) {
+  for (moejit_layout l :
+       {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_LAYOUT_TOKEN_INDEX})
+    if (text == layout_text(l)) {
+      *layout = l;
+      return true;
+    }
+  return false;
+}
+
+double error_bound(moejit_dtype out_dtype) {
+  return out_dtype == MOEJIT_DTYPE_FLOAT32 ? 1e-5 : 1e-2;
+}
+
+std::vector<CaseResult> run_case(const Shape& shape, const std::vector<moejit_layout>& layouts,
+                                 const BenchSettings& settings, const Floors& floors,
+                                 Timer& timer) {
+  const HostInputs in = make_inputs(shape, settings.seed);
+  const DeviceInputs d(in);
+  std::vector<CaseResult> results;
+  for (moejit_layout layout : layouts)
+    results.push_back(run_layout(in, d, layout, settings, floors, timer));
+  return results;
+}
+
+}  // namespace moejit_bench

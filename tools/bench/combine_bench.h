@@ -1,0 +1,58 @@
+// The combine figures: one case = one shape, run in every requested layout on the same inputs,
+// checked against the float64 reference, then timed with the L2 flushed and with it warm.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "bench_cuda.h"
+#include "bench_data.h"
+#include "moejit/moejit.h"
+
+namespace moejit_bench {
+
+struct BenchSettings {
+  int warmup = 10;
+  int reps = 0;                // 0: by size (200 below 64 MB of minimal bytes, else 100)
+  bool l2_warm = true;         // also time with a warm L2
+  int64_t check_tokens = 512;  // float64 reference on at most this many tokens (>= 2)
+  uint64_t seed = 20261130;
+};
+
+// The machine's floors, measured once per run and shared by every case.
+struct Floors {
+  double copy_ceiling_gbps = 0.0;  // device-to-device copy, bytes read + written
+  double empty_kernel_us = 0.0;    // L2 flushed between runs, like the combine
+  double empty_kernel_warm_us = 0.0;
+};
+
+struct CaseResult {
+  Shape shape;
+  moejit_layout layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
+  double median_us = 0.0;   // L2 flushed between runs
+  double l2_warm_us = 0.0;  // 0 when not measured
+  double gbps = 0.0;        // minimal bytes / median
+  double pct_ceiling = 0.0;
+  double ratio_empty = 0.0;
+  double rel_err = 0.0;
+  int64_t unwritten = 0;      // NaN elements after the checked run
+  bool deterministic = true;  // output after the timed runs == output of the checked run
+  bool correct = false;       // no NaN, rel_err within the output dtype's bound, deterministic
+  int reps = 0;
+  std::string error;  // non-empty: the case did not run (message of the failure)
+};
+
+const char* layout_text(moejit_layout layout);  // "token_major" | "gather_map" | "token_index"
+bool parse_layout(const std::string& text, moejit_layout* layout);
+
+// The error bound rel_err must meet: fp32 output 1e-5 (fp32 accumulation lands near 1e-7), half
+// output 1e-2 (one final rounding lands near 2e-3).
+double error_bound(moejit_dtype out_dtype);
+
+// Runs one shape in each of `layouts`. Environment failures (CUDA) throw; a failed moe_combine
+// call is recorded in that layout's CaseResult::error and the other layouts still run.
+std::vector<CaseResult> run_case(const Shape& shape, const std::vector<moejit_layout>& layouts,
+                                 const BenchSettings& settings, const Floors& floors, Timer& timer);
+
+}  // namespace moejit_bench

@@ -1,0 +1,37 @@
+// The bench's own kernels, compiled through the library's NVRTC path (src/nvrtc_compiler.h) and
+// launched with the library's driver table, exactly as libmoejit builds and launches a combine:
+//   empty  the floor of any launch, timed like the combine ("ratio to an empty kernel");
+//   spin   keeps the GPU busy for a while without touching memory (separates L2-warm runs).
+#pragma once
+
+#include <cuda.h>
+
+#include <string>
+
+#include "nvrtc_compiler.h"
+
+namespace moejit_bench {
+
+class HelperKernels {
+ public:
+  // Compiles for `target`; loads into the current context only if load is true (no GPU: false).
+  HelperKernels(const moejit::Target& target, bool load);
+  ~HelperKernels();
+  HelperKernels(const HelperKernels&) = delete;
+  HelperKernels& operator=(const HelperKernels&) = delete;
+
+  void launch_empty(CUstream stream) const;
+  void launch_spin(CUstream stream, double microseconds) const;
+
+  double compile_ms() const { return compile_ms_; }
+  size_t image_bytes() const { return image_.size(); }
+
+ private:
+  std::string image_;
+  double compile_ms_ = 0.0;
+  CUmodule module_ = nullptr;
+  CUfunction empty_ = nullptr;
+  CUfunction spin_ = nullptr;
+};
+
+}  // namespace moejit_bench

@@ -1,0 +1,281 @@
+#include "jit_bench.h"
+
+#include <stdlib.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <vector>
+
+#include "bench_cuda.h"
+#include "combine_plan.h"
+#include "driver.h"
+#include "kernel_store.h"
+#include "module_cache.h"
+#include "moejit/moejit.h"
+#include "settings.h"
+#include "stats.h"
+
+namespace moejit_bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+moejit::Settings settings_without_disk() {
+  moejit::Settings s;
+  s.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
+  s.cache_dir.clear();
+  return s;
+}
+
+// The specializations compiled cold, in this order. The first is the DeepSeek-V3 shape, the most
+// likely first call of a real process.
+std::vector<moejit::KernelSpec> cold_specs() {
+  return {
+      moejit::spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                             MOEJIT_INDEX_INT32, 7168, 8, 256),
+      moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
+                             MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256),
+      moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
+                             MOEJIT_INDEX_INT32, 128, 2, 256),
+  };
+}
+
+// A private directory for the disk-cache figure, removed afterwards. Not the user's cache: the
+// figure must start from an empty directory and must not disturb a real cache.
+struct TempDir {
+  std::string path;
+  TempDir() {
+    const char* base = std::getenv("TMPDIR");
+    std::string pattern = std::string(base != nullptr && *base != '\0' ? base : "/tmp") +
+                          "/moejit-bench-cache-XXXXXX";
+    std::vector<char> buf(pattern.begin(), pattern.end());
+    buf.push_back('\0');
+    if (mkdtemp(buf.data()) == nullptr) throw std::runtime_error("mkdtemp(" + pattern + ") failed");
+    path = buf.data();
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path, ignored);
+  }
+};
+
+double median_load_ms(const moejit::CompiledModule& module, int reps) {
+  const moejit::DriverApi& d = moejit::driver();
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    CUmodule m = nullptr;
+    const auto start = Clock::now();
+    moejit::check_cuda(d.cuModuleLoadData(&m, module.image.data()), "cuModuleLoadData");
+    for (const std::string& name : module.lowered_names) {
+      CUfunction f = nullptr;
+      moejit::check_cuda(d.cuModuleGetFunction(&f, m, name.c_str()), "cuModuleGetFunction");
+    }
+    ms.push_back(ms_since(start));
+    moejit::check_cuda(d.cuModuleUnload(m), "cuModuleUnload");
+  }
+  return median(ms);
+}
+
+// Device buffers of one small (decode) gather-map case: launch cost dominates its kernel.
+struct SmallCase {
+  static constexpr int64_t kTokens = 1, kTopK = 8, kHidden = 7168;
+  DeviceBuffer expert{kTokens * kTopK * kHidden * 2}, gates{kTokens * kTopK * 4},
+      map{kTokens * kTopK * 4}, out{kTokens * kHidden * 2};
+  moejit_combine_args args;
+
+  SmallCase() {
+    // Not zeros (BENCHMARKS.md's rule); the values do not matter for launch timing.
+    BENCH_CUDA(cudaMemset(expert.get(), 0x3c, expert.bytes()));
+    BENCH_CUDA(cudaMemset(gates.get(), 0x3e, gates.bytes()));
+    std::vector<int32_t> rows(kTokens * kTopK);
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(rows.size() - 1 - i);
+    map.upload(rows.data(), rows.size() * sizeof(int32_t));
+    moejit_combine_args_init(&args);
+    args.layout = MOEJIT_LAYOUT_GATHER_MAP;
+    args.num_tokens = kTokens;
+    args.top_k = kTopK;
+    args.num_rows = kTokens * kTopK;
+    args.hidden_dim = kHidden;
+    args.expert_hidden = expert.get();
+    args.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
+    args.gates = static_cast<const float*>(gates.get());
+    args.indices = map.get();
+    args.index_type = MOEJIT_INDEX_INT32;
+    args.out = out.get();
+    args.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+  }
+};
+
+void check_status(moejit_status status, const char* call) {
+  if (status != MOEJIT_SUCCESS)
+    throw std::runtime_error(std::string(call) + ": " + moejit_status_name(status) + ": " +
+                             moejit_last_error_message());
+}
+
+// Host microseconds per call of enqueue, over `batches` batches of `per_batch` calls. The stream
+// is drained between batches (outside the clock) so the launch queue never fills: a full queue
+// would make the host wait for the GPU and time the kernels instead of the enqueue.
+template <typename Enqueue>
+double host_us_per_call(cudaStream_t stream, int batches, int per_batch, Enqueue enqueue) {
+  for (int i = 0; i < per_batch; ++i) enqueue();  // warm-up batch
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  double total_us = 0.0;
+  for (int b = 0; b < batches; ++b) {
+    const auto start = Clock::now();
+    for (int i = 0; i < per_batch; ++i) enqueue();
+    total_us += ms_since(start) * 1e3;
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+  }
+  return total_us / (static_cast<double>(batches) * per_batch);
+}
+
+}  // namespace
+
+void measure_cold_compiles(const moejit::Target& target, JitFigures* figures) {
+  figures->target = target.name();
+  figures->nvrtc_version = moejit::nvrtc_version();
+  for (const moejit::KernelSpec& spec : cold_specs()) {
+    // A fresh store per spec with the disk cache off: obtain() can only compile.
+    moejit::Stats stats;
+    moejit::KernelStore store(settings_without_disk(), stats);
+    const auto start = Clock::now();
+    const auto module = store.obtain(spec, target);
+    figures->cold.push_back({spec.describe(), ms_since(start), module->image.size()});
+  }
+}
+
+void measure_disk_cache(const moejit::Target& target, bool gpu, JitFigures* figures) {
+  const moejit::KernelSpec spec = cold_specs().front();
+  TempDir dir;
+  moejit::Settings settings;
+  settings.cache_dir = dir.path;
+  settings.cache_mode = MOEJIT_CACHE_MODE_READ_WRITE;
+
+  std::shared_ptr<const moejit::CompiledModule> module;
+  {
+    moejit::Stats stats;
+    moejit::KernelStore writer(settings, stats);
+    module = writer.obtain(spec, target);  // compiles and publishes to the directory
+    if (!writer.has_disk_cache()) {
+      figures->disk_note =
+          "disk cache unavailable: open_disk_cache() returned no cache in this build";
+    }
+  }
+  if (figures->disk_note.empty()) {
+    std::vector<double> ms;
+    for (int i = 0; i < 5; ++i) {
+      moejit::Stats stats;
+      moejit::KernelStore reader(settings, stats);
+      moejit::KernelStore::Source source = moejit::KernelStore::Source::kCompiled;
+      const auto start = Clock::now();
+      const auto hit = reader.obtain(spec, target, &source);
+      const double elapsed = ms_since(start);
+      if (source != moejit::KernelStore::Source::kDisk || stats.disk_hits.load() != 1) {
+        figures->disk_note =
+            "disk cache unavailable: a fresh store on the directory just written "
+            "compiled instead of hitting (disk_hits " +
+            std::to_string(stats.disk_hits.load()) + ", disk_errors " +
+            std::to_string(stats.disk_errors.load()) + ")";
+        break;
+      }
+      if (hit->image != module->image) {
+        figures->disk_note = "disk cache returned an image different from the one compiled";
+        break;
+      }
+      ms.push_back(elapsed);
+    }
+    if (figures->disk_note.empty()) {
+      figures->disk_available = true;
+      figures->disk_hit_ms = median(ms);
+      figures->disk_note = "median of 5 fresh stores on one directory";
+    }
+  }
+  if (gpu) figures->module_load_ms = median_load_ms(*module, 20);
+}
+
+void measure_calls(cudaStream_t stream, JitFigures* figures) {
+  SmallCase c;
+  const CUstream cu_stream = stream;  // cudaStream_t and CUstream are the same type
+
+  // First call on a fresh runtime (NVRTC is already warm in this process: this is the cost of
+  // compiling one more shape, loading it and launching, as a long-running server sees it).
+  {
+    moejit_runtime_options options;
+    moejit_runtime_options_init(&options);
+    options.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
+    moejit_runtime_t runtime = nullptr;
+    check_status(moejit_runtime_create(&options, &runtime), "moejit_runtime_create");
+    std::unique_ptr<moejit_runtime, decltype(&moejit_runtime_destroy)> owner(
+        runtime, &moejit_runtime_destroy);
+    auto start = Clock::now();
+    check_status(moejit_runtime_combine(runtime, &c.args, stream), "moejit_runtime_combine");
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    figures->first_call_ms = ms_since(start);
+    start = Clock::now();
+    check_status(moejit_runtime_combine(runtime, &c.args, stream), "moejit_runtime_combine");
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    figures->second_call_us = ms_since(start) * 1e3;
+  }
+
+  // Host overhead: the public entry point vs the same kernel launched bare.
+  constexpr int kBatches = 100, kPerBatch = 100;
+  figures->host_case = "gather_map T1 K8 H7168 bf16";
+  figures->host_calls = kBatches * kPerBatch;
+  figures->moe_combine_host_us = host_us_per_call(stream, kBatches, kPerBatch, [&] {
+    check_status(moe_combine(&c.args, stream), "moe_combine");
+  });
+
+  moejit::Stats stats;
+  moejit::KernelStore store(settings_without_disk(), stats);
+  moejit::ModuleCache modules(store, stats);
+  const moejit::CombinePlan plan = moejit::plan_combine(&c.args);
+  const moejit::LoadedKernels& kernels = modules.get(plan.spec);
+  moejit::CombineParams params = plan.params;
+  void* kernel_args[] = {&params};
+  const moejit::DriverApi& d = moejit::driver();
+  const auto threads = static_cast<unsigned>(plan.spec.block_threads());
+  figures->bare_launch_host_us = host_us_per_call(stream, kBatches, kPerBatch, [&] {
+    moejit::check_cuda(
+        d.cuLaunchKernel(kernels.functions[moejit::kCombineKernel], plan.combine_blocks, 1, 1,
+                         threads, 1, 1, 0, cu_stream, kernel_args, nullptr),
+        "cuLaunchKernel(combine)");
+  });
+}
+
+void print_jit(const JitFigures& f) {
+  std::printf("\nJIT figures (target %s, NVRTC %s)\n", f.target.c_str(), f.nvrtc_version.c_str());
+  for (size_t i = 0; i < f.cold.size(); ++i)
+    std::printf("  cold compile %s: %8.1f ms  (%zu-byte image)  %s\n",
+                i == 0 ? "(first in process)" : "(later, different)", f.cold[i].ms,
+                f.cold[i].image_bytes, f.cold[i].spec.c_str());
+  if (f.disk_available)
+    std::printf(
+        "  disk-cache hit (read + validate): %.3f ms; + cuModuleLoadData %.3f ms = %.3f ms"
+        " (%s)\n",
+        f.disk_hit_ms, f.module_load_ms, f.disk_hit_ms + f.module_load_ms, f.disk_note.c_str());
+  else
+    std::printf("  %s\n", f.disk_note.c_str());
+  if (f.module_load_ms > 0)
+    std::printf("  cuModuleLoadData + cuModuleGetFunction: %.3f ms (median of 20)\n",
+                f.module_load_ms);
+  if (f.host_calls > 0) {
+    std::printf(
+        "  first call, fresh runtime, cache off (compile + load + launch + sync): "
+        "%.1f ms; next call + sync: %.1f us\n",
+        f.first_call_ms, f.second_call_us);
+    std::printf(
+        "  host time per enqueue (%s, %d calls): moe_combine %.2f us, bare "
+        "cuLaunchKernel %.2f us, library overhead %.2f us\n",
+        f.host_case.c_str(), f.host_calls, f.moe_combine_host_us, f.bare_launch_host_us,
+        f.moe_combine_host_us - f.bare_launch_host_us);
+  }
+}
+
+}  // namespace moejit_bench

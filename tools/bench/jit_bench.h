@@ -1,0 +1,59 @@
+// The JIT figures (--jit): what the run-time compilation costs a caller, measured on the library's
+// own internals so each cost is isolated:
+//   cold compiles  KernelStore::obtain() with the disk cache disabled: the first NVRTC compile in
+//                  the process (NVRTC's own start-up included), then later, different ones;
+//   disk-cache hit a fresh KernelStore on a directory another store has just filled (read +
+//                  validate), plus cuModuleLoadData of the image; reported as unavailable, not as
+//                  a number, when the build has no disk cache or the store did not hit;
+//   first call     a fresh runtime's first moejit_runtime_combine (compile + load + launch);
+//   host overhead  CPU time per warm moe_combine() enqueue vs a bare cuLaunchKernel of the same
+//                  kernel with the same parameters.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+#include "nvrtc_compiler.h"
+
+namespace moejit_bench {
+
+struct CompileFigure {
+  std::string spec;  // KernelSpec::describe()
+  double ms = 0.0;
+  size_t image_bytes = 0;
+};
+
+struct JitFigures {
+  std::string target;  // "sm_90"
+  std::string nvrtc_version;
+  std::vector<CompileFigure> cold;  // in order: the first is the first compile of the process
+
+  bool disk_available = false;
+  std::string disk_note;        // why it is unavailable, or what was measured
+  double disk_hit_ms = 0.0;     // median obtain() on a fresh store (read + validate)
+  double module_load_ms = 0.0;  // median cuModuleLoadData + cuModuleGetFunction (0: no GPU)
+
+  double first_call_ms = 0.0;   // fresh runtime, cache disabled: first call + synchronize
+  double second_call_us = 0.0;  // the same runtime's next call + synchronize
+
+  std::string host_case;  // the shape and layout timed for host overhead
+  int host_calls = 0;
+  double moe_combine_host_us = 0.0;  // per call
+  double bare_launch_host_us = 0.0;  // per call
+};
+
+// Cold compiles: needs no GPU. Call before anything else compiles, so the first is really the
+// first compile of the process.
+void measure_cold_compiles(const moejit::Target& target, JitFigures* figures);
+
+// Disk cache (read + validate needs no GPU; the module load is measured only if gpu).
+void measure_disk_cache(const moejit::Target& target, bool gpu, JitFigures* figures);
+
+// First call on a fresh runtime, and the host overhead of warm calls. Needs a GPU.
+void measure_calls(cudaStream_t stream, JitFigures* figures);
+
+void print_jit(const JitFigures& figures);
+
+}  // namespace moejit_bench

@@ -1,0 +1,446 @@
+// moejit-bench: the combine on every BENCHMARKS.md shape and layout, against the floors measured
+// in the same run (copy ceiling, empty kernel), plus the JIT costs (--jit). See
+// tools/bench/README.md for the method and the output format.
+//
+// Exit codes: 0 success (also: no GPU found, after saying so), 1 environment or CUDA failure,
+// 2 bad command line, 3 a case failed its check (NaN left in the output, error over the bound,
+// non-deterministic output, or moe_combine returned an error).
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench_cuda.h"
+#include "bench_data.h"
+#include "combine_bench.h"
+#include "helper_kernels.h"
+#include "jit_bench.h"
+#include "json_writer.h"
+#include "moejit/moejit.h"
+#include "nvrtc_compiler.h"
+
+namespace moejit_bench {
+namespace {
+
+constexpr int kExitEnvironment = 1, kExitUsage = 2, kExitCheckFailed = 3;
+
+struct Options {
+  std::vector<Shape> cases;  // from --case; empty: the built-in list
+  bool all = false;          // --all: the built-in list as well as --case shapes
+  bool quick = false;
+  bool extra = true;  // the other models' shapes
+  bool jit = false;
+  bool jit_only = false;
+  std::vector<moejit_layout> layouts;
+  std::string json_path;
+  BenchSettings bench;
+};
+
+void usage(FILE* to) {
+  std::fprintf(
+      to,
+      "usage: moejit-bench [options]\n"
+      "  --case T,K,H,dtype[,out_dtype]  run this shape (repeatable); dtype fp32|fp16|bf16.\n"
+      "                                  With --case only the given shapes run, unless --all\n"
+      "  --all                           with --case: also run the built-in shapes\n"
+      "  --layout L[,L...]               token_major | gather_map | token_index (default all)\n"
+      "  --quick                         a short subset, 50 timed runs each\n"
+      "  --no-extra                      skip the shapes of other models (Qwen3-235B, ...)\n"
+      "  --no-l2-warm                    skip the L2-warm timing\n"
+      "  --reps N                        timed runs per figure (default 200, 100 if > 64 MB)\n"
+      "  --warmup N                      untimed runs first (default 10)\n"
+      "  --check-tokens N                float64 reference on at most N tokens (default 512)\n"
+      "  --seed N                        input seed\n"
+      "  --jit                           also measure compile, disk-cache and launch costs\n"
+      "  --jit-only                      only the JIT figures\n"
+      "  --json PATH                     write every figure as JSON\n"
+      "Exit: 0 ok (or no GPU found), 1 CUDA/environment failure, 2 usage, 3 a check "
+      "failed.\n");
+}
+
+std::vector<Shape> builtin_cases(bool quick, bool extra) {
+  const auto bf16 = MOEJIT_DTYPE_BFLOAT16, fp16 = MOEJIT_DTYPE_FLOAT16, fp32 = MOEJIT_DTYPE_FLOAT32;
+  auto shape = [](int64_t t, int64_t k, int64_t h, moejit_dtype dt, const char* label) {
+    Shape s;
+    s.tokens = t;
+    s.top_k = k;
+    s.hidden = h;
+    s.in_dtype = s.out_dtype = dt;
+    s.label = label;
+    return s;
+  };
+  if (quick)
+    return {shape(1536, 2, 128, fp32, "original scatter-add problem"),
+            shape(1, 8, 7168, bf16, "DeepSeek-V3 decode"),
+            shape(4096, 8, 7168, bf16, "DeepSeek-V3 prefill"),
+            shape(8192, 2, 4096, bf16, "Mixtral-8x7B prefill")};
+  std::vector<Shape> list = {
+      shape(1536, 2, 128, fp32, "original scatter-add problem"),
+      shape(1, 8, 7168, bf16, "DeepSeek-V3 decode"),
+      shape(32, 8, 7168, bf16, "DeepSeek-V3 decode"),
+      shape(64, 2, 4096, bf16, "Mixtral-8x7B decode"),
+      shape(4096, 8, 7168, bf16, "DeepSeek-V3 prefill"),
+      shape(4096, 8, 7168, fp16, "DeepSeek-V3 prefill"),
+      shape(8192, 2, 4096, bf16, "Mixtral-8x7B prefill"),
+      shape(8192, 2, 4096, fp32, "Mixtral-8x7B prefill"),
+      shape(16384, 8, 2048, bf16, "Qwen3-30B-A3B prefill"),
+      shape(4096, 4, 2880, bf16, "gpt-oss-120b prefill"),
+  };
+  if (extra) {
+    list.push_back(shape(4096, 8, 4096, bf16, "Qwen3-235B prefill"));
+    list.push_back(shape(4096, 1, 5120, bf16, "Llama-4 prefill"));
+    list.push_back(shape(4096, 4, 6144, bf16, "DBRX prefill"));
+    list.push_back(shape(4096, 8, 3584, bf16, "Qwen2-57B prefill"));
+  }
+  return list;
+}
+
+std::vector<std::string> split(const std::string& text, char sep) {
+  std::vector<std::string> parts;
+  std::stringstream in(text);
+  for (std::string part; std::getline(in, part, sep);) parts.push_back(part);
+  return parts;
+}
+
+bool parse_int(const std::string& text, int64_t min, int64_t* value) {
+  char* end = nullptr;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || v < min) return false;
+  *value = v;
+  return true;
+}
+
+// Returns false (after printing why) on a bad command line.
+bool parse(int argc, char** argv, Options* o) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&](std::string* v) {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "moejit-bench: %s needs a value\n", a.c_str());
+        return false;
+      }
+      *v = argv[++i];
+      return true;
+    };
+    std::string v;
+    int64_t n = 0;
+    if (a == "--help" || a == "-h") {
+      usage(stdout);
+      std::exit(0);
+    } else if (a == "--case") {
+      if (!next(&v)) return false;
+      const std::vector<std::string> f = split(v, ',');
+      Shape s;
+      bool ok = (f.size() == 4 || f.size() == 5) && parse_int(f[0], 1, &s.tokens) &&
+                parse_int(f[1], 1, &s.top_k) && parse_int(f[2], 1, &s.hidden) &&
+                parse_dtype(f[3], &s.in_dtype);
+      s.out_dtype = s.in_dtype;
+      if (ok && f.size() == 5) ok = parse_dtype(f[4], &s.out_dtype);
+      if (!ok) {
+        std::fprintf(stderr,
+                     "moejit-bench: --case %s: expected T,K,H,dtype[,out_dtype] with "
+                     "positive integers and dtype fp32|fp16|bf16\n",
+                     v.c_str());
+        return false;
+      }
+      o->cases.push_back(s);
+    } else if (a == "--layout") {
+      if (!next(&v)) return false;
+      for (const std::string& name : split(v, ',')) {
+        moejit_layout l;
+        if (!parse_layout(name, &l)) {
+          std::fprintf(stderr,
+                       "moejit-bench: --layout %s: expected token_major, gather_map or "
+                       "token_index\n",
+                       name.c_str());
+          return false;
+        }
+        o->layouts.push_back(l);
+      }
+    } else if (a == "--all") {
+      o->all = true;
+    } else if (a == "--quick") {
+      o->quick = true;
+    } else if (a == "--no-extra") {
+      o->extra = false;
+    } else if (a == "--no-l2-warm") {
+      o->bench.l2_warm = false;
+    } else if (a == "--jit") {
+      o->jit = true;
+    } else if (a == "--jit-only") {
+      o->jit = o->jit_only = true;
+    } else if (a == "--json") {
+      if (!next(&o->json_path)) return false;
+    } else if (a == "--reps" || a == "--warmup" || a == "--check-tokens" || a == "--seed") {
+      if (!next(&v) || !parse_int(v, a == "--reps" ? 1 : (a == "--check-tokens" ? 2 : 0), &n)) {
+        std::fprintf(stderr, "moejit-bench: %s needs a number%s\n", a.c_str(),
+                     a == "--check-tokens" ? " >= 2" : "");
+        return false;
+      }
+      if (a == "--reps") o->bench.reps = static_cast<int>(n);
+      if (a == "--warmup") o->bench.warmup = static_cast<int>(n);
+      if (a == "--check-tokens") o->bench.check_tokens = n;
+      if (a == "--seed") o->bench.seed = static_cast<uint64_t>(n);
+    } else {
+      std::fprintf(stderr, "moejit-bench: unknown option %s\n", a.c_str());
+      usage(stderr);
+      return false;
+    }
+  }
+  if (o->layouts.empty())
+    o->layouts = {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_LAYOUT_TOKEN_INDEX};
+  if (o->quick && o->bench.reps == 0) o->bench.reps = 50;
+  if (o->cases.empty() || o->all) {
+    const std::vector<Shape> builtin = builtin_cases(o->quick, o->extra);
+    o->cases.insert(o->cases.end(), builtin.begin(), builtin.end());
+  }
+  return true;
+}
+
+std::string utc_now() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+// Measured once per run: the copy ceiling and the empty kernel, timed like the combine.
+Floors measure_floors(Timer& timer, const HelperKernels& helpers) {
+  Floors f;
+  {
+    // 1 GiB each way: far past the L2, long enough (~0.5 ms) that launch cost is noise.
+    constexpr size_t kBytes = size_t{1} << 30;
+    DeviceBuffer src(kBytes), dst(kBytes);
+    BENCH_CUDA(cudaMemset(src.get(), 0x5a, kBytes));
+    const double us = timer.median_us(
+        [&] {
+          BENCH_CUDA(cudaMemcpyAsync(dst.get(), src.get(), kBytes, cudaMemcpyDeviceToDevice,
+                                     timer.stream()));
+        },
+        3, 20, CacheState::kFlushed);
+    f.copy_ceiling_gbps = 2.0 * static_cast<double>(kBytes) / (us * 1e-6) / 1e9;
+  }
+  const auto empty = [&] { helpers.launch_empty(timer.stream()); };
+  f.empty_kernel_us = timer.median_us(empty, 10, 200, CacheState::kFlushed);
+  f.empty_kernel_warm_us = timer.median_us(empty, 10, 200, CacheState::kWarm);
+  return f;
+}
+
+void print_header() {
+  std::printf("%-12s %-22s %10s %10s %8s %7s %8s %9s  %s\n", "layout", "shape", "median_us",
+              "l2warm_us", "GB/s", "%ceil", "x_empty", "rel_err", "check");
+}
+
+void print_result(const CaseResult& r) {
+  if (!r.error.empty()) {
+    std::printf("%-12s %-22s FAILED: %s\n", layout_text(r.layout), r.shape.describe().c_str(),
+                r.error.c_str());
+    return;
+  }
+  std::string check = r.correct ? "ok" : "FAIL";
+  if (r.unwritten > 0) check += " (" + std::to_string(r.unwritten) + " NaN)";
+  if (!r.deterministic) check += " (output changed between runs)";
+  std::printf("%-12s %-22s %10.2f %10.2f %8.0f %6.1f%% %8.2f %9.2e  %s\n", layout_text(r.layout),
+              r.shape.describe().c_str(), r.median_us, r.l2_warm_us, r.gbps, r.pct_ceiling,
+              r.ratio_empty, r.rel_err, check.c_str());
+}
+
+void write_json(const std::string& path, const std::string& device, const Floors& floors,
+                const std::vector<CaseResult>& results, const JitFigures* jit,
+                const std::string& error) {
+  JsonWriter j;
+  j.begin_object();
+  j.member("tool", "moejit-bench");
+  j.member("library_version", moejit_version_string());
+  j.member("date", utc_now());
+  j.member("device", device);
+  if (!error.empty()) j.member("error", error);
+  j.member("method",
+           "CUDA events around each run; median; L2 flushed by a 256 MB memset "
+           "between runs (l2_warm_us: a GPU spin instead, no flush); minimal bytes = "
+           "R*H*in + R*8 + T*H*out");
+  j.member("copy_ceiling_gbps", floors.copy_ceiling_gbps);
+  j.member("empty_kernel_us", floors.empty_kernel_us);
+  j.member("empty_kernel_l2_warm_us", floors.empty_kernel_warm_us);
+  j.key("cases").begin_array();
+  for (const CaseResult& r : results) {
+    j.begin_object();
+    j.member("label", r.shape.label);
+    j.member("layout", layout_text(r.layout));
+    j.member("T", r.shape.tokens);
+    j.member("K", r.shape.top_k);
+    j.member("H", r.shape.hidden);
+    j.member("in_dtype", dtype_text(r.shape.in_dtype));
+    j.member("out_dtype", dtype_text(r.shape.out_dtype));
+    j.member("minimal_bytes", r.shape.minimal_bytes());
+    if (!r.error.empty()) {
+      j.member("error", r.error);
+    } else {
+      j.member("median_us", r.median_us);
+      j.member("l2_warm_us", r.l2_warm_us);
+      j.member("gbps", r.gbps);
+      j.member("pct_ceiling", r.pct_ceiling);
+      j.member("ratio_empty", r.ratio_empty);
+      j.member("rel_err", r.rel_err);
+      j.member("nan_elements", r.unwritten);
+      j.member("deterministic", r.deterministic);
+      j.member("correct", r.correct);
+      j.member("reps", r.reps);
+    }
+    j.end_object();
+  }
+  j.end_array();
+  if (jit != nullptr) {
+    j.key("jit").begin_object();
+    j.member("target", jit->target);
+    j.member("nvrtc_version", jit->nvrtc_version);
+    j.key("cold_compiles").begin_array();
+    for (const CompileFigure& c : jit->cold) {
+      j.begin_object();
+      j.member("spec", c.spec);
+      j.member("ms", c.ms);
+      j.member("image_bytes", static_cast<uint64_t>(c.image_bytes));
+      j.end_object();
+    }
+    j.end_array();
+    j.member("disk_cache_available", jit->disk_available);
+    j.member("disk_cache_note", jit->disk_note);
+    if (jit->disk_available)
+      j.member("disk_hit_ms", jit->disk_hit_ms);
+    else
+      j.key("disk_hit_ms").null();
+    j.member("module_load_ms", jit->module_load_ms);
+    j.member("first_call_ms", jit->first_call_ms);
+    j.member("second_call_us", jit->second_call_us);
+    j.member("host_case", jit->host_case);
+    j.member("host_calls", jit->host_calls);
+    j.member("moe_combine_host_us", jit->moe_combine_host_us);
+    j.member("bare_launch_host_us", jit->bare_launch_host_us);
+    j.member("host_overhead_us", jit->moe_combine_host_us - jit->bare_launch_host_us);
+    j.end_object();
+  }
+  moejit_stats stats;
+  stats.struct_size = sizeof(stats);
+  if (!error.empty() || moejit_runtime_get_stats(nullptr, &stats) != MOEJIT_SUCCESS) {
+    j.key("default_runtime_stats").null();
+  } else {
+    j.key("default_runtime_stats").begin_object();
+    j.member("compiles", stats.compiles);
+    j.member("memory_hits", stats.memory_hits);
+    j.member("disk_hits", stats.disk_hits);
+    j.member("disk_errors", stats.disk_errors);
+    j.member("launches", stats.launches);
+    j.member("compile_seconds", stats.compile_seconds);
+    j.end_object();
+  }
+  j.end_object();
+  std::ofstream out(path);
+  out << j.str() << "\n";
+  if (!out) throw std::runtime_error("cannot write " + path);
+  std::printf("wrote %s\n", path.c_str());
+}
+
+int run(const Options& o) {
+  int devices = 0;
+  const cudaError_t probe = cudaGetDeviceCount(&devices);
+  if (probe != cudaSuccess || devices == 0) {
+    const std::string why = probe != cudaSuccess ? std::string(cudaGetErrorName(probe)) + ": " +
+                                                       cudaGetErrorString(probe)
+                                                 : "no devices";
+    std::printf("moejit-bench: no GPU found (%s); nothing to measure.\n", why.c_str());
+    JitFigures jit;
+    if (o.jit) {
+      // Compiling needs no GPU: report what can be measured here, for sm_90 (the H200).
+      std::printf("Compile-only JIT figures for sm_90 (module load and launch need a GPU):\n");
+      measure_cold_compiles(moejit::target_for_device(90), &jit);
+      measure_disk_cache(moejit::target_for_device(90), false, &jit);
+      print_jit(jit);
+      const HelperKernels helpers(moejit::target_for_device(90), false);
+      std::printf("  helper kernels (empty, spin): compiled in %.1f ms\n", helpers.compile_ms());
+    }
+    if (!o.json_path.empty())
+      write_json(o.json_path, "", Floors{}, {}, o.jit ? &jit : nullptr, "no GPU found: " + why);
+    return 0;
+  }
+
+  BENCH_CUDA(cudaSetDevice(0));
+  BENCH_CUDA(cudaFree(nullptr));  // creates the primary context and makes it current here
+  cudaDeviceProp prop{};
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const std::string device = prop.name;
+  const moejit::Target target = moejit::target_for_device(prop.major * 10 + prop.minor);
+  std::printf("moejit-bench %s on %s (sm_%d%d, %s), %s\n", moejit_version_string(), device.c_str(),
+              prop.major, prop.minor, target.name().c_str(), utc_now().c_str());
+
+  JitFigures jit;
+  if (o.jit) measure_cold_compiles(target, &jit);  // before anything else uses NVRTC
+
+  cudaStream_t stream = nullptr;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const HelperKernels helpers(target, true);
+  Timer timer(stream, [&](cudaStream_t s, double us) { helpers.launch_spin(s, us); });
+
+  Floors floors;
+  std::vector<CaseResult> results;
+  bool all_correct = true;
+  if (!o.jit_only) {
+    floors = measure_floors(timer, helpers);
+    std::printf(
+        "copy ceiling %.0f GB/s (1 GiB device-to-device, read + written); empty kernel "
+        "%.2f us (L2 flushed), %.2f us (warm)\n\n",
+        floors.copy_ceiling_gbps, floors.empty_kernel_us, floors.empty_kernel_warm_us);
+    print_header();
+    for (const Shape& shape : o.cases) {
+      for (const CaseResult& r : run_case(shape, o.layouts, o.bench, floors, timer)) {
+        print_result(r);
+        std::fflush(stdout);
+        all_correct = all_correct && r.error.empty() && r.correct;
+        results.push_back(r);
+      }
+    }
+  }
+
+  if (o.jit) {
+    measure_disk_cache(target, true, &jit);
+    measure_calls(stream, &jit);
+    print_jit(jit);
+  }
+
+  if (!results.empty()) {
+    // The summary again, last, so the end of the output carries it.
+    std::printf("\nSummary (copy ceiling %.0f GB/s, empty kernel %.2f us):\n",
+                floors.copy_ceiling_gbps, floors.empty_kernel_us);
+    print_header();
+    for (const CaseResult& r : results) print_result(r);
+  }
+  if (!o.json_path.empty())
+    write_json(o.json_path, device, floors, results, o.jit ? &jit : nullptr, "");
+  BENCH_CUDA(cudaStreamDestroy(stream));
+  if (!all_correct) {
+    std::printf("moejit-bench: at least one case FAILED its check (see above)\n");
+    return kExitCheckFailed;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace moejit_bench
+
+int main(int argc, char** argv) {
+  using namespace moejit_bench;
+  Options options;
+  if (!parse(argc, argv, &options)) return kExitUsage;
+  try {
+    return run(options);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moejit-bench: %s\n", e.what());
+    return kExitEnvironment;
+  }
+}

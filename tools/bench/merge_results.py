@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Merges moejit-bench's JSON and peers.py's JSON into one record (tools/bench/results/h200.json).
+
+  merge_results.py bench.json [peers.json]              merged JSON on stdout
+  merge_results.py bench.json [peers.json] --markdown   a markdown table for the README
+
+Per case (shape, dtype, layout): libmoejit's median us (L2 flushed) and L2-warm us, GB/s, % of the
+copy ceiling, ratio to the empty kernel, relative error, and the peers' us on the same shape. The
+peers ran in their own process (same method, their own inputs and copy ceiling); their us are
+comparable, their % uses peers.py's ceiling.
+"""
+
+import argparse
+import json
+import sys
+
+# Which libmoejit layout each peer's input corresponds to (the markdown column order too).
+PEERS = [
+    ("torch_index_add", "torch index_add_", "token_index"),
+    ("torch_gather_sum", "torch gather+sum", "gather_map"),
+    ("triton_gather_inv", "Triton gather(inv), fp32 acc", "gather_map"),
+    ("triton_atomic_scatter", "Triton atomic scatter", "token_index"),
+]
+LAYOUTS = ["token_major", "gather_map", "token_index"]
+
+
+def shape_key(d):
+    return (d["T"], d["K"], d["H"], d["in_dtype"], d["out_dtype"])
+
+
+def shape_text(key):
+    t, k, h, i, o = key
+    return f"T{t} K{k} H{h} {i}" + (f"->{o}" if o != i else "")
+
+
+def merge(bench, peers):
+    peer_shapes = {shape_key(s): s for s in (peers or {}).get("shapes", [])}
+    cases = []
+    for c in bench.get("cases", []):
+        key = shape_key(c)
+        row = {name: c.get(name) for name in (
+            "label", "T", "K", "H", "in_dtype", "out_dtype", "layout", "median_us", "l2_warm_us",
+            "gbps", "pct_ceiling", "ratio_empty", "rel_err", "correct", "error")
+            if name in c}
+        ps = peer_shapes.get(key)
+        if ps is not None:
+            by_name = {p["name"]: p for p in ps.get("peers", [])}
+            row["peers_us"] = {name: by_name[name].get("us") for name, _, _ in PEERS
+                               if name in by_name}
+            row["peers_rel_err"] = {name: by_name[name].get("rel_err") for name, _, _ in PEERS
+                                    if name in by_name}
+            # The same library timed from Python on torch tensors: a cross-check of the C++ figure.
+            mine = by_name.get("libmoejit_" + c["layout"])
+            if mine is not None:
+                row["libmoejit_ctypes_us"] = mine.get("us")
+        cases.append(row)
+    return {
+        "device": bench.get("device"),
+        "date": bench.get("date"),
+        "library_version": bench.get("library_version"),
+        "method": bench.get("method"),
+        "copy_ceiling_gbps": bench.get("copy_ceiling_gbps"),
+        "empty_kernel_us": bench.get("empty_kernel_us"),
+        "empty_kernel_l2_warm_us": bench.get("empty_kernel_l2_warm_us"),
+        "peers": None if peers is None else {
+            "date": peers.get("date"),
+            "torch_version": peers.get("torch_version"),
+            "triton_version": peers.get("triton_version"),
+            "copy_ceiling_gbps": peers.get("copy_ceiling_gbps"),
+            "method": peers.get("method"),
+            "configs": {shape_text(shape_key(s)): {p["name"]: p.get("config")
+                                                   for p in s.get("peers", []) if p.get("config")}
+                        for s in peers.get("shapes", [])},
+        },
+        "cases": cases,
+        "jit": bench.get("jit"),
+        "default_runtime_stats": bench.get("default_runtime_stats"),
+    }
+
+
+def fmt_us(us, pct=None):
+    if us is None:
+        return ""
+    text = f"{us:.1f}" if us >= 10 else f"{us:.2f}"
+    return text + (f" ({pct:.0f}%)" if pct is not None else "")
+
+
+def markdown(merged):
+    out = []
+    ceiling = merged.get("copy_ceiling_gbps") or 0
+    peer_ceiling = ((merged.get("peers") or {}).get("copy_ceiling_gbps")) or ceiling
+    out.append(f"{merged.get('device')} ({merged.get('date')}): copy ceiling {ceiling:.0f} GB/s, "
+               f"empty kernel {merged.get('empty_kernel_us') or 0:.2f} us. Median us with the L2 "
+               f"flushed, (% of the copy ceiling); \"x empty\" is gather_map / empty kernel.")
+    out.append("")
+    header = ["case", "libmoejit token_major", "libmoejit gather_map", "libmoejit token_index",
+              "x empty", "L2-warm gather_map"] + [title for _, title, _ in PEERS]
+    out.append("| " + " | ".join(header) + " |")
+    out.append("|" + " --- |" * len(header))
+    rows = {}
+    for c in merged["cases"]:
+        rows.setdefault(shape_key(c), {})[c["layout"]] = c
+    for key, by_layout in rows.items():
+        cells = [shape_text(key)]
+        for layout in LAYOUTS:
+            c = by_layout.get(layout)
+            if c is None:
+                cells.append("")
+            elif c.get("error"):
+                cells.append("error")
+            else:
+                cell = fmt_us(c.get("median_us"), c.get("pct_ceiling"))
+                cells.append(cell + ("" if c.get("correct", True) else " FAIL"))
+        g = by_layout.get("gather_map") or next(iter(by_layout.values()))
+        cells.append(f"{g['ratio_empty']:.2f}x" if g.get("ratio_empty") else "")
+        cells.append(fmt_us(g.get("l2_warm_us")))
+        peers_us = g.get("peers_us") or {}
+        minimal = None
+        for name, _, _ in PEERS:
+            us = peers_us.get(name)
+            if us is not None and peer_ceiling and g.get("gbps") and g.get("median_us"):
+                minimal = g["gbps"] * g["median_us"] * 1e3  # bytes
+                cells.append(fmt_us(us, 100 * minimal / (us * 1e3) / peer_ceiling))
+            else:
+                cells.append(fmt_us(us))
+        out.append("| " + " | ".join(cells) + " |")
+    jit = merged.get("jit")
+    if jit:
+        out.append("")
+        cold = jit.get("cold_compiles") or []
+        if cold:
+            out.append(f"JIT ({jit.get('target')}, NVRTC {jit.get('nvrtc_version')}): cold "
+                       f"compile {cold[0]['ms']:.0f} ms first in process, then "
+                       + ", ".join(f"{c['ms']:.0f} ms" for c in cold[1:]) + ".")
+        if jit.get("disk_cache_available"):
+            out.append(f"Disk-cache hit {jit['disk_hit_ms']:.2f} ms + module load "
+                       f"{jit.get('module_load_ms', 0):.2f} ms.")
+        else:
+            out.append(f"{jit.get('disk_cache_note')}; module load "
+                       f"{jit.get('module_load_ms', 0):.2f} ms.")
+        if jit.get("host_calls"):
+            out.append(f"Host time per call ({jit['host_case']}): moe_combine "
+                       f"{jit['moe_combine_host_us']:.2f} us vs bare cuLaunchKernel "
+                       f"{jit['bare_launch_host_us']:.2f} us (+{jit['host_overhead_us']:.2f} us); "
+                       f"first call on a fresh runtime {jit['first_call_ms']:.1f} ms.")
+    return "\n".join(out) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("bench", help="moejit-bench --json output")
+    p.add_argument("peers", nargs="?", help="peers.py --json output")
+    p.add_argument("--markdown", action="store_true", help="print a markdown table instead")
+    args = p.parse_args()
+    with open(args.bench) as f:
+        bench = json.load(f)
+    peers = None
+    if args.peers:
+        with open(args.peers) as f:
+            peers = json.load(f)
+    merged = merge(bench, peers)
+    if args.markdown:
+        sys.stdout.write(markdown(merged))
+    else:
+        json.dump(merged, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,642 @@
+#!/usr/bin/env python3
+"""Peers of libmoejit's combine, measured in one process on the same torch tensors.
+
+For every shape (BENCHMARKS.md's list, or --case / --cases-from), this builds one set of random
+inputs (never zeros) and runs:
+
+  libmoejit   through ctypes, in its three layouts (token_major, gather_map, token_index)
+  torch       index_add_ (scatter-add by token_idx, in the output dtype, as BENCHMARKS.md measured)
+              and gather+sum (x[gather_map].view(T, K, H) * gates -> sum(dim=1))
+  Triton      a gather kernel with the inverse map and fp32 accumulation (one program per token x
+              BLOCK_H chunk: loads the K rows, sums in fp32, stores once; BLOCK_H and num_warps
+              tuned per shape), and the original atomic scatter-add formulation (zero the output,
+              one program per row x BLOCK_H chunk, atomic_add into the token's row)
+
+Method, the same as moejit-bench: CUDA events around each run, warm-up, median; L2 flushed between
+runs by writing a 256 MB buffer outside the events (and, in L2-warm mode, a GPU sleep instead);
+the copy ceiling measured here with a 1 GiB torch copy (bytes read + written). Outputs are
+poisoned with NaN before the checked run and compared with a float64 reference afterwards.
+
+Needs torch (and triton for the Triton peers); libmoejit.so from --lib or $MOEJIT_LIBRARY.
+`--check-binding` only loads the library and checks the ctypes structs (no torch, no GPU).
+"""
+
+import argparse
+import ctypes
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+
+# ---- libmoejit through ctypes ----------------------------------------------------------------
+# Mirrors of include/moejit/moejit.h. ctypes lays fields out with the C rules of the platform, so
+# the padding after each 4-byte enum matches the compiler's; _check_layout() verifies it against
+# the offsets of the x86-64 / aarch64 Linux ABI and against the library's own struct_size.
+
+LAYOUTS = {"token_major": 0, "gather_map": 1, "token_index": 2}
+DTYPES = {"fp32": 0, "fp16": 1, "bf16": 2}
+INDEX_INT32 = 0
+CACHE_MODE_DISABLED = 3
+
+
+class CombineArgs(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("layout", ctypes.c_int),
+        ("num_tokens", ctypes.c_int64),
+        ("top_k", ctypes.c_int64),
+        ("num_rows", ctypes.c_int64),
+        ("hidden_dim", ctypes.c_int64),
+        ("expert_hidden", ctypes.c_void_p),
+        ("expert_dtype", ctypes.c_int),
+        ("expert_row_stride", ctypes.c_int64),
+        ("gates", ctypes.c_void_p),
+        ("indices", ctypes.c_void_p),
+        ("index_type", ctypes.c_int),
+        ("out", ctypes.c_void_p),
+        ("out_dtype", ctypes.c_int),
+        ("out_row_stride", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+        ("accumulate", ctypes.c_int),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_bytes", ctypes.c_size_t),
+    ]
+
+
+class Stats(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("memory_hits", ctypes.c_uint64),
+        ("disk_hits", ctypes.c_uint64),
+        ("compiles", ctypes.c_uint64),
+        ("disk_errors", ctypes.c_uint64),
+        ("launches", ctypes.c_uint64),
+        ("compile_seconds", ctypes.c_double),
+    ]
+
+
+# offsetof() of each field as the C compiler lays it out on 64-bit Linux (printed from moejit.h).
+_ARGS_OFFSETS = {
+    "layout": 8, "num_tokens": 16, "top_k": 24, "num_rows": 32, "hidden_dim": 40,
+    "expert_hidden": 48, "expert_dtype": 56, "expert_row_stride": 64, "gates": 72, "indices": 80,
+    "index_type": 88, "out": 96, "out_dtype": 104, "out_row_stride": 112, "scale": 120,
+    "accumulate": 124, "workspace": 128, "workspace_bytes": 136,
+}
+
+
+def _check_layout():
+    if ctypes.sizeof(ctypes.c_void_p) != 8:
+        raise RuntimeError("peers.py expects a 64-bit platform")
+    for name, offset in _ARGS_OFFSETS.items():
+        got = getattr(CombineArgs, name).offset
+        if got != offset:
+            raise RuntimeError(f"ctypes CombineArgs.{name} at offset {got}, C has {offset}")
+    if ctypes.sizeof(CombineArgs) != 144 or ctypes.sizeof(Stats) != 56:
+        raise RuntimeError("ctypes structs do not match moejit.h's sizes (144, 56)")
+
+
+class Moejit:
+    """The few entry points the peers need, with errors turned into exceptions."""
+
+    def __init__(self, path):
+        _check_layout()
+        self.path = path
+        lib = ctypes.CDLL(path)
+        lib.moejit_version_string.restype = ctypes.c_char_p
+        lib.moejit_status_name.restype = ctypes.c_char_p
+        lib.moejit_status_name.argtypes = [ctypes.c_int]
+        lib.moejit_last_error_message.restype = ctypes.c_char_p
+        lib.moejit_combine_args_init.restype = ctypes.c_int
+        lib.moejit_combine_args_init.argtypes = [ctypes.POINTER(CombineArgs)]
+        lib.moejit_combine_workspace_size.restype = ctypes.c_int
+        lib.moejit_combine_workspace_size.argtypes = [
+            ctypes.POINTER(CombineArgs), ctypes.POINTER(ctypes.c_size_t)]
+        lib.moe_combine.restype = ctypes.c_int
+        lib.moe_combine.argtypes = [ctypes.POINTER(CombineArgs), ctypes.c_void_p]
+        lib.moejit_runtime_get_stats.restype = ctypes.c_int
+        lib.moejit_runtime_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(Stats)]
+        self.lib = lib
+        self.version = lib.moejit_version_string().decode()
+        probe = CombineArgs()
+        self._check(lib.moejit_combine_args_init(ctypes.byref(probe)), "moejit_combine_args_init")
+        # The library's own sizeof(moejit_combine_args): a mismatch means the header changed.
+        if probe.struct_size != ctypes.sizeof(CombineArgs):
+            raise RuntimeError(f"{path}: sizeof(moejit_combine_args) is {probe.struct_size}, "
+                               f"peers.py mirrors {ctypes.sizeof(CombineArgs)}: update the mirror")
+
+    def _check(self, status, call):
+        if status != 0:
+            name = self.lib.moejit_status_name(status).decode()
+            message = (self.lib.moejit_last_error_message() or b"").decode()
+            raise RuntimeError(f"{call}: {name}: {message}")
+
+    def args(self, layout, num_tokens, top_k, num_rows, hidden, expert, expert_dtype, gates,
+             indices, out, out_dtype):
+        a = CombineArgs()
+        self._check(self.lib.moejit_combine_args_init(ctypes.byref(a)), "moejit_combine_args_init")
+        a.layout = LAYOUTS[layout]
+        a.num_tokens, a.top_k, a.num_rows, a.hidden_dim = num_tokens, top_k, num_rows, hidden
+        a.expert_hidden, a.expert_dtype = expert, DTYPES[expert_dtype]
+        a.gates, a.indices, a.index_type = gates, indices, INDEX_INT32
+        a.out, a.out_dtype = out, DTYPES[out_dtype]
+        return a
+
+    def workspace_size(self, args):
+        n = ctypes.c_size_t(0)
+        self._check(self.lib.moejit_combine_workspace_size(ctypes.byref(args), ctypes.byref(n)),
+                    "moejit_combine_workspace_size")
+        return n.value
+
+    def combine(self, args, stream):
+        self._check(self.lib.moe_combine(ctypes.byref(args), stream), "moe_combine")
+
+    def stats(self):
+        s = Stats()
+        s.struct_size = ctypes.sizeof(Stats)
+        self._check(self.lib.moejit_runtime_get_stats(None, ctypes.byref(s)),
+                    "moejit_runtime_get_stats")
+        return {name: getattr(s, name) for name, _ in Stats._fields_ if name != "struct_size"}
+
+
+def check_binding(path):
+    """Host-only check of the binding: loads the library, fills args, asks the workspace size."""
+    lib = Moejit(path)
+    a = lib.args("token_index", 4096, 0, 8192, 4096, None, "bf16", None, None, None, "bf16")
+    ws = lib.workspace_size(a)
+    bad = lib.args("gather_map", 4, 0, 8, 4096, None, "bf16", None, None, None, "bf16")
+    try:
+        lib.workspace_size(bad)
+        rejected = "NOT rejected (unexpected)"
+    except RuntimeError as e:
+        rejected = f"rejected as expected ({e})"
+    print(f"libmoejit {lib.version} at {path}: ctypes layout ok "
+          f"(sizeof {ctypes.sizeof(CombineArgs)}), token_index workspace for T4096 R8192 = "
+          f"{ws} bytes; top_k=0 for gather_map {rejected}")
+
+
+# ---- shapes ----------------------------------------------------------------------------------
+
+def _shape(t, k, h, dt, label, out=None):
+    return {"T": t, "K": k, "H": h, "in_dtype": dt, "out_dtype": out or dt, "label": label}
+
+
+def builtin_shapes(quick, extra):
+    if quick:
+        return [_shape(1536, 2, 128, "fp32", "original scatter-add problem"),
+                _shape(1, 8, 7168, "bf16", "DeepSeek-V3 decode"),
+                _shape(4096, 8, 7168, "bf16", "DeepSeek-V3 prefill"),
+                _shape(8192, 2, 4096, "bf16", "Mixtral-8x7B prefill")]
+    shapes = [
+        _shape(1536, 2, 128, "fp32", "original scatter-add problem"),
+        _shape(1, 8, 7168, "bf16", "DeepSeek-V3 decode"),
+        _shape(32, 8, 7168, "bf16", "DeepSeek-V3 decode"),
+        _shape(64, 2, 4096, "bf16", "Mixtral-8x7B decode"),
+        _shape(4096, 8, 7168, "bf16", "DeepSeek-V3 prefill"),
+        _shape(4096, 8, 7168, "fp16", "DeepSeek-V3 prefill"),
+        _shape(8192, 2, 4096, "bf16", "Mixtral-8x7B prefill"),
+        _shape(8192, 2, 4096, "fp32", "Mixtral-8x7B prefill"),
+        _shape(16384, 8, 2048, "bf16", "Qwen3-30B-A3B prefill"),
+        _shape(4096, 4, 2880, "bf16", "gpt-oss-120b prefill"),
+    ]
+    if extra:
+        shapes += [_shape(4096, 8, 4096, "bf16", "Qwen3-235B prefill"),
+                   _shape(4096, 1, 5120, "bf16", "Llama-4 prefill"),
+                   _shape(4096, 4, 6144, "bf16", "DBRX prefill"),
+                   _shape(4096, 8, 3584, "bf16", "Qwen2-57B prefill")]
+    return shapes
+
+
+def parse_case(text):
+    f = text.split(",")
+    if len(f) not in (4, 5) or f[3] not in DTYPES or (len(f) == 5 and f[4] not in DTYPES):
+        raise argparse.ArgumentTypeError(f"--case {text}: expected T,K,H,dtype[,out_dtype]")
+    t, k, h = (int(x) for x in f[:3])
+    if min(t, k, h) < 1:
+        raise argparse.ArgumentTypeError(f"--case {text}: T, K and H must be positive")
+    return _shape(t, k, h, f[3], "", f[4] if len(f) == 5 else None)
+
+
+def shapes_from_bench(path):
+    """The distinct shapes of a moejit-bench JSON file, in its order."""
+    with open(path) as f:
+        bench = json.load(f)
+    seen, shapes = set(), []
+    for c in bench.get("cases", []):
+        key = (c["T"], c["K"], c["H"], c["in_dtype"], c["out_dtype"])
+        if key not in seen:
+            seen.add(key)
+            shapes.append(_shape(*key[:4], c.get("label", ""), key[4]))
+    return shapes
+
+
+def shape_text(s):
+    text = f"T{s['T']} K{s['K']} H{s['H']} {s['in_dtype']}"
+    return text + (f"->{s['out_dtype']}" if s["out_dtype"] != s["in_dtype"] else "")
+
+
+def minimal_bytes(s):
+    """BENCHMARKS.md: R*H*in + R*8 (index + gate) + T*H*out."""
+    size = {"fp32": 4, "fp16": 2, "bf16": 2}
+    r = s["T"] * s["K"]
+    return r * s["H"] * size[s["in_dtype"]] + r * 8 + s["T"] * s["H"] * size[s["out_dtype"]]
+
+
+# ---- Triton kernels --------------------------------------------------------------------------
+# At module level: Triton resolves the names a kernel uses (tl) in its module's globals.
+try:
+    import triton
+    import triton.language as tl
+except ImportError as _triton_import_error:  # the torch peers and libmoejit still run
+    triton, tl = None, None
+    TRITON_MISSING = str(_triton_import_error)
+else:
+    TRITON_MISSING = None
+
+if triton is not None:
+    @triton.jit
+    def gather_kernel(x_ptr, map_ptr, gate_ptr, out_ptr, H,
+                      K: tl.constexpr, BLOCK_H: tl.constexpr):
+        # One token x one BLOCK_H chunk: K independent row loads (unrolled), fp32 sum, one store.
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = offs < H
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for k in tl.static_range(K):
+            row = tl.load(map_ptr + t * K + k).to(tl.int64)
+            g = tl.load(gate_ptr + t * K + k)
+            x = tl.load(x_ptr + row * H + offs, mask=mask, other=0.0)
+            acc += g * x.to(tl.float32)
+        tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def atomic_kernel(x_ptr, tidx_ptr, gate_ptr, out_ptr, H, BLOCK_H: tl.constexpr):
+        # The original formulation: each row adds itself into its token's output row.
+        r = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = offs < H
+        t = tl.load(tidx_ptr + r).to(tl.int64)
+        g = tl.load(gate_ptr + r)
+        x = tl.load(x_ptr + r * H + offs, mask=mask, other=0.0)
+        val = (g * x.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.atomic_add(out_ptr + t * H + offs, val, mask=mask, sem="relaxed")
+
+
+# ---- everything below needs torch and a GPU -------------------------------------------------
+
+def main_gpu(args, shapes):
+    import torch
+
+    if triton is None:
+        print(f"peers.py: triton unavailable ({TRITON_MISSING}); skipping the Triton peers",
+              file=sys.stderr)
+
+    if not torch.cuda.is_available():
+        print("peers.py: no GPU found (torch.cuda.is_available() is False); nothing to measure.")
+        return 0
+    torch.cuda.init()
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.empty(1, device=device)  # creates the primary context, current on this thread
+    torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+    lib = None
+    lib_path = args.lib or os.environ.get("MOEJIT_LIBRARY")
+    if lib_path:
+        lib = Moejit(lib_path)
+    else:
+        print("peers.py: no --lib or MOEJIT_LIBRARY: libmoejit is not measured", file=sys.stderr)
+
+    # ---- timing: the same method as moejit-bench --------------------------------------------
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+
+    # torch.cuda._sleep spins for a number of GPU cycles: calibrate cycles per microsecond.
+    def calibrate_sleep():
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)
+        s.record()
+        torch.cuda._sleep(2_000_000)
+        e.record()
+        torch.cuda.synchronize()
+        return 2_000_000 / max(s.elapsed_time(e) * 1e3, 1.0)
+
+    cycles_per_us = calibrate_sleep()
+    # Python enqueues slowly (tens of us for the multi-kernel torch peers): a GPU sleep before each
+    # run's separator keeps the GPU behind the host, so host time never shows up as GPU idle
+    # inside the events.
+    lead_cycles = int(100 * cycles_per_us)
+
+    def bench(fn, reps, warmup, warm_l2=False):
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        stops = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            torch.cuda._sleep(lead_cycles)
+            if not warm_l2:
+                flush.fill_(i & 0xFF)
+            starts[i].record()
+            fn()
+            stops[i].record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, stops))
+
+    def copy_ceiling():
+        n = 1 << 30
+        src = torch.full((n,), 0x5A, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        us = bench(lambda: dst.copy_(src), 20, 3)
+        del src, dst
+        return 2 * n / (us * 1e-6) / 1e9
+
+    def configs(h, quick):
+        full = [(128, 1), (256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8)]
+        if quick:
+            full = [(256, 2), (1024, 4), (2048, 8)]
+        limit = max(128, 1 << (h - 1).bit_length())
+        picked = [c for c in full if c[0] <= limit]
+        return picked or [(128, 1)]
+
+    def tune(make_fn, candidates):
+        """Fastest candidate by a short flushed timing; returns (config, fn)."""
+        best = None
+        for cfg in candidates:
+            fn = make_fn(cfg)
+            us = bench(fn, 20, 3)
+            if best is None or us < best[0]:
+                best = (us, cfg, fn)
+        return best[1], best[2]
+
+    # ---- one shape ----------------------------------------------------------------------------
+    def run_shape(shape):
+        T, K, H = shape["T"], shape["K"], shape["H"]
+        R = T * K
+        dt, odt = torch_dtype[shape["in_dtype"]], torch_dtype[shape["out_dtype"]]
+        gen = torch.Generator(device=device)
+        gen.manual_seed(args.seed + T * 1_000_003 + K * 1_009 + H)
+
+        # Magnitudes in [1/16, 2) with random signs: never zero, like moejit-bench.
+        x_tm = torch.rand((R, H), generator=gen, device=device)
+        x_tm.mul_(2 - 1 / 16).add_(1 / 16)
+        x_tm = torch.where(torch.rand((R, H), generator=gen, device=device) < 0.5, -x_tm, x_tm)
+        x_tm = x_tm.to(dt)
+        u = torch.rand((T, K), generator=gen, device=device) * 0.95 + 0.05
+        gates = (u / u.sum(dim=1, keepdim=True)).reshape(R).contiguous()  # fp32, [T*K]
+
+        # Expert-sorted rows: a random permutation of token-major order; the map is its inverse.
+        perm = torch.randperm(R, generator=gen, device=device)
+        x_sorted = x_tm[perm].contiguous()
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(R, device=device)
+        gmap32 = inverse.to(torch.int32)
+        tidx32 = (perm // K).to(torch.int32)
+        gates_by_row = gates[perm].contiguous()
+        gmap64, tidx64 = inverse, perm // K
+
+        # float64 reference, chunked over tokens to bound the temporaries.
+        ref = torch.empty((T, H), dtype=torch.float64, device=device)
+        step = max(1, (1 << 27) // (K * H))
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            xs = x_tm[t0 * K:t1 * K].double().view(t1 - t0, K, H)
+            ref[t0:t1] = (xs * gates[t0 * K:t1 * K].double().view(t1 - t0, K, 1)).sum(dim=1)
+            del xs
+        ref_norm = torch.linalg.vector_norm(ref).item()
+
+        def check(out):
+            nan = int(torch.isnan(out).sum().item())
+            err = torch.linalg.vector_norm(out.double() - ref).item() / ref_norm
+            return err, nan
+
+        stream = torch.cuda.current_stream(device).cuda_stream
+        reps = args.reps or (200 if minimal_bytes(shape) < 64e6 else 100)
+        results = []
+
+        def measure(name, layout, fn, out_of, config=None, poison=None):
+            """Checked run (poisoned output), then flushed and L2-warm timings, then a re-check."""
+            entry = {"name": name, "input": layout, "config": config}
+            try:
+                if poison is not None:
+                    poison.fill_(float("nan"))
+                fn()
+                torch.cuda.synchronize()
+                err, nan = check(out_of())
+                entry["us"] = bench(fn, reps, args.warmup)
+                if not args.no_l2_warm:
+                    entry["l2_warm_us"] = bench(fn, reps, args.warmup, warm_l2=True)
+                err_after, nan_after = check(out_of())
+                entry.update(rel_err=err, rel_err_after=err_after, nan_elements=nan + nan_after)
+            except Exception as e:  # one failing peer must not hide the others
+                entry["error"] = f"{type(e).__name__}: {e}"
+                torch.cuda.synchronize()
+            results.append(entry)
+
+        # libmoejit, three layouts, on the same tensors.
+        if lib is not None:
+            out_lib = torch.empty((T, H), dtype=odt, device=device)
+            layouts = {
+                "token_major": (x_tm, gates, None),
+                "gather_map": (x_sorted, gates, gmap32),
+                "token_index": (x_sorted, gates_by_row, tidx32),
+            }
+            for layout, (x, g, idx) in layouts.items():
+                a = lib.args(layout, T, K, R, H, x.data_ptr(), shape["in_dtype"], g.data_ptr(),
+                             None if idx is None else idx.data_ptr(), out_lib.data_ptr(),
+                             shape["out_dtype"])
+                ws_bytes = lib.workspace_size(a)
+                ws = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=device)
+                if ws_bytes:
+                    a.workspace, a.workspace_bytes = ws.data_ptr(), ws_bytes
+                measure(f"libmoejit_{layout}", layout,
+                        lambda a=a, ws=ws: lib.combine(a, stream),  # ws kept alive by the lambda
+                        lambda: out_lib, poison=out_lib)
+
+        # torch gather + sum: takes the inverse map, like the gather kernels.
+        g_tkh = gates.to(dt).view(T, K, 1)
+        gs_out = {}
+
+        def gather_sum():
+            gs_out["out"] = (x_sorted[gmap64].view(T, K, H) * g_tkh).sum(dim=1).to(odt)
+        measure("torch_gather_sum", "gather_map", gather_sum, lambda: gs_out["out"])
+
+        # torch index_add_: the scatter-add formulation, in the output dtype.
+        out_ia = torch.empty((T, H), dtype=odt, device=device)
+        g_rows = gates_by_row.to(dt)[:, None]
+
+        def index_add():
+            out_ia.zero_()
+            out_ia.index_add_(0, tidx64, (x_sorted * g_rows).to(odt))
+        measure("torch_index_add", "token_index", index_add, lambda: out_ia, poison=out_ia)
+
+        if triton is not None:
+            out_tg = torch.empty((T, H), dtype=odt, device=device)
+
+            def make_gather(cfg):
+                bh, nw = cfg
+                grid = (T, triton.cdiv(H, bh))
+                return lambda: gather_kernel[grid](x_sorted, gmap32, gates, out_tg, H,
+                                                   K=K, BLOCK_H=bh, num_warps=nw)
+            try:
+                cfg, fn = tune(make_gather, configs(H, args.quick))
+                measure("triton_gather_inv", "gather_map", fn, lambda: out_tg,
+                        config=f"BLOCK_H={cfg[0]} num_warps={cfg[1]}", poison=out_tg)
+            except Exception as e:
+                results.append({"name": "triton_gather_inv", "input": "gather_map",
+                                "error": f"{type(e).__name__}: {e}"})
+
+            out_ta = torch.empty((T, H), dtype=odt, device=device)
+            scratch = {}
+
+            def make_atomic(cfg):
+                bh, nw = cfg
+                grid = (R, triton.cdiv(H, bh))
+                if "fp32" in scratch:  # this Triton lacks atomics in odt: fp32 buffer, then cast
+                    acc = scratch["fp32"]
+
+                    def fn():
+                        acc.zero_()
+                        atomic_kernel[grid](x_sorted, tidx32, gates_by_row, acc, H,
+                                            BLOCK_H=bh, num_warps=nw)
+                        out_ta.copy_(acc)
+                    return fn
+
+                def fn():
+                    out_ta.zero_()
+                    atomic_kernel[grid](x_sorted, tidx32, gates_by_row, out_ta, H,
+                                        BLOCK_H=bh, num_warps=nw)
+                return fn
+            note = ""
+            try:
+                try:
+                    make_atomic((1024, 4))()
+                except Exception as e:
+                    if odt == torch.float32:
+                        raise
+                    scratch["fp32"] = torch.empty((T, H), dtype=torch.float32, device=device)
+                    note = f" (fp32 atomics + cast: {type(e).__name__} on {odt} atomics)"
+                torch.cuda.synchronize()
+                cfg, fn = tune(make_atomic, configs(H, args.quick))
+                measure("triton_atomic_scatter", "token_index", fn, lambda: out_ta,
+                        config=f"BLOCK_H={cfg[0]} num_warps={cfg[1]}{note}", poison=out_ta)
+            except Exception as e:
+                results.append({"name": "triton_atomic_scatter", "input": "token_index",
+                                "error": f"{type(e).__name__}: {e}"})
+
+        # Ratios against libmoejit taking the same input: gather peers vs its gather_map, scatter
+        # peers (token_idx) vs its token_index.
+        lib_us = {r["input"]: r["us"] for r in results
+                  if r["name"].startswith("libmoejit_") and "us" in r}
+        for r in results:
+            if "us" in r:
+                r["pct_ceiling"] = 100 * minimal_bytes(shape) / (r["us"] * 1e-6) / 1e9 / ceiling
+                base = lib_us.get(r["input"])
+                r["vs_libmoejit"] = r["us"] / base if base else None
+        return results
+
+    def print_table(shape, results):
+        floor_us = minimal_bytes(shape) / (ceiling * 1e9) * 1e6
+        print(f"\n== {shape_text(shape)}  {shape['label']}  (bytes floor {floor_us:.1f} us at "
+              f"{ceiling:.0f} GB/s)")
+        print(f"{'peer':<24}{'input':<13}{'us':>10}{'l2warm':>10}{'%ceil':>8}{'x lib':>8}"
+              f"{'rel_err':>10}  notes")
+        for r in results:
+            if "error" in r:
+                print(f"{r['name']:<24}{r['input']:<13}  FAILED: {r['error'][:200]}")
+                continue
+            ratio = f"{r['vs_libmoejit']:.2f}" if r.get("vs_libmoejit") else "-"
+            notes = r.get("config") or ""
+            if r.get("nan_elements"):
+                notes += f" NaN:{r['nan_elements']}"
+            print(f"{r['name']:<24}{r['input']:<13}{r['us']:>10.2f}"
+                  f"{r.get('l2_warm_us', float('nan')):>10.2f}{r['pct_ceiling']:>7.1f}%"
+                  f"{ratio:>8}{r['rel_err']:>10.2e}  {notes}")
+
+    ceiling = copy_ceiling()
+    print(f"peers.py on {torch.cuda.get_device_name(device)}: torch {torch.__version__}, "
+          f"triton {getattr(triton, '__version__', 'n/a')}, libmoejit "
+          f"{lib.version if lib else 'n/a'}; copy ceiling {ceiling:.0f} GB/s (1 GiB torch copy)")
+    print("x lib = peer us / libmoejit us on the same input layout (> 1: libmoejit is faster)")
+
+    report = {
+        "tool": "peers.py",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": torch.cuda.get_device_name(device),
+        "torch_version": torch.__version__,
+        "triton_version": getattr(triton, "__version__", None),
+        "libmoejit_version": lib.version if lib else None,
+        "libmoejit_path": lib.path if lib else None,
+        "copy_ceiling_gbps": ceiling,
+        "method": "CUDA events around each run; median; a GPU sleep then a 256 MB fill between "
+                  "runs (l2_warm_us: the sleep only); minimal bytes = R*H*in + R*8 + T*H*out",
+        "shapes": [],
+    }
+    for shape in shapes:
+        results = run_shape(shape)
+        print_table(shape, results)
+        sys.stdout.flush()
+        report["shapes"].append(dict(shape, minimal_bytes=minimal_bytes(shape), peers=results))
+        torch.cuda.empty_cache()
+    if lib is not None:
+        report["libmoejit_stats"] = lib.stats()
+
+    def finite(v):  # JSON has no NaN / Infinity
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [finite(x) for x in v]
+        return v
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(finite(report), f, indent=2)
+            f.write("\n")
+        print(f"wrote {args.json}")
+    failed = [(shape_text(s), r["name"]) for s in report["shapes"] for r in s["peers"]
+              if r["name"].startswith("libmoejit_") and ("error" in r or r.get("nan_elements"))]
+    if failed:
+        print(f"peers.py: libmoejit failed on {failed}")
+        return 3
+    return 0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lib", help="path of libmoejit.so (default: $MOEJIT_LIBRARY)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--case", action="append", type=parse_case, default=[],
+                   help="T,K,H,dtype[,out_dtype] (repeatable); replaces the built-in shapes")
+    p.add_argument("--cases-from", help="take the shapes of a moejit-bench JSON file")
+    p.add_argument("--quick", action="store_true", help="a short subset, fewer tuning configs")
+    p.add_argument("--no-extra", action="store_true", help="skip the other models' shapes")
+    p.add_argument("--no-l2-warm", action="store_true", help="skip the L2-warm timing")
+    p.add_argument("--reps", type=int, default=0, help="timed runs (default 200, 100 if > 64 MB)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--seed", type=int, default=20261130)
+    p.add_argument("--check-binding", action="store_true",
+                   help="only load the library and check the ctypes structs (no torch, no GPU)")
+    args = p.parse_args()
+
+    if args.check_binding:
+        path = args.lib or os.environ.get("MOEJIT_LIBRARY")
+        if not path:
+            p.error("--check-binding needs --lib or MOEJIT_LIBRARY")
+        check_binding(path)
+        return 0
+    if args.case:
+        shapes = args.case
+    elif args.cases_from:
+        shapes = shapes_from_bench(args.cases_from)
+        if not shapes:
+            shapes = builtin_shapes(args.quick, not args.no_extra)
+    else:
+        shapes = builtin_shapes(args.quick, not args.no_extra)
+    if args.quick and not args.reps:
+        args.reps = 50
+    return main_gpu(args, shapes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
