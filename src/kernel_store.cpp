@@ -27,6 +27,14 @@ CompileRequest KernelStore::request_for(const KernelSpec& spec, const Target& ta
   return r;
 }
 
+void KernelStore::invalidate(const KernelSpec& spec, const Target& target) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    modules_.erase(std::make_pair(spec.describe(), target.name()));
+  }
+  if (disk_ != nullptr) disk_->invalidate(cache_key(request_for(spec, target)));
+}
+
 std::shared_ptr<const CompiledModule> KernelStore::obtain(const KernelSpec& spec,
                                                           const Target& target) {
   Source ignored;

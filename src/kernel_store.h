@@ -36,6 +36,10 @@ class KernelStore {
   std::shared_ptr<const CompiledModule> obtain(const KernelSpec& spec, const Target& target,
                                                Source* source);
 
+  // Forgets the module of spec on target, in memory and on disk: the driver refused to load it,
+  // so the next obtain() rebuilds it (a loadable-looking but broken entry must not stick).
+  void invalidate(const KernelSpec& spec, const Target& target);
+
   // The exact NVRTC request (and so the cache key) for spec on target.
   CompileRequest request_for(const KernelSpec& spec, const Target& target) const;
 

@@ -75,12 +75,22 @@ void ModuleCache::load(const KernelSpec& spec, CUcontext context, Entry& entry) 
   check_cuda(d.cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device),
              "cuDeviceGetAttribute(COMPUTE_CAPABILITY_MINOR)");
   const Target target = target_for_device(major * 10 + minor);
-  const std::shared_ptr<const CompiledModule> module = store_.obtain(spec, target);
+  KernelStore::Source source;
+  std::shared_ptr<const CompiledModule> module = store_.obtain(spec, target, &source);
 
   LoadedKernels k;
   // The store validated the image (a disk entry is checked before it gets here): a truncated or
-  // foreign binary never reaches cuModuleLoadData.
-  const CUresult loaded = d.cuModuleLoadData(&k.module, module->image.data());
+  // foreign binary never reaches cuModuleLoadData. If the driver still refuses an entry that came
+  // from the disk cache, it is a miss: forget it, rebuild, and try once more.
+  CUresult loaded = d.cuModuleLoadData(&k.module, module->image.data());
+  if (loaded != CUDA_SUCCESS && source != KernelStore::Source::kCompiled) {
+    logger().warn("{} for cached {} ({}); rebuilding it", describe_cuda_error("cuModuleLoadData", loaded),
+                  spec.describe(), target.name());
+    stats_.disk_errors.fetch_add(1, std::memory_order_relaxed);
+    store_.invalidate(spec, target);
+    module = store_.obtain(spec, target, &source);
+    loaded = d.cuModuleLoadData(&k.module, module->image.data());
+  }
   if (loaded != CUDA_SUCCESS)
     throw Error(MOEJIT_ERROR_CUDA, describe_cuda_error("cuModuleLoadData", loaded) + " for " +
                                        spec.describe() + " (" + target.name() + ")");
