@@ -160,37 +160,21 @@ __device__ __forceinline__ void store_slot(typename Elem<OUT_DT>::storage* __res
 // spilling the loaded vectors.
 constexpr int kBatch = 8;
 
-// Sums `count` rows given by row_of(j), j = 0..count-1, in that order, into acc.
-template <int IN_DT, int VEC, int HIDDEN, int MAX_COUNT, typename RowOf>
-__device__ __forceinline__ void gather_rows(const CombineParams& p, int slot, int count,
-                                            RowOf row_of, float (&acc)[VEC]) {
-  typedef Elem<IN_DT> E;
-  typedef typename E::storage S;
+// More rows for one token than its list holds (a skewed routing): walk token_idx in row order
+// and add this token's rows, in the same ascending order as the listed path. Slow but bounded,
+// and bitwise identical to what a longer list would give.
+template <int IN_DT, int VEC, int HIDDEN, typename IdxT>
+__device__ __forceinline__ void add_rows_by_walk(const CombineParams& p, long long tok, int slot,
+                                              float (&sum)[VEC]) {
+  typedef typename Elem<IN_DT>::storage S;
+  const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
-  for (int base = 0; base < count; base += kBatch) {
-    Pack<S, VEC> v[kBatch];
-    float w[kBatch];
-    bool present[kBatch];  // a real row (not dropped, not past count)
+  for (long long r = 0; r < p.num_rows; ++r) {
+    if (static_cast<long long>(__ldg(token_idx + r)) != tok) continue;
+    const float w = p.gates != nullptr ? __ldg(p.gates + r) : 1.0f;
+    const Pack<S, VEC> v = load_slot<S, VEC, HIDDEN>(expert + r * p.expert_stride, slot);
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      present[j] = false;
-      w[j] = 0.0f;
-      if ((MAX_COUNT == 0 || base + j < MAX_COUNT) && base + j < count) {
-        const long long row = row_of(base + j);
-        if (row >= 0) {
-          present[j] = true;
-          w[j] = p.gates != nullptr ? __ldg(p.gates + row_of.gate_index(base + j, row)) : 1.0f;
-          v[j] = load_slot<S, VEC, HIDDEN>(expert + row * p.expert_stride, slot);
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      if (present[j]) {
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[e] = fmaf(w[j], E::to_float(v[j].e[e]), acc[e]);
-      }
-    }
+    for (int e = 0; e < VEC; ++e) sum[e] = fmaf(w, Elem<IN_DT>::to_float(v.e[e]), sum[e]);
   }
 }
 
@@ -198,147 +182,191 @@ __device__ __forceinline__ void gather_rows(const CombineParams& p, int slot, in
 
 // ---- the combine -----------------------------------------------------------------------------
 
+// One persistent loop for every layout. A work item is TPB tokens x TPT vector slots; blocks loop
+// over items with a grid stride. Each thread keeps the routing of its token (rows and gates) in
+// registers and loads the routing of its NEXT item while the current item's rows are in flight,
+// so the dependent index load never leaves the memory pipe idle between items.
 template <int LAYOUT, int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K,
           int TPT, int TPB, int LIST_CAP>
 __global__ void __launch_bounds__(TPT * TPB) combine(const CombineParams p) {
   static_assert(LAYOUT != kLayoutTokenIndex || (LIST_CAP > 0 && TOP_K == 0), "token index");
   static_assert(LAYOUT == kLayoutTokenIndex || (TOP_K > 0 && LIST_CAP == 0), "fixed top_k");
+  typedef typename detail::Elem<IN_DT>::storage S;
   typedef typename detail::Elem<OUT_DT>::storage OutS;
   constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;  // vectors per row, tail included
   constexpr int kChunks = (kSlots + TPT - 1) / TPT;
+  constexpr bool kTokenIndex = LAYOUT == kLayoutTokenIndex;
+  constexpr int kMaxRows = kTokenIndex ? LIST_CAP : TOP_K;  // rows a token can have listed
+  // Rows whose routing is held (and prefetched) in registers; later rows, rare (top_k > 8), are
+  // read when their batch comes. Keeps the kernel under ~100 registers for every top_k.
+  constexpr int kHeld = kMaxRows < detail::kBatch ? kMaxRows : detail::kBatch;
 
-  const long long group = blockIdx.x / kChunks;
-  const int chunk = static_cast<int>(blockIdx.x % kChunks);
+  const IdxT* __restrict__ indices = static_cast<const IdxT*>(p.indices);
+  const S* __restrict__ expert = static_cast<const S*>(p.expert);
   const int sub = static_cast<int>(threadIdx.x) / TPT;
   const int lane = static_cast<int>(threadIdx.x) % TPT;
-  const long long t = group * TPB + sub;
-  const int slot = chunk * TPT + lane;
-  const bool token_ok = t < p.num_tokens;
-  const bool active = token_ok && slot < kSlots;
 
-  float acc[VEC];
-#pragma unroll
-  for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
-
-  if constexpr (LAYOUT == kLayoutTokenMajor || LAYOUT == kLayoutGatherMap) {
-    // Persistent loop over work items (TPB tokens x TPT slots each). The routing of the next
-    // item (its gather-map entries and gates) is loaded while this item's rows are in flight, so
-    // the dependent index load no longer stalls the memory pipe between items.
-    const IdxT* __restrict__ map = static_cast<const IdxT*>(p.indices);
-    typedef typename detail::Elem<IN_DT>::storage S;
-    const S* __restrict__ expert = static_cast<const S*>(p.expert);
-    constexpr bool kPrefetch = TOP_K <= 16;  // routing kept in registers: 2 per slot
-    struct Routing {
-      int row[TOP_K];  // gather map: row id (R < 2^31), -1 if dropped
-      float gate[TOP_K];
-    };
-    auto route = [&](long long item, Routing& r) {
-      const long long tok = (item / kChunks) * TPB + sub;
-      if (tok >= p.num_tokens) return;
-#pragma unroll
-      for (int k = 0; k < TOP_K; ++k) {
-        if (LAYOUT == kLayoutGatherMap) {
-          const long long m = static_cast<long long>(__ldg(map + tok * TOP_K + k));
-          r.row[k] = (m >= 0 && m < p.num_rows) ? static_cast<int>(m) : -1;  // -1 / out of range
-        }
-        r.gate[k] = p.gates != nullptr ? __ldg(p.gates + tok * TOP_K + k) : 1.0f;
-      }
-    };
-    const long long total = ((p.num_tokens + TPB - 1) / TPB) * kChunks;
-    Routing cur;
-    if (kPrefetch) route(blockIdx.x, cur);
-    for (long long item = blockIdx.x; item < total; item += gridDim.x) {
-      const long long tok = (item / kChunks) * TPB + sub;
-      const int s_slot = static_cast<int>(item % kChunks) * TPT + lane;
-      const bool on = tok < p.num_tokens && s_slot < kSlots;
-      if (!kPrefetch) route(item, cur);
-      float sum[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) sum[e] = 0.0f;
-      Routing next;
-#pragma unroll
-      for (int base = 0; base < TOP_K; base += detail::kBatch) {
-        detail::Pack<S, VEC> v[detail::kBatch];
-#pragma unroll
-        for (int j = 0; j < detail::kBatch; ++j) {
-          const int k = base + j;
-          if (k < TOP_K && on) {
-            const long long row = LAYOUT == kLayoutTokenMajor ? tok * TOP_K + k : cur.row[k];
-            if (row >= 0)
-              v[j] = detail::load_slot<S, VEC, HIDDEN>(expert + row * p.expert_stride, s_slot);
-          }
-        }
-        if (kPrefetch && base == 0 && item + gridDim.x < total) route(item + gridDim.x, next);
-#pragma unroll
-        for (int j = 0; j < detail::kBatch; ++j) {
-          const int k = base + j;
-          if (k < TOP_K && on && (LAYOUT == kLayoutTokenMajor || cur.row[k] >= 0)) {
-#pragma unroll
-            for (int e = 0; e < VEC; ++e)
-              sum[e] = fmaf(cur.gate[k], detail::Elem<IN_DT>::to_float(v[j].e[e]), sum[e]);
-          }
-        }
-      }
-      if (on) {
-        OutS* out_row = static_cast<OutS*>(p.out) + tok * p.out_stride;
-        detail::store_slot<OUT_DT, VEC, HIDDEN>(out_row, s_slot, sum, p.scale, p.accumulate != 0);
-      }
-      if (kPrefetch) cur = next;
-    }
-    return;
-  } else {
-    // Token-index layout. The workspace holds, per token, how many rows named it and (up to
-    // LIST_CAP of) their ids in arrival order, which depends on atomics. Sorting the ids makes
-    // the summation order "ascending row", whatever the arrival order: deterministic.
-    __shared__ int s_arrived[TPB][LIST_CAP];
-    __shared__ int s_sorted[TPB][LIST_CAP];
-    const int count = token_ok ? p.token_counts[t] : 0;
-    const bool listed = count <= LIST_CAP;
-    if (token_ok && listed)
-      for (int i = lane; i < count; i += TPT)
-        s_arrived[sub][i] = p.token_rows[t * LIST_CAP + i];
-    __syncthreads();
-    if (token_ok && listed)
-      for (int i = lane; i < count; i += TPT) {
-        const int r = s_arrived[sub][i];
-        int rank = 0;
-        for (int j = 0; j < count; ++j) rank += s_arrived[sub][j] < r;
-        s_sorted[sub][rank] = r;
-      }
-    __syncthreads();
-    if (!active) return;
-    struct ListedRows {
-      const int* sorted;
-      __device__ long long operator()(int j) const { return sorted[j]; }
-      __device__ long long gate_index(int, long long row) const { return row; }
-    };
-    if (listed) {
-      detail::gather_rows<IN_DT, VEC, HIDDEN, LIST_CAP>(p, slot, count, ListedRows{s_sorted[sub]},
-                                                        acc);
+  struct Routing {
+    int count;          // rows of the token (token index: may exceed kMaxRows: overflow)
+    int row[kHeld];     // row ids (R < 2^31); -1: dropped. Unused for token-major.
+    float gate[kHeld];
+  };
+  // Row k of token tok (-1: dropped) and its gate, from memory.
+  auto row_of = [&](long long tok, int k) -> int {
+    if constexpr (kTokenIndex) {
+      return __ldg(p.token_rows + tok * LIST_CAP + k);  // sorted by token_index_sort
     } else {
-      // More rows than the list holds (a pathological routing): walk token_idx in row order and
-      // take this token's rows, in the same ascending order as the listed path. Slow, bounded,
-      // and bitwise identical to what a larger list would give.
-      const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
-      typedef typename detail::Elem<IN_DT>::storage S;
-      const S* __restrict__ expert = static_cast<const S*>(p.expert);
-      for (long long r = 0; r < p.num_rows; ++r) {
-        if (static_cast<long long>(__ldg(token_idx + r)) != t) continue;
-        const float w = p.gates != nullptr ? __ldg(p.gates + r) : 1.0f;
-        const detail::Pack<S, VEC> v =
-            detail::load_slot<S, VEC, HIDDEN>(expert + r * p.expert_stride, slot);
+      const long long m = static_cast<long long>(__ldg(indices + tok * TOP_K + k));
+      return (m >= 0 && m < p.num_rows) ? static_cast<int>(m) : -1;  // -1 / out of range: dropped
+    }
+  };
+  auto gate_of = [&](long long tok, int k) -> float {
+    if constexpr (kTokenIndex) return __ldg(p.token_gates + tok * LIST_CAP + k);
+    return p.gates != nullptr ? __ldg(p.gates + tok * TOP_K + k) : 1.0f;
+  };
+  auto route = [&](long long item, Routing& r) {
+    const long long tok = (item / kChunks) * TPB + sub;
+    r.count = 0;
+    if (tok >= p.num_tokens) return;
+    r.count = kTokenIndex ? __ldg(p.token_counts + tok) : TOP_K;
 #pragma unroll
-        for (int e = 0; e < VEC; ++e)
-          acc[e] = fmaf(w, detail::Elem<IN_DT>::to_float(v.e[e]), acc[e]);
+    for (int k = 0; k < kHeld; ++k) {  // entries past count are stale and never used
+      if (LAYOUT != kLayoutTokenMajor) r.row[k] = row_of(tok, k);
+      r.gate[k] = gate_of(tok, k);
+    }
+  };
+
+  const long long total = ((p.num_tokens + TPB - 1) / TPB) * kChunks;
+  Routing cur;
+  route(blockIdx.x, cur);
+  for (long long item = blockIdx.x; item < total; item += gridDim.x) {
+    const long long tok = (item / kChunks) * TPB + sub;
+    const int slot = static_cast<int>(item % kChunks) * TPT + lane;
+    const bool on = tok < p.num_tokens && slot < kSlots;
+    float sum[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) sum[e] = 0.0f;
+    Routing next;
+    const bool listed = cur.count <= kMaxRows;
+#pragma unroll
+    for (int base = 0; base < kMaxRows; base += detail::kBatch) {
+      detail::Pack<S, VEC> v[detail::kBatch];
+      bool present[detail::kBatch];
+#pragma unroll
+      for (int j = 0; j < detail::kBatch; ++j) {
+        const int k = base + j;
+        present[j] = false;
+        if (k < kMaxRows && on && listed && k < cur.count) {
+          const long long row = LAYOUT == kLayoutTokenMajor ? tok * TOP_K + k
+                                : k < kHeld                  ? cur.row[k < kHeld ? k : 0]
+                                                             : row_of(tok, k);
+          if (row >= 0) {
+            present[j] = true;
+            v[j] = detail::load_slot<S, VEC, HIDDEN>(expert + row * p.expert_stride, slot);
+          }
+        }
+      }
+      if (base == 0 && item + gridDim.x < total) route(item + gridDim.x, next);
+#pragma unroll
+      for (int j = 0; j < detail::kBatch; ++j)
+        if (present[j]) {
+          const int k = base + j;
+          const float w = k < kHeld ? cur.gate[k < kHeld ? k : 0] : gate_of(tok, k);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e)
+            sum[e] = fmaf(w, detail::Elem<IN_DT>::to_float(v[j].e[e]), sum[e]);
+        }
+    }
+    if constexpr (kTokenIndex) {
+      if (on && !listed) detail::add_rows_by_walk<IN_DT, VEC, HIDDEN, IdxT>(p, tok, slot, sum);
+    }
+    if (on) {
+      OutS* out_row = static_cast<OutS*>(p.out) + tok * p.out_stride;
+      detail::store_slot<OUT_DT, VEC, HIDDEN>(out_row, slot, sum, p.scale, p.accumulate != 0);
+    }
+    cur = next;
+  }
+}
+
+// ---- token-index layout, small batches: one launch ---------------------------------------------
+// For decode-sized calls (few rows) the three list-building launches would cost more than the
+// work. Here each block reads all of token_idx (a few KB, from L2) and its first warp per token
+// collects that token's rows in ascending order with warp ballots: one launch, no workspace.
+// One work item per block. Needs TPT to be a multiple of 32 (a token owns whole warps).
+template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TPT, int TPB, int LIST_CAP>
+__global__ void __launch_bounds__(TPT * TPB) combine_scan(const CombineParams p) {
+  static_assert(TPT % 32 == 0, "a token must own whole warps");
+  typedef typename detail::Elem<IN_DT>::storage S;
+  typedef typename detail::Elem<OUT_DT>::storage OutS;
+  constexpr int kBlock = TPT * TPB;
+  constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;
+  constexpr int kChunks = (kSlots + TPT - 1) / TPT;
+  __shared__ IdxT s_idx[kBlock];
+  __shared__ int s_rows[TPB][LIST_CAP];
+  __shared__ int s_count[TPB];
+
+  const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
+  const S* __restrict__ expert = static_cast<const S*>(p.expert);
+  const int sub = static_cast<int>(threadIdx.x) / TPT;
+  const int lane = static_cast<int>(threadIdx.x) % TPT;
+  const long long tok = (blockIdx.x / kChunks) * static_cast<long long>(TPB) + sub;
+  const int slot = static_cast<int>(blockIdx.x % kChunks) * TPT + lane;
+  const bool collector = lane < 32 && tok < p.num_tokens;  // the group's first warp
+
+  int found = 0;  // rows of tok seen so far (kept by the collector warp)
+  for (long long base = 0; base < p.num_rows; base += kBlock) {
+    __syncthreads();  // the previous chunk is consumed
+    const long long j = base + threadIdx.x;
+    s_idx[threadIdx.x] = j < p.num_rows ? __ldg(token_idx + j) : IdxT(-1);
+    __syncthreads();
+    if (collector) {
+#pragma unroll 4
+      for (int c = 0; c < kBlock; c += 32) {
+        const bool mine = static_cast<long long>(s_idx[c + lane]) == tok;
+        const unsigned mask = __ballot_sync(0xffffffffu, mine);
+        const int pos = found + __popc(mask & ((1u << lane) - 1u));
+        if (mine && pos < LIST_CAP) s_rows[sub][pos] = static_cast<int>(base + c + lane);
+        found += __popc(mask);
       }
     }
   }
+  if (collector && lane == 0) s_count[sub] = found;
+  __syncthreads();
+  if (tok >= p.num_tokens || slot >= kSlots) return;
+  const int count = s_count[sub];
 
-  OutS* out_row = static_cast<OutS*>(p.out) + t * p.out_stride;
-  detail::store_slot<OUT_DT, VEC, HIDDEN>(out_row, slot, acc, p.scale, p.accumulate != 0);
+  float sum[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) sum[e] = 0.0f;
+  if (count <= LIST_CAP) {
+    for (int base = 0; base < count; base += detail::kBatch) {
+      detail::Pack<S, VEC> v[detail::kBatch];
+      float w[detail::kBatch];
+#pragma unroll
+      for (int j = 0; j < detail::kBatch; ++j)
+        if (base + j < count) {
+          const int row = s_rows[sub][base + j];
+          w[j] = p.gates != nullptr ? __ldg(p.gates + row) : 1.0f;
+          v[j] = detail::load_slot<S, VEC, HIDDEN>(expert + row * p.expert_stride, slot);
+        }
+#pragma unroll
+      for (int j = 0; j < detail::kBatch; ++j)
+        if (base + j < count) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e)
+            sum[e] = fmaf(w[j], detail::Elem<IN_DT>::to_float(v[j].e[e]), sum[e]);
+        }
+    }
+  } else {
+    detail::add_rows_by_walk<IN_DT, VEC, HIDDEN, IdxT>(p, tok, slot, sum);
+  }
+  OutS* out_row = static_cast<OutS*>(p.out) + tok * p.out_stride;
+  detail::store_slot<OUT_DT, VEC, HIDDEN>(out_row, slot, sum, p.scale, p.accumulate != 0);
 }
 
 // ---- token-index layout: building the per-token row lists ------------------------------------
+// Three small steps before the combine; together they are a counting sort of token_idx into
+// per-token lists in ascending row order, so the summation order never depends on atomics.
 
 // Step 1: forget the previous call's lists (the workspace may hold anything).
 __global__ void token_index_clear(const CombineParams p) {
@@ -347,8 +375,7 @@ __global__ void token_index_clear(const CombineParams p) {
     p.token_counts[t] = 0;
 }
 
-// Step 2: every row announces itself to its token. Arrival order is not deterministic; the
-// combine sorts each list before summing, so the result is.
+// Step 2: every row announces itself to its token. Arrival order is not deterministic.
 template <typename IdxT>
 __global__ void token_index_assign(const CombineParams p) {
   const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
@@ -359,6 +386,35 @@ __global__ void token_index_assign(const CombineParams p) {
     const int arrival = atomicAdd(p.token_counts + t, 1);
     if (arrival < p.list_capacity)
       p.token_rows[t * p.list_capacity + arrival] = static_cast<int>(r);
+  }
+}
+
+// Step 3: one thread per token sorts its list (ascending row id: the documented, deterministic
+// summation order) and gathers the gates in that order, so the combine reads both contiguously.
+// A sorting network on registers: compile-time indices only, no local memory.
+template <int LIST_CAP>
+__global__ void token_index_sort(const CombineParams p) {
+  for (long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+       t < p.num_tokens; t += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const int count = p.token_counts[t];
+    if (count > LIST_CAP) continue;  // overflow: the combine walks token_idx instead
+    int r[LIST_CAP];
+#pragma unroll
+    for (int k = 0; k < LIST_CAP; ++k) r[k] = k < count ? p.token_rows[t * LIST_CAP + k] : 0x7fffffff;
+#pragma unroll
+    for (int round = 0; round < LIST_CAP; ++round)
+#pragma unroll
+      for (int i = round & 1; i + 1 < LIST_CAP; i += 2) {
+        const int lo = min(r[i], r[i + 1]), hi = max(r[i], r[i + 1]);
+        r[i] = lo;
+        r[i + 1] = hi;
+      }
+#pragma unroll
+    for (int k = 0; k < LIST_CAP; ++k)
+      if (k < count) {
+        p.token_rows[t * LIST_CAP + k] = r[k];
+        p.token_gates[t * LIST_CAP + k] = p.gates != nullptr ? __ldg(p.gates + r[k]) : 1.0f;
+      }
   }
 }
 

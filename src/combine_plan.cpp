@@ -17,6 +17,9 @@ constexpr int kBlockThreads = 128;   // combine block size
 constexpr int kHelperThreads = 256;  // token-index clear / assign
 constexpr unsigned kMaxHelperBlocks = 4096;
 constexpr int64_t kMaxRows = INT32_MAX;  // token-index lists store row ids as int32
+// Token index with at most this many rows: every block reads all of token_idx itself (one launch)
+// instead of building per-token lists in three extra launches. Decode batches live here.
+constexpr int64_t kScanMaxRows = 1024;
 
 int element_bytes(int dtype) { return dtype == MOEJIT_DTYPE_FLOAT32 ? 4 : 2; }
 
@@ -32,12 +35,19 @@ int next_pow2(int x) {
   return p;
 }
 
-// Rows kept per token in the token-index workspace lists: room for twice the average, so only a
-// skewed routing overflows (and then takes the slow, still exact path).
+// Rows kept per token in the token-index workspace lists: room for at least twice the average,
+// so only a skewed routing overflows (and then takes the slow, still exact path). Small lists
+// keep the combine's registers (and so its occupancy) in check.
 int list_capacity(int64_t rows_per_token) {
+  if (rows_per_token <= 4) return 8;
   if (rows_per_token <= 8) return 16;
   if (rows_per_token <= 16) return 32;
   return 64;
+}
+
+// Token-index workspace: counts [T] (padded to 256 bytes), then row ids and gates [T * cap] each.
+size_t counts_bytes(int64_t tokens) {
+  return (static_cast<size_t>(tokens) * sizeof(int) + 255) / 256 * 256;
 }
 
 // Threads per token group and groups per block: one vector slot per thread; short rows share a
@@ -145,8 +155,8 @@ size_t combine_workspace_bytes(const moejit_combine_args* args) {
   const moejit_combine_args a = validated_shape(args);
   if (a.layout != MOEJIT_LAYOUT_TOKEN_INDEX || a.num_tokens == 0) return 0;
   const int64_t cap = list_capacity((a.num_rows + a.num_tokens - 1) / a.num_tokens);
-  const size_t counts = (static_cast<size_t>(a.num_tokens) * sizeof(int) + 255) / 256 * 256;
-  return counts + static_cast<size_t>(a.num_tokens) * static_cast<size_t>(cap) * sizeof(int);
+  const size_t list = static_cast<size_t>(a.num_tokens) * static_cast<size_t>(cap);
+  return counts_bytes(a.num_tokens) + list * sizeof(int) + list * sizeof(float);
 }
 
 KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dtype out_dtype,
@@ -245,9 +255,11 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
                       std::to_string(needed) +
                       " bytes of device memory here (moejit_combine_workspace_size())");
     check_aligned("args->workspace", a.workspace, 16, "the workspace");
-    const size_t counts = (static_cast<size_t>(a.num_tokens) * sizeof(int) + 255) / 256 * 256;
-    p.token_counts = static_cast<int*>(a.workspace);
-    p.token_rows = reinterpret_cast<int*>(static_cast<char*>(a.workspace) + counts);
+    char* ws = static_cast<char*>(a.workspace);
+    const size_t list = static_cast<size_t>(a.num_tokens) * static_cast<size_t>(s.list_cap);
+    p.token_counts = reinterpret_cast<int*>(ws);
+    p.token_rows = reinterpret_cast<int*>(ws + counts_bytes(a.num_tokens));
+    p.token_gates = reinterpret_cast<float*>(ws + counts_bytes(a.num_tokens) + list * sizeof(int));
     auto helper_blocks = [](int64_t n) {
       return static_cast<unsigned>(
           std::max<int64_t>(1, std::min<int64_t>((n + kHelperThreads - 1) / kHelperThreads,
@@ -255,6 +267,8 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
     };
     plan.clear_blocks = helper_blocks(a.num_tokens);
     plan.assign_blocks = helper_blocks(a.num_rows);
+    plan.sort_blocks = plan.clear_blocks;
+    plan.token_scan = s.has_scan_kernel() && a.num_rows <= kScanMaxRows;
   }
   return plan;
 }
@@ -265,6 +279,14 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
   const DriverApi& d = driver();
   CombineParams params = plan.params;
   void* kernel_args[] = {&params};
+  if (plan.token_scan) {
+    check_cuda(d.cuLaunchKernel(kernels.functions[kScanKernel], plan.combine_blocks, 1, 1,
+                                static_cast<unsigned>(plan.spec.block_threads()), 1, 1, 0, stream,
+                                kernel_args, nullptr),
+               "cuLaunchKernel(combine_scan)");
+    stats.launches.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   if (plan.spec.token_index()) {
     check_cuda(d.cuLaunchKernel(kernels.functions[kClearKernel], plan.clear_blocks, 1, 1,
                                 kHelperThreads, 1, 1, 0, stream, kernel_args, nullptr),
@@ -272,11 +294,14 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
     check_cuda(d.cuLaunchKernel(kernels.functions[kAssignKernel], plan.assign_blocks, 1, 1,
                                 kHelperThreads, 1, 1, 0, stream, kernel_args, nullptr),
                "cuLaunchKernel(token_index_assign)");
-    stats.launches.fetch_add(2, std::memory_order_relaxed);
+    check_cuda(d.cuLaunchKernel(kernels.functions[kSortKernel], plan.sort_blocks, 1, 1,
+                                kHelperThreads, 1, 1, 0, stream, kernel_args, nullptr),
+               "cuLaunchKernel(token_index_sort)");
+    stats.launches.fetch_add(3, std::memory_order_relaxed);
   }
-  // The fixed-top_k kernel is persistent (it loops over work items, prefetching the next item's
-  // routing): no more blocks than fit at once. The token-index kernel takes one item per block.
-  const unsigned blocks = plan.spec.token_index() || kernels.resident_blocks == 0
+  // The combine is persistent (it loops over work items, prefetching the next item's routing):
+  // no more blocks than fit on the device at once.
+  const unsigned blocks = kernels.resident_blocks == 0
                               ? plan.combine_blocks
                               : std::min(plan.combine_blocks, kernels.resident_blocks);
   check_cuda(d.cuLaunchKernel(kernels.functions[kCombineKernel], blocks, 1, 1,

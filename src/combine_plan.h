@@ -22,6 +22,8 @@ struct CombinePlan {
   unsigned int combine_blocks = 0;  // 1-D grid of the combine kernel
   unsigned int clear_blocks = 0;    // token-index helpers (0 for other layouts)
   unsigned int assign_blocks = 0;
+  unsigned int sort_blocks = 0;
+  bool token_scan = false;  // token index, few rows: the single-launch scan kernel
 };
 
 // Validates args (throws Error naming the argument, its value and what is allowed) and plans the

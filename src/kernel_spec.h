@@ -25,6 +25,8 @@ struct KernelSpec {
   int slots() const { return (hidden + vec - 1) / vec; }
   int chunks() const { return (slots() + tpt - 1) / tpt; }
   bool token_index() const;
+  // The token-index single-launch kernel exists for this spec (a token owns whole warps).
+  bool has_scan_kernel() const { return token_index() && tpt % 32 == 0; }
 
   // Name expressions, in the order of the Kernel enum below (combine, then the token-index
   // helpers when the layout needs them).
@@ -41,7 +43,14 @@ struct KernelSpec {
 };
 
 // Index of each kernel in name_expressions() / a loaded module's functions.
-enum KernelSlot { kCombineKernel = 0, kClearKernel = 1, kAssignKernel = 2, kMaxKernels = 3 };
+enum KernelSlot {
+  kCombineKernel = 0,
+  kClearKernel = 1,
+  kAssignKernel = 2,
+  kSortKernel = 3,
+  kScanKernel = 4,  // token index, small batches: one launch (absent when tpt % 32 != 0)
+  kMaxKernels = 5
+};
 
 const char* dtype_name(int dtype);    // "fp32" | "fp16" | "bf16"
 const char* layout_name(int layout);  // "token_major" | "gather_map" | "token_index"

@@ -89,11 +89,18 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_EQ(s.list_cap, 16);
   EXPECT_EQ(s.vec, 4);  // fp32 output limits the vector to 16 bytes of output
   const auto names = s.name_expressions();
-  ASSERT_EQ(names.size(), 3u);
+  ASSERT_EQ(names.size(), 5u);
   EXPECT_EQ(names[kCombineKernel],
             "&moejit::combine<2, 1, 0, long long, 2048, 4, 0, 128, 1, 16>");
   EXPECT_EQ(names[kClearKernel], "&moejit::token_index_clear");
   EXPECT_EQ(names[kAssignKernel], "&moejit::token_index_assign<long long>");
+  EXPECT_EQ(names[kSortKernel], "&moejit::token_index_sort<16>");
+  EXPECT_EQ(names[kScanKernel], "&moejit::combine_scan<1, 0, long long, 2048, 4, 128, 1, 16>");
+  // Rows too short for a token to own a warp: no single-launch kernel.
+  const KernelSpec tiny = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+                                         MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 8, 2, 256);
+  EXPECT_FALSE(tiny.has_scan_kernel());
+  EXPECT_EQ(tiny.name_expressions().size(), 4u);
   EXPECT_NE(s.source().find("#include \"combine.cuh\""), std::string::npos);
 }
 

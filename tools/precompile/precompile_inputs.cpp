@@ -148,8 +148,8 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
     fail("vec", s.vec, "expected 1, 2, 4 or 8, at most 16 bytes of the widest dtype");
   if (s.layout == MOEJIT_LAYOUT_TOKEN_INDEX) {
     if (s.top_k != 0) fail("K", s.top_k, "the token_index layout takes K=0");
-    if (s.list_cap != 16 && s.list_cap != 32 && s.list_cap != 64)
-      fail("cap", s.list_cap, "the token_index layout takes cap 16, 32 or 64");
+    if (s.list_cap != 8 && s.list_cap != 16 && s.list_cap != 32 && s.list_cap != 64)
+      fail("cap", s.list_cap, "the token_index layout takes cap 8, 16, 32 or 64");
   } else {
     if (s.top_k < 1 || s.top_k > MOEJIT_MAX_TOP_K)
       fail("K", s.top_k, "expected 1.." + std::to_string(MOEJIT_MAX_TOP_K));
