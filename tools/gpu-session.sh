@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one go (GPU time is scarce): build with tests, the GPU tests,
+# the disk cache across processes, warming with moejit-precompile then serving in no-compile mode,
+# the installed-package check (examples, Python), and the benchmark against peers.
+#   tools/gpu-session.sh OUTDIR
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+out=$(mkdir -p "${1:-./gpu-out}" && cd "${1:-./gpu-out}" && pwd)
+cfg=(-G Ninja -DCMAKE_BUILD_TYPE=Release)
+[ -e .deps/include/xxhash.h ] && cfg+=("-DXXHASH_INCLUDE_DIR=$PWD/.deps/include")
+if ! { cmake -B build-gpu "${cfg[@]}" && cmake --build build-gpu; } >"$out/build.log" 2>&1; then
+  tail -n 40 "$out/build.log"
+  exit 1
+fi
+demo=build-gpu/tools/demo/moejit-demo
+scratch=$(mktemp -d)
+
+echo "== GPU tests (ctest -L gpu)"
+timeout 420 ctest --test-dir build-gpu -L gpu --output-on-failure >"$out/gpu-tests.log" 2>&1
+grep -E "Test +#|tests passed|cases, |Failure" "$out/gpu-tests.log" | head -n 30
+
+echo "== disk cache: a second process on a warm cache loads its kernels from disk"
+for run in 1 2; do
+  MOEJIT_CACHE_DIR="$scratch/cache" $demo --tokens 64 --topk 2 --hidden 4096 >"$out/cache-run$run.log" 2>&1
+  echo "process $run: $(grep -E 'first call' "$out/cache-run$run.log")"
+done
+
+echo "== moejit-precompile (DeepSeek-V3 config, sm_90), then serve in no-compile mode"
+build-gpu/tools/precompile/moejit-precompile --model-config tools/precompile/configs/deepseek-v3.json \
+  --arch sm_90 --cache-dir "$scratch/warm" 2>&1 | tail -n 2
+for layout in gather_map token_major token_index; do
+  MOEJIT_CACHE_DIR="$scratch/warm" MOEJIT_CACHE_MODE=no-compile $demo --layout $layout \
+    >"$out/nocompile-$layout.log" 2>&1
+  echo "$layout (no-compile): exit $? | $(grep -E 'first call|check' "$out/nocompile-$layout.log" | tr '\n' ' ')"
+done
+
+echo "== package: install, examples, Python"
+BUILD_DIR=build-gpu tools/gpu-check-package.sh >"$out/package.log" 2>&1
+sed -n '/==== summary/,$p' "$out/package.log"
+
+echo "== benchmark"
+tools/bench/run-h200.sh "$out/bench" 2>&1 | tail -n 60
+rm -rf "$scratch"
