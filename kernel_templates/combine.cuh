@@ -20,6 +20,7 @@
 //   TOP_K     slots per token (token-major and gather map; 0 for token index)
 //   TPT       threads per token group (one vector slot per thread)
 //   TPB       token groups per block (several tokens share a block when rows are short)
+//   UPT       vector slots per thread (a work item spans TPT * UPT slots of one token)
 //   LIST_CAP  token-index layout: rows per token kept in the workspace list (0 otherwise)
 //
 // Grid: one block per (group of TPB tokens) x (chunk of TPT vector slots); 1-D, token-major.
@@ -187,19 +188,22 @@ __device__ __forceinline__ void add_rows_by_walk(const CombineParams& p, long lo
 // registers and loads the routing of its NEXT item while the current item's rows are in flight,
 // so the dependent index load never leaves the memory pipe idle between items.
 template <int LAYOUT, int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K,
-          int TPT, int TPB, int LIST_CAP>
+          int TPT, int TPB, int UPT, int LIST_CAP>
 __global__ void __launch_bounds__(TPT * TPB) combine(const CombineParams p) {
   static_assert(LAYOUT != kLayoutTokenIndex || (LIST_CAP > 0 && TOP_K == 0), "token index");
   static_assert(LAYOUT == kLayoutTokenIndex || (TOP_K > 0 && LIST_CAP == 0), "fixed top_k");
   typedef typename detail::Elem<IN_DT>::storage S;
   typedef typename detail::Elem<OUT_DT>::storage OutS;
   constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;  // vectors per row, tail included
-  constexpr int kChunks = (kSlots + TPT - 1) / TPT;
+  constexpr int kSpan = TPT * UPT;                   // slots of one token per work item
+  constexpr int kChunks = (kSlots + kSpan - 1) / kSpan;
   constexpr bool kTokenIndex = LAYOUT == kLayoutTokenIndex;
   constexpr int kMaxRows = kTokenIndex ? LIST_CAP : TOP_K;  // rows a token can have listed
   // Rows whose routing is held (and prefetched) in registers; later rows, rare (top_k > 8), are
-  // read when their batch comes. Keeps the kernel under ~100 registers for every top_k.
+  // read when their batch comes. Keeps registers bounded for every top_k.
   constexpr int kHeld = kMaxRows < detail::kBatch ? kMaxRows : detail::kBatch;
+  // Rows loaded together: kBatch 16-byte vectors in flight per thread, whatever UPT is.
+  constexpr int kRowsPerBatch = detail::kBatch / UPT > 0 ? detail::kBatch / UPT : 1;
 
   const IdxT* __restrict__ indices = static_cast<const IdxT*>(p.indices);
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
@@ -241,48 +245,59 @@ __global__ void __launch_bounds__(TPT * TPB) combine(const CombineParams p) {
   route(blockIdx.x, cur);
   for (long long item = blockIdx.x; item < total; item += gridDim.x) {
     const long long tok = (item / kChunks) * TPB + sub;
-    const int slot = static_cast<int>(item % kChunks) * TPT + lane;
-    const bool on = tok < p.num_tokens && slot < kSlots;
-    float sum[VEC];
+    const int first_slot = static_cast<int>(item % kChunks) * kSpan + lane;
+    const bool token_on = tok < p.num_tokens;
+    float sum[UPT][VEC];
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) sum[e] = 0.0f;
+    for (int u = 0; u < UPT; ++u)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) sum[u][e] = 0.0f;
     Routing next;
     const bool listed = cur.count <= kMaxRows;
 #pragma unroll
-    for (int base = 0; base < kMaxRows; base += detail::kBatch) {
-      detail::Pack<S, VEC> v[detail::kBatch];
-      bool present[detail::kBatch];
+    for (int base = 0; base < kMaxRows; base += kRowsPerBatch) {
+      detail::Pack<S, VEC> v[kRowsPerBatch][UPT];
+      bool present[kRowsPerBatch];
 #pragma unroll
-      for (int j = 0; j < detail::kBatch; ++j) {
+      for (int j = 0; j < kRowsPerBatch; ++j) {
         const int k = base + j;
         present[j] = false;
-        if (k < kMaxRows && on && listed && k < cur.count) {
+        if (k < kMaxRows && token_on && listed && k < cur.count) {
           const long long row = LAYOUT == kLayoutTokenMajor ? tok * TOP_K + k
                                 : k < kHeld                  ? cur.row[k < kHeld ? k : 0]
                                                              : row_of(tok, k);
           if (row >= 0) {
             present[j] = true;
-            v[j] = detail::load_slot<S, VEC, HIDDEN>(expert + row * p.expert_stride, slot);
+#pragma unroll
+            for (int u = 0; u < UPT; ++u)
+              if (first_slot + u * TPT < kSlots)
+                v[j][u] = detail::load_slot<S, VEC, HIDDEN>(expert + row * p.expert_stride,
+                                                            first_slot + u * TPT);
           }
         }
       }
       if (base == 0 && item + gridDim.x < total) route(item + gridDim.x, next);
 #pragma unroll
-      for (int j = 0; j < detail::kBatch; ++j)
+      for (int j = 0; j < kRowsPerBatch; ++j)
         if (present[j]) {
           const int k = base + j;
           const float w = k < kHeld ? cur.gate[k < kHeld ? k : 0] : gate_of(tok, k);
 #pragma unroll
-          for (int e = 0; e < VEC; ++e)
-            sum[e] = fmaf(w, detail::Elem<IN_DT>::to_float(v[j].e[e]), sum[e]);
+          for (int u = 0; u < UPT; ++u)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+              sum[u][e] = fmaf(w, detail::Elem<IN_DT>::to_float(v[j][u].e[e]), sum[u][e]);
         }
     }
-    if constexpr (kTokenIndex) {
-      if (on && !listed) detail::add_rows_by_walk<IN_DT, VEC, HIDDEN, IdxT>(p, tok, slot, sum);
-    }
-    if (on) {
+#pragma unroll
+    for (int u = 0; u < UPT; ++u) {
+      const int slot = first_slot + u * TPT;
+      if (!token_on || slot >= kSlots) continue;
+      if constexpr (kTokenIndex) {
+        if (!listed) detail::add_rows_by_walk<IN_DT, VEC, HIDDEN, IdxT>(p, tok, slot, sum[u]);
+      }
       OutS* out_row = static_cast<OutS*>(p.out) + tok * p.out_stride;
-      detail::store_slot<OUT_DT, VEC, HIDDEN>(out_row, slot, sum, p.scale, p.accumulate != 0);
+      detail::store_slot<OUT_DT, VEC, HIDDEN>(out_row, slot, sum[u], p.scale, p.accumulate != 0);
     }
     cur = next;
   }

@@ -269,6 +269,7 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
     plan.assign_blocks = helper_blocks(a.num_rows);
     plan.sort_blocks = plan.clear_blocks;
     plan.token_scan = s.has_scan_kernel() && a.num_rows <= kScanMaxRows;
+    if (plan.token_scan) plan.combine_blocks = static_cast<unsigned>(groups * s.scan_chunks());
   }
   return plan;
 }

@@ -31,7 +31,7 @@ std::vector<std::string> KernelSpec::name_expressions() const {
   std::ostringstream combine;
   combine << "&moejit::combine<" << layout << ", " << in_dtype << ", " << out_dtype << ", " << idx
           << ", " << hidden << ", " << vec << ", " << top_k << ", " << tpt << ", " << tpb << ", "
-          << list_cap << ">";
+          << upt << ", " << list_cap << ">";
   std::vector<std::string> names{combine.str()};
   if (token_index()) {
     names.push_back("&moejit::token_index_clear");
@@ -58,19 +58,21 @@ std::string KernelSpec::describe() const {
   s << "layout=" << layout_name(layout) << " in=" << dtype_name(in_dtype)
     << " out=" << dtype_name(out_dtype) << " idx=" << (index_bytes == 8 ? "int64" : "int32")
     << " H=" << hidden << " vec=" << vec << " K=" << top_k << " tpt=" << tpt << " tpb=" << tpb
-    << " cap=" << list_cap;
+    << " upt=" << upt << " cap=" << list_cap;
   return s.str();
 }
 
 bool KernelSpec::operator==(const KernelSpec& o) const {
   return layout == o.layout && in_dtype == o.in_dtype && out_dtype == o.out_dtype &&
          index_bytes == o.index_bytes && hidden == o.hidden && vec == o.vec &&
-         top_k == o.top_k && tpt == o.tpt && tpb == o.tpb && list_cap == o.list_cap;
+         top_k == o.top_k && tpt == o.tpt && tpb == o.tpb && upt == o.upt &&
+         list_cap == o.list_cap;
 }
 
 std::size_t KernelSpec::hash() const {
   std::size_t h = 1469598103934665603ull;
-  for (int v : {layout, in_dtype, out_dtype, index_bytes, hidden, vec, top_k, tpt, tpb, list_cap})
+  for (int v : {layout, in_dtype, out_dtype, index_bytes, hidden, vec, top_k, tpt, tpb, upt,
+                list_cap})
     h = (h ^ static_cast<std::size_t>(static_cast<unsigned>(v))) * 1099511628211ull;
   return h;
 }

@@ -19,11 +19,14 @@ struct KernelSpec {
   int top_k = 0;        // K (token-major, gather map); 0 for token index
   int tpt = 0;          // threads per token group
   int tpb = 0;          // token groups per block
+  int upt = 1;          // vector slots per thread (combine kernel)
   int list_cap = 0;     // token index: rows listed per token; 0 otherwise
 
   int block_threads() const { return tpt * tpb; }
   int slots() const { return (hidden + vec - 1) / vec; }
-  int chunks() const { return (slots() + tpt - 1) / tpt; }
+  int chunks() const { return (slots() + tpt * upt - 1) / (tpt * upt); }
+  // Blocks along hidden of the single-launch token-index kernel (one slot per thread).
+  int scan_chunks() const { return (slots() + tpt - 1) / tpt; }
   bool token_index() const;
   // The token-index single-launch kernel exists for this spec (a token owns whole warps).
   bool has_scan_kernel() const { return token_index() && tpt % 32 == 0; }

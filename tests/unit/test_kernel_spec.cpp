@@ -91,7 +91,7 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   const auto names = s.name_expressions();
   ASSERT_EQ(names.size(), 5u);
   EXPECT_EQ(names[kCombineKernel],
-            "&moejit::combine<2, 1, 0, long long, 2048, 4, 0, 128, 1, 16>");
+            "&moejit::combine<2, 1, 0, long long, 2048, 4, 0, 128, 1, 1, 16>");
   EXPECT_EQ(names[kClearKernel], "&moejit::token_index_clear");
   EXPECT_EQ(names[kAssignKernel], "&moejit::token_index_assign<long long>");
   EXPECT_EQ(names[kSortKernel], "&moejit::token_index_sort<16>");

@@ -112,15 +112,17 @@ int parse_int(const std::string& text, const std::string& where) {
 
 // One exact KernelSpec from describe()'s key=value fields.
 KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string& where) {
-  static const char* keys[] = {"layout", "in", "out", "idx", "H", "vec", "K", "tpt", "tpb", "cap"};
+  static const char* keys[] = {"layout", "in",  "out", "idx", "H",  "vec",
+                               "K",      "tpt", "tpb", "upt", "cap"};
   for (const char* k : keys)
     if (kv.count(k) == 0)
       throw InputError(where +
                        ": exact spec lines need all of layout in out idx H vec K tpt tpb "
-                       "cap (the KernelSpec::describe() format); \"" +
+                       "upt cap (the KernelSpec::describe() format); \"" +
                        k + "\" is missing");
-  if (kv.size() != 10)
-    throw InputError(where + ": exact spec lines take only layout in out idx H vec K tpt tpb cap");
+  if (kv.size() != 11)
+    throw InputError(where +
+                     ": exact spec lines take only layout in out idx H vec K tpt tpb upt cap");
   KernelSpec s;
   s.layout = parse_layout(kv["layout"], where + ": layout");
   s.in_dtype = parse_dtype(kv["in"], where + ": in");
@@ -131,6 +133,7 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
   s.top_k = parse_int(kv["K"], where + ": K");
   s.tpt = parse_int(kv["tpt"], where + ": tpt");
   s.tpb = parse_int(kv["tpb"], where + ": tpb");
+  s.upt = parse_int(kv["upt"], where + ": upt");
   s.list_cap = parse_int(kv["cap"], where + ": cap");
 
   // Only what would make NVRTC fail or the kernel nonsensical is refused; a consistent spec that
@@ -155,8 +158,9 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
       fail("K", s.top_k, "expected 1.." + std::to_string(MOEJIT_MAX_TOP_K));
     if (s.list_cap != 0) fail("cap", s.list_cap, "only the token_index layout has a list cap");
   }
-  if (s.tpt < 4 || (s.tpt & (s.tpt - 1)) != 0 || s.tpb < 1 || s.tpt * s.tpb != 128)
-    fail("tpt", s.tpt, "tpt must be a power of two >= 4 and tpt * tpb = 128");
+  if (s.tpt < 4 || s.tpb < 1 || s.tpt * s.tpb > 1024 || (s.tpt * s.tpb) % 32 != 0)
+    fail("tpt", s.tpt, "tpt >= 4, tpb >= 1, tpt * tpb a multiple of 32 and at most 1024");
+  if (s.upt != 1 && s.upt != 2 && s.upt != 4) fail("upt", s.upt, "expected 1, 2 or 4");
   return s;
 }
 
