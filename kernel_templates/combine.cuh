@@ -161,6 +161,12 @@ __device__ __forceinline__ void store_slot(typename Elem<OUT_DT>::storage* __res
 // spilling the loaded vectors.
 constexpr int kBatch = 8;
 
+// A compile-time integer carried as a type (no <type_traits> under NVRTC without headers).
+template <int N>
+struct Int {
+  static constexpr int value = N;
+};
+
 // More rows for one token than its list holds (a skewed routing): walk token_idx in row order
 // and add this token's rows, in the same ascending order as the listed path. Slow but bounded,
 // and bitwise identical to what a longer list would give.
@@ -201,9 +207,9 @@ __global__ void __launch_bounds__(TPT * TPB) combine(const CombineParams p) {
   constexpr int kMaxRows = kTokenIndex ? LIST_CAP : TOP_K;  // rows a token can have listed
   // Rows whose routing is held (and prefetched) in registers; later rows, rare (top_k > 8), are
   // read when their batch comes. Keeps registers bounded for every top_k.
-  constexpr int kHeld = kMaxRows < detail::kBatch ? kMaxRows : detail::kBatch;
   // Rows loaded together: kBatch 16-byte vectors in flight per thread, whatever UPT is.
   constexpr int kRowsPerBatch = detail::kBatch / UPT > 0 ? detail::kBatch / UPT : 1;
+  constexpr int kHeld = kMaxRows < kRowsPerBatch ? kMaxRows : kRowsPerBatch;
 
   const IdxT* __restrict__ indices = static_cast<const IdxT*>(p.indices);
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
@@ -254,20 +260,33 @@ __global__ void __launch_bounds__(TPT * TPB) combine(const CombineParams p) {
       for (int e = 0; e < VEC; ++e) sum[u][e] = 0.0f;
     Routing next;
     const bool listed = cur.count <= kMaxRows;
+    // Loads rows base..base+kRowsPerBatch-1 (their routing from registers for the first batch,
+    // from memory for later ones), prefetches the next item's routing after the first batch's
+    // loads are issued, then accumulates in row order.
+    auto batch = [&](int base, auto from_registers, auto rows) {
+      constexpr bool kFromRegisters = decltype(from_registers)::value;
+      constexpr int kRows = decltype(rows)::value;
+      detail::Pack<S, VEC> v[kRows][UPT];
+      bool present[kRows];
+      float w[kRows];
 #pragma unroll
-    for (int base = 0; base < kMaxRows; base += kRowsPerBatch) {
-      detail::Pack<S, VEC> v[kRowsPerBatch][UPT];
-      bool present[kRowsPerBatch];
-#pragma unroll
-      for (int j = 0; j < kRowsPerBatch; ++j) {
+      for (int j = 0; j < kRows; ++j) {
         const int k = base + j;
         present[j] = false;
+        w[j] = 0.0f;
         if (k < kMaxRows && token_on && listed && k < cur.count) {
-          const long long row = LAYOUT == kLayoutTokenMajor ? tok * TOP_K + k
-                                : k < kHeld                  ? cur.row[k < kHeld ? k : 0]
-                                                             : row_of(tok, k);
+          long long row;
+          if (LAYOUT == kLayoutTokenMajor) {
+            row = tok * TOP_K + k;
+          } else if constexpr (kFromRegisters) {
+            row = cur.row[j < kHeld ? j : 0];
+          } else {
+            row = row_of(tok, k);
+          }
           if (row >= 0) {
             present[j] = true;
+            if constexpr (kFromRegisters) w[j] = cur.gate[j < kHeld ? j : 0];
+            else w[j] = gate_of(tok, k);
 #pragma unroll
             for (int u = 0; u < UPT; ++u)
               if (first_slot + u * TPT < kSlots)
@@ -276,19 +295,25 @@ __global__ void __launch_bounds__(TPT * TPB) combine(const CombineParams p) {
           }
         }
       }
-      if (base == 0 && item + gridDim.x < total) route(item + gridDim.x, next);
+      if constexpr (kFromRegisters)
+        if (item + gridDim.x < total) route(item + gridDim.x, next);
 #pragma unroll
-      for (int j = 0; j < kRowsPerBatch; ++j)
+      for (int j = 0; j < kRows; ++j)
         if (present[j]) {
-          const int k = base + j;
-          const float w = k < kHeld ? cur.gate[k < kHeld ? k : 0] : gate_of(tok, k);
 #pragma unroll
           for (int u = 0; u < UPT; ++u)
 #pragma unroll
             for (int e = 0; e < VEC; ++e)
-              sum[u][e] = fmaf(w, detail::Elem<IN_DT>::to_float(v[j][u].e[e]), sum[u][e]);
+              sum[u][e] = fmaf(w[j], detail::Elem<IN_DT>::to_float(v[j][u].e[e]), sum[u][e]);
         }
-    }
+    };
+    batch(0, detail::Int<1>{}, detail::Int<kRowsPerBatch>{});
+    // Later rows (top_k or a list longer than one batch): a loop that is not unrolled, over
+    // smaller batches, so the rare long lists cost no registers (occupancy) on the common path.
+    constexpr int kLaterRows = kRowsPerBatch < 2 ? kRowsPerBatch : 2;
+#pragma unroll 1
+    for (int base = kRowsPerBatch; base < kMaxRows && base < cur.count; base += kLaterRows)
+      batch(base, detail::Int<0>{}, detail::Int<kLaterRows>{});
 #pragma unroll
     for (int u = 0; u < UPT; ++u) {
       const int slot = first_slot + u * TPT;
