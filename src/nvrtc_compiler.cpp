@@ -56,9 +56,8 @@ const std::vector<int>& nvrtc_supported_archs() {
 }
 
 std::vector<std::string> compile_options(const Target& target) {
-  // No fast-math: the combine promises fp32 accumulation with IEEE rounding. The templates are
-  // device code only: -default-device lets their generic lambdas need no annotation.
-  return {"--std=c++17", "--gpu-architecture=" + target.name(), "-default-device", "-DNDEBUG"};
+  // No fast-math: the combine promises fp32 accumulation with IEEE rounding.
+  return {"--std=c++17", "--gpu-architecture=" + target.name(), "-DNDEBUG"};
 }
 
 Target target_for_device(int sm) {
