@@ -161,11 +161,7 @@ __device__ __forceinline__ void store_slot(typename Elem<OUT_DT>::storage* __res
 // spilling the loaded vectors.
 constexpr int kBatch = 8;
 
-// A compile-time integer carried as a type (no <type_traits> under NVRTC without headers).
-template <int N>
-struct Int {
-  static constexpr int value = N;
-};
+
 
 // More rows for one token than its list holds (a skewed routing): walk token_idx in row order
 // and add this token's rows, in the same ascending order as the listed path. Slow but bounded,
@@ -260,33 +256,19 @@ __global__ void __launch_bounds__(TPT * TPB) combine(const CombineParams p) {
       for (int e = 0; e < VEC; ++e) sum[u][e] = 0.0f;
     Routing next;
     const bool listed = cur.count <= kMaxRows;
-    // Loads rows base..base+kRowsPerBatch-1 (their routing from registers for the first batch,
-    // from memory for later ones), prefetches the next item's routing after the first batch's
-    // loads are issued, then accumulates in row order.
-    auto batch = [&](int base, auto from_registers, auto rows) {
-      constexpr bool kFromRegisters = decltype(from_registers)::value;
-      constexpr int kRows = decltype(rows)::value;
-      detail::Pack<S, VEC> v[kRows][UPT];
-      bool present[kRows];
-      float w[kRows];
+    // First batch: routing from registers; all its loads are issued before the next item's
+    // routing is prefetched, then the rows are added in order.
+    {
+      detail::Pack<S, VEC> v[kRowsPerBatch][UPT];
+      bool present[kRowsPerBatch];
 #pragma unroll
-      for (int j = 0; j < kRows; ++j) {
-        const int k = base + j;
+      for (int j = 0; j < kRowsPerBatch; ++j) {
         present[j] = false;
-        w[j] = 0.0f;
-        if (k < kMaxRows && token_on && listed && k < cur.count) {
-          long long row;
-          if (LAYOUT == kLayoutTokenMajor) {
-            row = tok * TOP_K + k;
-          } else if constexpr (kFromRegisters) {
-            row = cur.row[j < kHeld ? j : 0];
-          } else {
-            row = row_of(tok, k);
-          }
+        if (j < kMaxRows && token_on && listed && j < cur.count) {
+          const long long row =
+              LAYOUT == kLayoutTokenMajor ? tok * TOP_K + j : cur.row[j < kHeld ? j : 0];
           if (row >= 0) {
             present[j] = true;
-            if constexpr (kFromRegisters) w[j] = cur.gate[j < kHeld ? j : 0];
-            else w[j] = gate_of(tok, k);
 #pragma unroll
             for (int u = 0; u < UPT; ++u)
               if (first_slot + u * TPT < kSlots)
@@ -295,10 +277,45 @@ __global__ void __launch_bounds__(TPT * TPB) combine(const CombineParams p) {
           }
         }
       }
-      if constexpr (kFromRegisters)
-        if (item + gridDim.x < total) route(item + gridDim.x, next);
+      if (item + gridDim.x < total) route(item + gridDim.x, next);
 #pragma unroll
-      for (int j = 0; j < kRows; ++j)
+      for (int j = 0; j < kRowsPerBatch; ++j)
+        if (present[j]) {
+#pragma unroll
+          for (int u = 0; u < UPT; ++u)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+              sum[u][e] = fmaf(cur.gate[j < kHeld ? j : 0],
+                               detail::Elem<IN_DT>::to_float(v[j][u].e[e]), sum[u][e]);
+        }
+    }
+    // Later rows (top_k or a list longer than one batch), two at a time, routing from memory: a
+    // loop that is not unrolled, so the rare long lists cost no registers on the common path.
+#pragma unroll 1
+    for (int base = kRowsPerBatch; base < kMaxRows && base < cur.count; base += 2) {
+      detail::Pack<S, VEC> v[2][UPT];
+      float w[2];
+      bool present[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int k = base + j;
+        present[j] = false;
+        w[j] = 0.0f;
+        if (k < kMaxRows && token_on && listed && k < cur.count) {
+          const long long row = LAYOUT == kLayoutTokenMajor ? tok * TOP_K + k : row_of(tok, k);
+          if (row >= 0) {
+            present[j] = true;
+            w[j] = gate_of(tok, k);
+#pragma unroll
+            for (int u = 0; u < UPT; ++u)
+              if (first_slot + u * TPT < kSlots)
+                v[j][u] = detail::load_slot<S, VEC, HIDDEN>(expert + row * p.expert_stride,
+                                                            first_slot + u * TPT);
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
         if (present[j]) {
 #pragma unroll
           for (int u = 0; u < UPT; ++u)
@@ -306,14 +323,7 @@ __global__ void __launch_bounds__(TPT * TPB) combine(const CombineParams p) {
             for (int e = 0; e < VEC; ++e)
               sum[u][e] = fmaf(w[j], detail::Elem<IN_DT>::to_float(v[j][u].e[e]), sum[u][e]);
         }
-    };
-    batch(0, detail::Int<1>{}, detail::Int<kRowsPerBatch>{});
-    // Later rows (top_k or a list longer than one batch): a loop that is not unrolled, over
-    // smaller batches, so the rare long lists cost no registers (occupancy) on the common path.
-    constexpr int kLaterRows = kRowsPerBatch < 2 ? kRowsPerBatch : 2;
-#pragma unroll 1
-    for (int base = kRowsPerBatch; base < kMaxRows && base < cur.count; base += kLaterRows)
-      batch(base, detail::Int<0>{}, detail::Int<kLaterRows>{});
+    }
 #pragma unroll
     for (int u = 0; u < UPT; ++u) {
       const int slot = first_slot + u * TPT;
