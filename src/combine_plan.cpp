@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "driver.h"
 #include "error.h"
@@ -17,9 +18,11 @@ constexpr int kBlockThreads = 128;   // combine block size
 constexpr int kHelperThreads = 256;  // token-index clear / assign
 constexpr unsigned kMaxHelperBlocks = 4096;
 constexpr int64_t kMaxRows = INT32_MAX;  // token-index lists store row ids as int32
-// Token index with at most this many rows: every block reads all of token_idx itself (one launch)
-// instead of building per-token lists in three extra launches. Decode batches live here.
-constexpr int64_t kScanMaxRows = 1024;
+// Token index, small calls: every block reads all of token_idx itself (one launch) instead of
+// building per-token lists in three extra launches, while that re-reading (from L2) stays cheaper
+// than those launches: at most kScanMaxRows rows and kScanMaxBytes read by all blocks together.
+constexpr int64_t kScanMaxRows = 4096;
+constexpr double kScanMaxBytes = 32.0 * (1 << 20);
 
 int element_bytes(int dtype) { return dtype == MOEJIT_DTYPE_FLOAT32 ? 4 : 2; }
 
@@ -50,10 +53,16 @@ size_t counts_bytes(int64_t tokens) {
   return (static_cast<size_t>(tokens) * sizeof(int) + 255) / 256 * 256;
 }
 
-// Threads per token group and groups per block: one vector slot per thread; short rows share a
-// block between several tokens so blocks stay 128 threads wide.
-void choose_geometry(KernelSpec* s) {
+// Up to this many tokens a call is decode-sized: latency, not bandwidth, decides.
+constexpr int64_t kDecodeMaxTokens = 16;
+
+// Thread geometry, from the H200 sweeps (tools/bench/results): one vector slot per thread and
+// 128-thread blocks for bandwidth; short rows share a block between several tokens; decode-sized
+// calls use 32-thread token groups so one token's row spreads over more SMs; the token-index
+// combine with short lists takes two slots per thread (its routing costs more per item).
+void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   const int slots = s->slots();
+  s->upt = 1;
   if (slots >= kBlockThreads) {
     s->tpt = kBlockThreads;
     s->tpb = 1;
@@ -61,6 +70,12 @@ void choose_geometry(KernelSpec* s) {
     s->tpt = std::max(4, next_pow2(slots));
     s->tpb = kBlockThreads / s->tpt;
   }
+  const bool decode = num_tokens >= 0 && num_tokens <= kDecodeMaxTokens;
+  if (decode && !s->token_index() && slots > 32) {
+    s->tpt = 32;
+    s->tpb = 1;
+  }
+  if (s->token_index() && s->list_cap <= 8 && slots >= 2 * s->tpt) s->upt = 2;
 }
 
 // Widest vector (elements) such that every row start of both buffers is aligned to it.
@@ -161,7 +176,7 @@ size_t combine_workspace_bytes(const moejit_combine_args* args) {
 
 KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dtype out_dtype,
                           moejit_index_type index_type, int hidden, int rows_per_token,
-                          size_t alignment_bytes) {
+                          size_t alignment_bytes, int64_t num_tokens) {
   KernelSpec s;
   s.layout = layout;
   s.in_dtype = in_dtype;
@@ -175,8 +190,20 @@ KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dt
   } else {
     s.top_k = rows_per_token;
   }
-  choose_geometry(&s);
+  choose_geometry(&s, num_tokens);
   return s;
+}
+
+std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dtype,
+                                        moejit_dtype out_dtype, moejit_index_type index_type,
+                                        int hidden, int rows_per_token, size_t alignment_bytes) {
+  std::vector<KernelSpec> specs;
+  for (int64_t tokens : {kAnyTokens, int64_t{1}}) {
+    const KernelSpec s = spec_for_shape(layout, in_dtype, out_dtype, index_type, hidden,
+                                        rows_per_token, alignment_bytes, tokens);
+    if (std::find(specs.begin(), specs.end(), s) == specs.end()) specs.push_back(s);
+  }
+  return specs;
 }
 
 CombinePlan plan_combine(const moejit_combine_args* args) {
@@ -218,11 +245,12 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
                      static_cast<moejit_dtype>(a.expert_dtype),
                      static_cast<moejit_dtype>(a.out_dtype),
                      static_cast<moejit_index_type>(a.index_type), static_cast<int>(a.hidden_dim),
-                     static_cast<int>(std::min<int64_t>(rows_per_token, MOEJIT_MAX_TOP_K)), 256);
+                     static_cast<int>(std::min<int64_t>(rows_per_token, MOEJIT_MAX_TOP_K)), 256,
+                     a.num_tokens);
   s.vec = choose_vec(a.expert_dtype, a.out_dtype, s.hidden,
                      reinterpret_cast<uintptr_t>(a.expert_hidden), a.expert_row_stride,
                      reinterpret_cast<uintptr_t>(a.out), a.out_row_stride);
-  choose_geometry(&s);
+  choose_geometry(&s, a.num_tokens);
 
   CombineParams& p = plan.params;
   p.expert = a.expert_hidden;
@@ -268,8 +296,12 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
     plan.clear_blocks = helper_blocks(a.num_tokens);
     plan.assign_blocks = helper_blocks(a.num_rows);
     plan.sort_blocks = plan.clear_blocks;
-    plan.token_scan = s.has_scan_kernel() && a.num_rows <= kScanMaxRows;
-    if (plan.token_scan) plan.combine_blocks = static_cast<unsigned>(groups * s.scan_chunks());
+    const double scan_blocks = static_cast<double>(groups) * s.scan_chunks();
+    plan.token_scan = s.has_scan_kernel() && a.num_rows <= kScanMaxRows &&
+                      scan_blocks * static_cast<double>(a.num_rows) *
+                              (a.index_type == MOEJIT_INDEX_INT64 ? 8 : 4) <=
+                          kScanMaxBytes;
+    if (plan.token_scan) plan.combine_blocks = static_cast<unsigned>(scan_blocks);
   }
   return plan;
 }

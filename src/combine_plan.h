@@ -6,6 +6,8 @@
 #include <cuda.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <vector>
 
 #include "../kernel_templates/combine_params.h"
 #include "kernel_spec.h"
@@ -33,13 +35,22 @@ CombinePlan plan_combine(const moejit_combine_args* args);
 // Bytes of workspace the token-index layout needs (0 for the others); validates the shape fields.
 size_t combine_workspace_bytes(const moejit_combine_args* args);
 
+// num_tokens for spec_for_shape when the batch size is not known: a large (prefill) batch.
+constexpr int64_t kAnyTokens = -1;
+
 // The specialization moe_combine() would use for this shape, with buffers aligned to
 // `alignment_bytes` (256 for fresh allocations) and rows not padded. `rows_per_token` is top_k for
-// the fixed layouts and the expected rows per token (R / T) for the token-index layout. This is
-// what tools/precompile warms.
+// the fixed layouts and the expected rows per token (R / T) for the token-index layout; the
+// thread geometry also depends on the batch size (num_tokens; kAnyTokens: large).
 KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dtype out_dtype,
                           moejit_index_type index_type, int hidden, int rows_per_token,
-                          size_t alignment_bytes);
+                          size_t alignment_bytes, int64_t num_tokens = kAnyTokens);
+
+// Every specialization moe_combine() may use for this shape, whatever the batch size (decode and
+// prefill geometries, deduplicated): what tools/precompile warms.
+std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dtype,
+                                        moejit_dtype out_dtype, moejit_index_type index_type,
+                                        int hidden, int rows_per_token, size_t alignment_bytes);
 
 // Enqueues the plan's kernels on stream.
 void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstream stream,

@@ -2,6 +2,8 @@
 // name expressions, and the generated source.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "combine_plan.h"
 #include "error.h"
 #include "kernel_spec.h"
@@ -27,12 +29,22 @@ moejit_combine_args gather_args(void* expert, void* out, int64_t hidden) {
 
 TEST(KernelSpec, AlignedBf16UsesSixteenByteVectors) {
   auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
+  a.num_tokens = 33;
+  a.num_rows = 66;
   const CombinePlan plan = plan_combine(&a);
   EXPECT_EQ(plan.spec.vec, 8);
   EXPECT_EQ(plan.spec.tpt, 128);
   EXPECT_EQ(plan.spec.tpb, 1);
   EXPECT_EQ(plan.spec.chunks(), 7);
-  EXPECT_EQ(plan.combine_blocks, 3u * 7u);
+  EXPECT_EQ(plan.combine_blocks, 33u * 7u);
+}
+
+TEST(KernelSpec, DecodeSizedCallsSpreadATokenOverMoreBlocks) {
+  auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
+  const CombinePlan plan = plan_combine(&a);  // 3 tokens
+  EXPECT_EQ(plan.spec.tpt, 32);
+  EXPECT_EQ(plan.spec.chunks(), 28);
+  EXPECT_EQ(plan.combine_blocks, 3u * 28u);
 }
 
 TEST(KernelSpec, MisalignedPointerNarrowsTheVector) {
@@ -73,12 +85,20 @@ TEST(KernelSpec, TinyHiddenKeepsAtLeastFourThreadsPerToken) {
 TEST(KernelSpec, PlanMatchesSpecForShapeOnAlignedBuffers) {
   // The precompile tool warms spec_for_shape(); the runtime must ask for the same spec.
   for (int hidden : {1, 7, 128, 2880, 4096, 7168}) {
-    auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000),
-                         hidden);
-    EXPECT_EQ(plan_combine(&a).spec,
-              spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
-                             MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, hidden, 2, 256))
-        << "hidden " << hidden;
+    for (int64_t tokens : {1, 3, 16, 17, 4096}) {
+      auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000),
+                           hidden);
+      a.num_tokens = tokens;
+      a.num_rows = 2 * tokens;
+      const KernelSpec planned = plan_combine(&a).spec;
+      EXPECT_EQ(planned, spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
+                                        MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, hidden, 2, 256,
+                                        tokens))
+          << "hidden " << hidden << " tokens " << tokens;
+      const auto all = specs_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
+                                       MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, hidden, 2, 256);
+      EXPECT_NE(std::find(all.begin(), all.end(), planned), all.end());
+    }
   }
 }
 

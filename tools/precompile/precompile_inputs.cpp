@@ -299,11 +299,12 @@ void expand_shape(const Shape& shape, const std::vector<moejit_layout>& layouts,
   // 256 bytes: what cudaMalloc and the frameworks' caching allocators hand out, so the vector
   // width matches what moe_combine() derives from real pointers.
   constexpr size_t kAlignment = 256;
+  // Every geometry the runtime may pick for the shape (decode- and prefill-sized batches).
   for (moejit_layout layout : layouts)
     for (moejit_index_type index : index_types)
-      add_unique(spec_for_shape(layout, shape.dtype, shape.out_dtype, index, shape.hidden,
-                                shape.top_k, kAlignment),
-                 specs);
+      for (const KernelSpec& s : specs_for_shape(layout, shape.dtype, shape.out_dtype, index,
+                                                 shape.hidden, shape.top_k, kAlignment))
+        add_unique(s, specs);
 }
 
 void parse_manifest(const std::string& text, const std::string& path,
