@@ -342,7 +342,8 @@ __global__ void __launch_bounds__(TPT * TPB) combine(const CombineParams p) {
 // For decode-sized calls (few rows) the three list-building launches would cost more than the
 // work. Here each block reads all of token_idx (a few KB, from L2) and its first warp per token
 // collects that token's rows in ascending order with warp ballots: one launch, no workspace.
-// One work item per block. Needs TPT to be a multiple of 32 (a token owns whole warps).
+// One work item per block. Needs TPT to be a multiple of 32 (a token owns whole warps), and at
+// most kScanMaxRows rows (combine_params.h; the host only picks this kernel then).
 template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TPT, int TPB, int LIST_CAP>
 __global__ void __launch_bounds__(TPT * TPB) combine_scan(const CombineParams p) {
   static_assert(TPT % 32 == 0, "a token must own whole warps");
@@ -351,7 +352,7 @@ __global__ void __launch_bounds__(TPT * TPB) combine_scan(const CombineParams p)
   constexpr int kBlock = TPT * TPB;
   constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;
   constexpr int kChunks = (kSlots + TPT - 1) / TPT;
-  __shared__ IdxT s_idx[kBlock];
+  __shared__ IdxT s_idx[kScanMaxRows];
   __shared__ int s_rows[TPB][LIST_CAP];
   __shared__ int s_count[TPB];
 
@@ -362,22 +363,19 @@ __global__ void __launch_bounds__(TPT * TPB) combine_scan(const CombineParams p)
   const long long tok = (blockIdx.x / kChunks) * static_cast<long long>(TPB) + sub;
   const int slot = static_cast<int>(blockIdx.x % kChunks) * TPT + lane;
   const bool collector = lane < 32 && tok < p.num_tokens;  // the group's first warp
+  const int rows = static_cast<int>(p.num_rows);            // <= kScanMaxRows (host checks)
 
+  // All of token_idx into shared memory at once: independent loads, one round trip to L2.
+  for (int j = static_cast<int>(threadIdx.x); j < rows; j += kBlock) s_idx[j] = __ldg(token_idx + j);
+  __syncthreads();
   int found = 0;  // rows of tok seen so far (kept by the collector warp)
-  for (long long base = 0; base < p.num_rows; base += kBlock) {
-    __syncthreads();  // the previous chunk is consumed
-    const long long j = base + threadIdx.x;
-    s_idx[threadIdx.x] = j < p.num_rows ? __ldg(token_idx + j) : IdxT(-1);
-    __syncthreads();
-    if (collector) {
-#pragma unroll 4
-      for (int c = 0; c < kBlock; c += 32) {
-        const bool mine = static_cast<long long>(s_idx[c + lane]) == tok;
-        const unsigned mask = __ballot_sync(0xffffffffu, mine);
-        const int pos = found + __popc(mask & ((1u << lane) - 1u));
-        if (mine && pos < LIST_CAP) s_rows[sub][pos] = static_cast<int>(base + c + lane);
-        found += __popc(mask);
-      }
+  if (collector) {
+    for (int c = 0; c < rows; c += 32) {
+      const bool mine = c + lane < rows && static_cast<long long>(s_idx[c + lane]) == tok;
+      const unsigned mask = __ballot_sync(0xffffffffu, mine);
+      const int pos = found + __popc(mask & ((1u << lane) - 1u));
+      if (mine && pos < LIST_CAP) s_rows[sub][pos] = c + lane;
+      found += __popc(mask);
     }
   }
   if (collector && lane == 0) s_count[sub] = found;

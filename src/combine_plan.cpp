@@ -20,8 +20,8 @@ constexpr unsigned kMaxHelperBlocks = 4096;
 constexpr int64_t kMaxRows = INT32_MAX;  // token-index lists store row ids as int32
 // Token index, small calls: every block reads all of token_idx itself (one launch) instead of
 // building per-token lists in three extra launches, while that re-reading (from L2) stays cheaper
-// than those launches: at most kScanMaxRows rows and kScanMaxBytes read by all blocks together.
-constexpr int64_t kScanMaxRows = 4096;
+// than those launches: at most kScanMaxRows rows (combine_params.h) and kScanMaxBytes read by all
+// blocks together.
 constexpr double kScanMaxBytes = 32.0 * (1 << 20);
 
 int element_bytes(int dtype) { return dtype == MOEJIT_DTYPE_FLOAT32 ? 4 : 2; }
