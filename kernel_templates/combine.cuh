@@ -112,7 +112,8 @@ __device__ __forceinline__ Pack<S, VEC> load_slot(const S* __restrict__ row, int
   constexpr int kFull = HIDDEN / VEC;
   Pack<S, VEC> v;
   if (HIDDEN % VEC == 0 || slot < kFull) {
-    v = load_streaming(reinterpret_cast<const Pack<S, VEC>*>(row + static_cast<long long>(slot) * VEC));
+    v = load_streaming(
+        reinterpret_cast<const Pack<S, VEC>*>(row + static_cast<long long>(slot) * VEC));
   } else {
 #pragma unroll
     for (int e = 0; e < VEC; ++e) v.e[e] = e < HIDDEN % VEC ? row[kFull * VEC + e] : S(0);
@@ -161,14 +162,12 @@ __device__ __forceinline__ void store_slot(typename Elem<OUT_DT>::storage* __res
 // spilling the loaded vectors.
 constexpr int kBatch = 8;
 
-
-
 // More rows for one token than its list holds (a skewed routing): walk token_idx in row order
 // and add this token's rows, in the same ascending order as the listed path. Slow but bounded,
 // and bitwise identical to what a longer list would give.
 template <int IN_DT, int VEC, int HIDDEN, typename IdxT>
 __device__ __forceinline__ void add_rows_by_walk(const CombineParams& p, long long tok, int slot,
-                                              float (&sum)[VEC]) {
+                                                 float (&sum)[VEC]) {
   typedef typename Elem<IN_DT>::storage S;
   const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
@@ -189,15 +188,15 @@ __device__ __forceinline__ void add_rows_by_walk(const CombineParams& p, long lo
 // over items with a grid stride. Each thread keeps the routing of its token (rows and gates) in
 // registers and loads the routing of its NEXT item while the current item's rows are in flight,
 // so the dependent index load never leaves the memory pipe idle between items.
-template <int LAYOUT, int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K,
-          int TPT, int TPB, int UPT, int LIST_CAP>
-__global__ void __launch_bounds__(TPT * TPB) combine(const CombineParams p) {
+template <int LAYOUT, int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT,
+          int TPB, int UPT, int LIST_CAP>
+__global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
   static_assert(LAYOUT != kLayoutTokenIndex || (LIST_CAP > 0 && TOP_K == 0), "token index");
   static_assert(LAYOUT == kLayoutTokenIndex || (TOP_K > 0 && LIST_CAP == 0), "fixed top_k");
   typedef typename detail::Elem<IN_DT>::storage S;
   typedef typename detail::Elem<OUT_DT>::storage OutS;
   constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;  // vectors per row, tail included
-  constexpr int kSpan = TPT * UPT;                   // slots of one token per work item
+  constexpr int kSpan = TPT * UPT;                  // slots of one token per work item
   constexpr int kChunks = (kSlots + kSpan - 1) / kSpan;
   constexpr bool kTokenIndex = LAYOUT == kLayoutTokenIndex;
   constexpr int kMaxRows = kTokenIndex ? LIST_CAP : TOP_K;  // rows a token can have listed
@@ -213,8 +212,8 @@ __global__ void __launch_bounds__(TPT * TPB) combine(const CombineParams p) {
   const int lane = static_cast<int>(threadIdx.x) % TPT;
 
   struct Routing {
-    int count;          // rows of the token (token index: may exceed kMaxRows: overflow)
-    int row[kHeld];     // row ids (R < 2^31); -1: dropped. Unused for token-major.
+    int count;       // rows of the token (token index: may exceed kMaxRows: overflow)
+    int row[kHeld];  // row ids (R < 2^31); -1: dropped. Unused for token-major.
     float gate[kHeld];
   };
   // Row k of token tok (-1: dropped) and its gate, from memory.
@@ -345,7 +344,7 @@ __global__ void __launch_bounds__(TPT * TPB) combine(const CombineParams p) {
 // One work item per block. Needs TPT to be a multiple of 32 (a token owns whole warps), and at
 // most kScanMaxRows rows (combine_params.h; the host only picks this kernel then).
 template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TPT, int TPB, int LIST_CAP>
-__global__ void __launch_bounds__(TPT * TPB) combine_scan(const CombineParams p) {
+__global__ void __launch_bounds__(TPT* TPB) combine_scan(const CombineParams p) {
   static_assert(TPT % 32 == 0, "a token must own whole warps");
   typedef typename detail::Elem<IN_DT>::storage S;
   typedef typename detail::Elem<OUT_DT>::storage OutS;
@@ -363,10 +362,11 @@ __global__ void __launch_bounds__(TPT * TPB) combine_scan(const CombineParams p)
   const long long tok = (blockIdx.x / kChunks) * static_cast<long long>(TPB) + sub;
   const int slot = static_cast<int>(blockIdx.x % kChunks) * TPT + lane;
   const bool collector = lane < 32 && tok < p.num_tokens;  // the group's first warp
-  const int rows = static_cast<int>(p.num_rows);            // <= kScanMaxRows (host checks)
+  const int rows = static_cast<int>(p.num_rows);           // <= kScanMaxRows (host checks)
 
   // All of token_idx into shared memory at once: independent loads, one round trip to L2.
-  for (int j = static_cast<int>(threadIdx.x); j < rows; j += kBlock) s_idx[j] = __ldg(token_idx + j);
+  for (int j = static_cast<int>(threadIdx.x); j < rows; j += kBlock)
+    s_idx[j] = __ldg(token_idx + j);
   __syncthreads();
   int found = 0;  // rows of tok seen so far (kept by the collector warp)
   if (collector) {
@@ -427,8 +427,8 @@ __global__ void token_index_clear(const CombineParams p) {
 template <typename IdxT>
 __global__ void token_index_assign(const CombineParams p) {
   const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
-  for (long long r = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
-       r < p.num_rows; r += static_cast<long long>(gridDim.x) * blockDim.x) {
+  for (long long r = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; r < p.num_rows;
+       r += static_cast<long long>(gridDim.x) * blockDim.x) {
     const long long t = static_cast<long long>(__ldg(token_idx + r));
     if (t < 0 || t >= p.num_tokens) continue;  // dropped (-1) or out of range
     const int arrival = atomicAdd(p.token_counts + t, 1);
@@ -448,7 +448,8 @@ __global__ void token_index_sort(const CombineParams p) {
     if (count > LIST_CAP) continue;  // overflow: the combine walks token_idx instead
     int r[LIST_CAP];
 #pragma unroll
-    for (int k = 0; k < LIST_CAP; ++k) r[k] = k < count ? p.token_rows[t * LIST_CAP + k] : 0x7fffffff;
+    for (int k = 0; k < LIST_CAP; ++k)
+      r[k] = k < count ? p.token_rows[t * LIST_CAP + k] : 0x7fffffff;
 #pragma unroll
     for (int round = 0; round < LIST_CAP; ++round)
 #pragma unroll

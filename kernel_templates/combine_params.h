@@ -17,20 +17,20 @@ constexpr int kScanMaxRows = 4096;
 
 // 8-byte members first, then 4-byte ones: no padding surprises between compilers.
 struct CombineParams {
-  const void* expert;        // R rows of InT
-  const float* gates;        // nullptr: every weight is 1
-  const void* indices;       // gather map [T*K] or token_idx [R], of IdxT
-  void* out;                 // T rows of OutT
-  int* token_counts;         // token-index layout: [T] rows seen per token (workspace)
-  int* token_rows;           // token-index layout: [T * list_capacity] row ids (workspace)
-  float* token_gates;        // token-index layout: [T * list_capacity] gates of those rows
-  long long expert_stride;   // elements between expert rows
-  long long out_stride;      // elements between output rows
-  long long num_tokens;      // T
-  long long num_rows;        // R
-  float scale;               // multiplies the sum
-  int accumulate;            // nonzero: add into out
-  int list_capacity;         // token-index layout: row ids kept per token before overflowing
+  const void* expert;       // R rows of InT
+  const float* gates;       // nullptr: every weight is 1
+  const void* indices;      // gather map [T*K] or token_idx [R], of IdxT
+  void* out;                // T rows of OutT
+  int* token_counts;        // token-index layout: [T] rows seen per token (workspace)
+  int* token_rows;          // token-index layout: [T * list_capacity] row ids (workspace)
+  float* token_gates;       // token-index layout: [T * list_capacity] gates of those rows
+  long long expert_stride;  // elements between expert rows
+  long long out_stride;     // elements between output rows
+  long long num_tokens;     // T
+  long long num_rows;       // R
+  float scale;              // multiplies the sum
+  int accumulate;           // nonzero: add into out
+  int list_capacity;        // token-index layout: row ids kept per token before overflowing
   int pad_;
 };
 

@@ -47,7 +47,9 @@ moejit::Runtime& runtime_or_default(moejit_runtime_t runtime) {
 
 extern "C" {
 
-int moejit_version(void) { return MOEJIT_VERSION_NUMBER; }
+int moejit_version(void) {
+  return MOEJIT_VERSION_NUMBER;
+}
 
 const char* moejit_version_string(void) {
 #define MOEJIT_STR2_(x) #x
@@ -78,12 +80,15 @@ const char* moejit_status_description(moejit_status status) {
   return "unknown status code";
 }
 
-const char* moejit_last_error_message(void) { return last_error.c_str(); }
+const char* moejit_last_error_message(void) {
+  return last_error.c_str();
+}
 
 moejit_status moejit_combine_args_init(moejit_combine_args* args) {
   if (args == nullptr)
-    return fail(MOEJIT_ERROR_INVALID_ARGUMENT, "invalid argument args = NULL: must point to a "
-                                               "moejit_combine_args");
+    return fail(MOEJIT_ERROR_INVALID_ARGUMENT,
+                "invalid argument args = NULL: must point to a "
+                "moejit_combine_args");
   const moejit_combine_args defaults = MOEJIT_COMBINE_ARGS_INIT;
   *args = defaults;
   return MOEJIT_SUCCESS;

@@ -24,7 +24,9 @@ constexpr int64_t kMaxRows = INT32_MAX;  // token-index lists store row ids as i
 // blocks together.
 constexpr double kScanMaxBytes = 32.0 * (1 << 20);
 
-int element_bytes(int dtype) { return dtype == MOEJIT_DTYPE_FLOAT32 ? 4 : 2; }
+int element_bytes(int dtype) {
+  return dtype == MOEJIT_DTYPE_FLOAT32 ? 4 : 2;
+}
 
 std::string hex(const void* p) {
   char buf[32];
@@ -100,8 +102,8 @@ void check_enum(const char* name, int value, int max, const char* allowed) {
 void check_aligned(const char* name, const void* p, size_t bytes, const char* what) {
   if (reinterpret_cast<uintptr_t>(p) % bytes != 0)
     invalid_argument(name, hex(p),
-                     std::string("must be aligned to its element size (") +
-                         std::to_string(bytes) + " bytes for " + what + ")");
+                     std::string("must be aligned to its element size (") + std::to_string(bytes) +
+                         " bytes for " + what + ")");
 }
 
 // Copies the caller's struct into a full-size one (defaults for fields an older caller lacks) and
@@ -111,11 +113,11 @@ moejit_combine_args validated_shape(const moejit_combine_args* in) {
   moejit_combine_args a;
   moejit_combine_args_init(&a);
   if (in->struct_size != sizeof(moejit_combine_args))
-    invalid_argument("args->struct_size", std::to_string(in->struct_size),
-                     "must be sizeof(moejit_combine_args) = " +
-                         std::to_string(sizeof(moejit_combine_args)) +
-                         " for this library version (" + moejit_version_string() +
-                         "); initialize args with moejit_combine_args_init()");
+    invalid_argument(
+        "args->struct_size", std::to_string(in->struct_size),
+        "must be sizeof(moejit_combine_args) = " + std::to_string(sizeof(moejit_combine_args)) +
+            " for this library version (" + moejit_version_string() +
+            "); initialize args with moejit_combine_args_init()");
   std::memcpy(&a, in, sizeof(a));
 
   check_enum("args->layout", a.layout, 2,
@@ -137,8 +139,8 @@ moejit_combine_args validated_shape(const moejit_combine_args* in) {
                      "must be in 1.." + std::to_string(MOEJIT_MAX_HIDDEN_DIM));
   if (a.layout != MOEJIT_LAYOUT_TOKEN_INDEX && (a.top_k < 1 || a.top_k > MOEJIT_MAX_TOP_K))
     invalid_argument("args->top_k", std::to_string(a.top_k),
-                     std::string("must be in 1..") + std::to_string(MOEJIT_MAX_TOP_K) + " for the " +
-                         layout_name(a.layout) + " layout");
+                     std::string("must be in 1..") + std::to_string(MOEJIT_MAX_TOP_K) +
+                         " for the " + layout_name(a.layout) + " layout");
   if (a.layout == MOEJIT_LAYOUT_TOKEN_MAJOR) {
     if (a.num_tokens > INT64_MAX / a.top_k)
       invalid_argument("args->num_tokens", std::to_string(a.num_tokens), "is too large");
@@ -181,7 +183,8 @@ KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dt
   s.layout = layout;
   s.in_dtype = in_dtype;
   s.out_dtype = out_dtype;
-  s.index_bytes = layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? 4 : (index_type == MOEJIT_INDEX_INT64 ? 8 : 4);
+  s.index_bytes =
+      layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? 4 : (index_type == MOEJIT_INDEX_INT64 ? 8 : 4);
   s.hidden = hidden;
   s.vec = choose_vec(in_dtype, out_dtype, hidden, alignment_bytes, hidden, alignment_bytes, hidden);
   if (layout == MOEJIT_LAYOUT_TOKEN_INDEX) {
@@ -237,16 +240,15 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
     return plan;
   }
 
-  const int64_t rows_per_token =
-      a.layout == MOEJIT_LAYOUT_TOKEN_INDEX ? (a.num_rows + a.num_tokens - 1) / a.num_tokens
-                                            : a.top_k;
+  const int64_t rows_per_token = a.layout == MOEJIT_LAYOUT_TOKEN_INDEX
+                                     ? (a.num_rows + a.num_tokens - 1) / a.num_tokens
+                                     : a.top_k;
   KernelSpec& s = plan.spec;
-  s = spec_for_shape(static_cast<moejit_layout>(a.layout),
-                     static_cast<moejit_dtype>(a.expert_dtype),
-                     static_cast<moejit_dtype>(a.out_dtype),
-                     static_cast<moejit_index_type>(a.index_type), static_cast<int>(a.hidden_dim),
-                     static_cast<int>(std::min<int64_t>(rows_per_token, MOEJIT_MAX_TOP_K)), 256,
-                     a.num_tokens);
+  s = spec_for_shape(
+      static_cast<moejit_layout>(a.layout), static_cast<moejit_dtype>(a.expert_dtype),
+      static_cast<moejit_dtype>(a.out_dtype), static_cast<moejit_index_type>(a.index_type),
+      static_cast<int>(a.hidden_dim),
+      static_cast<int>(std::min<int64_t>(rows_per_token, MOEJIT_MAX_TOP_K)), 256, a.num_tokens);
   s.vec = choose_vec(a.expert_dtype, a.out_dtype, s.hidden,
                      reinterpret_cast<uintptr_t>(a.expert_hidden), a.expert_row_stride,
                      reinterpret_cast<uintptr_t>(a.out), a.out_row_stride);
@@ -278,9 +280,9 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
     const size_t needed = combine_workspace_bytes(&a);
     if (a.workspace == nullptr || a.workspace_bytes < needed)
       throw Error(MOEJIT_ERROR_WORKSPACE_TOO_SMALL,
-                  "args->workspace = " + hex(a.workspace) + " with workspace_bytes = " +
-                      std::to_string(a.workspace_bytes) + ": the token-index layout needs " +
-                      std::to_string(needed) +
+                  "args->workspace = " + hex(a.workspace) +
+                      " with workspace_bytes = " + std::to_string(a.workspace_bytes) +
+                      ": the token-index layout needs " + std::to_string(needed) +
                       " bytes of device memory here (moejit_combine_workspace_size())");
     check_aligned("args->workspace", a.workspace, 16, "the workspace");
     char* ws = static_cast<char*>(a.workspace);
@@ -289,9 +291,8 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
     p.token_rows = reinterpret_cast<int*>(ws + counts_bytes(a.num_tokens));
     p.token_gates = reinterpret_cast<float*>(ws + counts_bytes(a.num_tokens) + list * sizeof(int));
     auto helper_blocks = [](int64_t n) {
-      return static_cast<unsigned>(
-          std::max<int64_t>(1, std::min<int64_t>((n + kHelperThreads - 1) / kHelperThreads,
-                                                 kMaxHelperBlocks)));
+      return static_cast<unsigned>(std::max<int64_t>(
+          1, std::min<int64_t>((n + kHelperThreads - 1) / kHelperThreads, kMaxHelperBlocks)));
     };
     plan.clear_blocks = helper_blocks(a.num_tokens);
     plan.assign_blocks = helper_blocks(a.num_rows);

@@ -43,9 +43,9 @@ TemplateSet load_templates(const std::string& override_dir) {
   closedir(dir);
   for (const EmbeddedFile& f : embedded_templates())
     if (set.count(f.name) == 0)
-      invalid_argument("template_dir", "\"" + override_dir + "\"",
-                       std::string("must contain every kernel template; ") + f.name +
-                           " is missing");
+      invalid_argument(
+          "template_dir", "\"" + override_dir + "\"",
+          std::string("must contain every kernel template; ") + f.name + " is missing");
   return set;
 }
 

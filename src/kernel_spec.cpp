@@ -8,23 +8,33 @@ namespace moejit {
 
 const char* dtype_name(int dtype) {
   switch (dtype) {
-    case MOEJIT_DTYPE_FLOAT32: return "fp32";
-    case MOEJIT_DTYPE_FLOAT16: return "fp16";
-    case MOEJIT_DTYPE_BFLOAT16: return "bf16";
-    default: return "unknown";
+    case MOEJIT_DTYPE_FLOAT32:
+      return "fp32";
+    case MOEJIT_DTYPE_FLOAT16:
+      return "fp16";
+    case MOEJIT_DTYPE_BFLOAT16:
+      return "bf16";
+    default:
+      return "unknown";
   }
 }
 
 const char* layout_name(int layout) {
   switch (layout) {
-    case MOEJIT_LAYOUT_TOKEN_MAJOR: return "token_major";
-    case MOEJIT_LAYOUT_GATHER_MAP: return "gather_map";
-    case MOEJIT_LAYOUT_TOKEN_INDEX: return "token_index";
-    default: return "unknown";
+    case MOEJIT_LAYOUT_TOKEN_MAJOR:
+      return "token_major";
+    case MOEJIT_LAYOUT_GATHER_MAP:
+      return "gather_map";
+    case MOEJIT_LAYOUT_TOKEN_INDEX:
+      return "token_index";
+    default:
+      return "unknown";
   }
 }
 
-bool KernelSpec::token_index() const { return layout == MOEJIT_LAYOUT_TOKEN_INDEX; }
+bool KernelSpec::token_index() const {
+  return layout == MOEJIT_LAYOUT_TOKEN_INDEX;
+}
 
 std::vector<std::string> KernelSpec::name_expressions() const {
   const char* idx = index_bytes == 8 ? "long long" : "int";
@@ -64,15 +74,14 @@ std::string KernelSpec::describe() const {
 
 bool KernelSpec::operator==(const KernelSpec& o) const {
   return layout == o.layout && in_dtype == o.in_dtype && out_dtype == o.out_dtype &&
-         index_bytes == o.index_bytes && hidden == o.hidden && vec == o.vec &&
-         top_k == o.top_k && tpt == o.tpt && tpb == o.tpb && upt == o.upt &&
-         list_cap == o.list_cap;
+         index_bytes == o.index_bytes && hidden == o.hidden && vec == o.vec && top_k == o.top_k &&
+         tpt == o.tpt && tpb == o.tpb && upt == o.upt && list_cap == o.list_cap;
 }
 
 std::size_t KernelSpec::hash() const {
   std::size_t h = 1469598103934665603ull;
-  for (int v : {layout, in_dtype, out_dtype, index_bytes, hidden, vec, top_k, tpt, tpb, upt,
-                list_cap})
+  for (int v :
+       {layout, in_dtype, out_dtype, index_bytes, hidden, vec, top_k, tpt, tpb, upt, list_cap})
     h = (h ^ static_cast<std::size_t>(static_cast<unsigned>(v))) * 1099511628211ull;
   return h;
 }

@@ -116,9 +116,9 @@ std::shared_ptr<const CompiledModule> KernelStore::build(const KernelSpec& spec,
 
   const auto start = std::chrono::steady_clock::now();
   auto module = std::make_shared<CompiledModule>(compile(request));
-  const auto nanos = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                         std::chrono::steady_clock::now() - start)
-                         .count();
+  const auto nanos =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count();
   stats_.compiles.fetch_add(1, std::memory_order_relaxed);
   stats_.compile_nanoseconds.fetch_add(static_cast<uint64_t>(nanos), std::memory_order_relaxed);
   logger().info("compiled {} for {} in {:.1f} ms ({} bytes)", spec.describe(), target.name(),

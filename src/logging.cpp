@@ -30,8 +30,9 @@ spdlog::logger& logger() {
     spdlog::level::level_enum level = spdlog::level::warn;
     const char* env = std::getenv("MOEJIT_LOG_LEVEL");
     if (env != nullptr && !parse_log_level(env, &level)) {
-      log->warn("MOEJIT_LOG_LEVEL={} is not one of trace, debug, info, warn, error, off; using warn",
-                env);
+      log->warn(
+          "MOEJIT_LOG_LEVEL={} is not one of trace, debug, info, warn, error, off; using warn",
+          env);
     }
     log->set_level(level);
     return log;

@@ -84,8 +84,8 @@ void ModuleCache::load(const KernelSpec& spec, CUcontext context, Entry& entry) 
   // from the disk cache, it is a miss: forget it, rebuild, and try once more.
   CUresult loaded = d.cuModuleLoadData(&k.module, module->image.data());
   if (loaded != CUDA_SUCCESS && source != KernelStore::Source::kCompiled) {
-    logger().warn("{} for cached {} ({}); rebuilding it", describe_cuda_error("cuModuleLoadData", loaded),
-                  spec.describe(), target.name());
+    logger().warn("{} for cached {} ({}); rebuilding it",
+                  describe_cuda_error("cuModuleLoadData", loaded), spec.describe(), target.name());
     stats_.disk_errors.fetch_add(1, std::memory_order_relaxed);
     store_.invalidate(spec, target);
     module = store_.obtain(spec, target, &source);

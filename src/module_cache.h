@@ -43,7 +43,9 @@ class ModuleCache {
     bool operator==(const Key& o) const { return context == o.context && spec == o.spec; }
   };
   struct KeyHash {
-    size_t operator()(const Key& k) const { return k.spec.hash() ^ (k.context * 0x9e3779b97f4a7c15ull); }
+    size_t operator()(const Key& k) const {
+      return k.spec.hash() ^ (k.context * 0x9e3779b97f4a7c15ull);
+    }
   };
   struct Entry {
     std::mutex load_mutex;           // held while loading: one loader per key

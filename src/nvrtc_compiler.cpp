@@ -12,9 +12,9 @@ namespace {
 
 void check_nvrtc(nvrtcResult result, const char* call) {
   if (result != NVRTC_SUCCESS)
-    throw Error(result == NVRTC_ERROR_OUT_OF_MEMORY ? MOEJIT_ERROR_OUT_OF_MEMORY
-                                                    : MOEJIT_ERROR_COMPILE,
-                std::string(call) + " failed: " + nvrtcGetErrorString(result));
+    throw Error(
+        result == NVRTC_ERROR_OUT_OF_MEMORY ? MOEJIT_ERROR_OUT_OF_MEMORY : MOEJIT_ERROR_COMPILE,
+        std::string(call) + " failed: " + nvrtcGetErrorString(result));
 }
 
 // Destroys the program on every path out of compile().
@@ -33,7 +33,9 @@ std::string join(const std::vector<std::string>& items) {
 
 }  // namespace
 
-std::string Target::name() const { return (ptx ? "compute_" : "sm_") + std::to_string(sm); }
+std::string Target::name() const {
+  return (ptx ? "compute_" : "sm_") + std::to_string(sm);
+}
 
 const std::string& nvrtc_version() {
   static const std::string version = [] {
@@ -67,9 +69,9 @@ Target target_for_device(int sm) {
   if (!archs.empty() && sm > archs.back()) return Target{archs.back(), true};
   std::ostringstream supported;
   for (int a : archs) supported << " sm_" << a;
-  throw Error(MOEJIT_ERROR_UNSUPPORTED,
-              "GPU architecture sm_" + std::to_string(sm) + " is not supported by NVRTC " +
-                  nvrtc_version() + " (it builds for:" + supported.str() + ")");
+  throw Error(MOEJIT_ERROR_UNSUPPORTED, "GPU architecture sm_" + std::to_string(sm) +
+                                            " is not supported by NVRTC " + nvrtc_version() +
+                                            " (it builds for:" + supported.str() + ")");
 }
 
 CompiledModule compile(const CompileRequest& request) {
@@ -79,9 +81,9 @@ CompiledModule compile(const CompileRequest& request) {
     header_bytes.push_back(bytes.c_str());
   }
   ProgramGuard guard;
-  check_nvrtc(nvrtcCreateProgram(&guard.program, request.source.c_str(),
-                                 request.program_name.c_str(), static_cast<int>(header_names.size()),
-                                 header_bytes.data(), header_names.data()),
+  check_nvrtc(nvrtcCreateProgram(
+                  &guard.program, request.source.c_str(), request.program_name.c_str(),
+                  static_cast<int>(header_names.size()), header_bytes.data(), header_names.data()),
               "nvrtcCreateProgram");
   for (const std::string& expr : request.name_expressions)
     check_nvrtc(nvrtcAddNameExpression(guard.program, expr.c_str()), "nvrtcAddNameExpression");

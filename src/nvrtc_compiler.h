@@ -12,8 +12,8 @@ namespace moejit {
 // What to build for: a real cubin for sm_XX, or PTX for compute_XX when the GPU is newer than
 // this NVRTC knows (the driver then compiles the PTX at load).
 struct Target {
-  int sm = 0;        // 90 for sm_90
-  bool ptx = false;  // true: compute_XX PTX instead of an sm_XX cubin
+  int sm = 0;                // 90 for sm_90
+  bool ptx = false;          // true: compute_XX PTX instead of an sm_XX cubin
   std::string name() const;  // "sm_90" or "compute_90"
   bool operator==(const Target& o) const { return sm == o.sm && ptx == o.ptx; }
 };
@@ -21,7 +21,7 @@ struct Target {
 struct CompileRequest {
   std::string program_name;  // shown in NVRTC messages
   std::string source;
-  TemplateSet headers;  // every template, passed by name: NVRTC searches no directory
+  TemplateSet headers;               // every template, passed by name: NVRTC searches no directory
   std::vector<std::string> options;  // canonical order, the target arch included
   std::vector<std::string> name_expressions;
   Target target;

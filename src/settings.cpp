@@ -33,11 +33,16 @@ std::string default_cache_dir() {
 
 const char* cache_mode_name(moejit_cache_mode mode) {
   switch (mode) {
-    case MOEJIT_CACHE_MODE_READ_WRITE: return "read-write";
-    case MOEJIT_CACHE_MODE_READ_ONLY: return "read-only";
-    case MOEJIT_CACHE_MODE_DISABLED: return "disabled";
-    case MOEJIT_CACHE_MODE_NO_COMPILE: return "no-compile";
-    default: return "default";
+    case MOEJIT_CACHE_MODE_READ_WRITE:
+      return "read-write";
+    case MOEJIT_CACHE_MODE_READ_ONLY:
+      return "read-only";
+    case MOEJIT_CACHE_MODE_DISABLED:
+      return "disabled";
+    case MOEJIT_CACHE_MODE_NO_COMPILE:
+      return "no-compile";
+    default:
+      return "default";
   }
 }
 
@@ -48,7 +53,8 @@ Settings resolve_settings(const moejit_runtime_options* options) {
     if (options->struct_size < sizeof(size_t) || options->struct_size > sizeof(o))
       invalid_argument("options->struct_size", std::to_string(options->struct_size),
                        "must be sizeof(moejit_runtime_options) of a libmoejit header no newer "
-                       "than this library (" + std::to_string(sizeof(o)) +
+                       "than this library (" +
+                           std::to_string(sizeof(o)) +
                            " bytes); call moejit_runtime_options_init() first");
     std::memcpy(&o, options, options->struct_size);
   }
@@ -83,7 +89,7 @@ Settings resolve_settings(const moejit_runtime_options* options) {
 
   if (o.log_level != MOEJIT_LOG_DEFAULT) {
     static const spdlog::level::level_enum levels[] = {
-        spdlog::level::trace, spdlog::level::debug, spdlog::level::info, spdlog::level::warn,
+        spdlog::level::trace, spdlog::level::debug,    spdlog::level::info, spdlog::level::warn,
         spdlog::level::err,   spdlog::level::critical, spdlog::level::off};
     if (o.log_level < MOEJIT_LOG_TRACE || o.log_level > MOEJIT_LOG_OFF)
       invalid_argument("options->log_level", std::to_string(o.log_level),

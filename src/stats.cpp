@@ -12,7 +12,8 @@ void Stats::copy_to(moejit_stats* out) const {
   s.compiles = compiles.load(std::memory_order_relaxed);
   s.disk_errors = disk_errors.load(std::memory_order_relaxed);
   s.launches = launches.load(std::memory_order_relaxed);
-  s.compile_seconds = static_cast<double>(compile_nanoseconds.load(std::memory_order_relaxed)) * 1e-9;
+  s.compile_seconds =
+      static_cast<double>(compile_nanoseconds.load(std::memory_order_relaxed)) * 1e-9;
   // Callers built against an older (smaller) struct get the fields they know about.
   const size_t n = out->struct_size < sizeof(s) ? out->struct_size : sizeof(s);
   std::memcpy(reinterpret_cast<char*>(out) + sizeof(size_t),

@@ -13,7 +13,6 @@ have_header xxhash.h || [ -e "$(dirname "$0")/../.deps/include/xxhash.h" ] || ne
 have_header gtest/gtest.h || need+=(libgtest-dev)
 have_header CLI/CLI.hpp || need+=(libcli11-dev)
 have_header nlohmann/json.hpp || need+=(nlohmann-json3-dev)
-python3 -c 'import pytest' 2>/dev/null || need+=(python3-pytest)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
     echo "missing packages: ${need[*]} (install them, e.g. sudo apt-get install ${need[*]})" >&2
@@ -23,6 +22,12 @@ if [ ${#need[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+# The Python tests run under the python3 on PATH (pyenv or the system's): give that one pytest.
+if ! python3 -c 'import pytest' 2>/dev/null; then
+  python3 -m pip install -q pytest 2>/dev/null ||
+    { [ "$(id -u)" -eq 0 ] && apt-get install -y -qq python3-pytest >/dev/null; } ||
+    echo "warning: pytest is not installed for $(command -v python3): the python tests will fail" >&2
 fi
 if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
   echo "the CUDA toolkit (nvcc, NVRTC) was not found: install CUDA 12.x or 13.x" >&2

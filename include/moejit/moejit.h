@@ -56,24 +56,25 @@ MOEJIT_API const char* moejit_version_string(void);
  * ever appended. Caller errors (1-3) are separate from environment errors (4 and up).
  *   X(name, value, description)
  */
-#define MOEJIT_STATUS_TABLE(X)                                                                    \
-  X(MOEJIT_SUCCESS, 0, "success")                                                                 \
-  X(MOEJIT_ERROR_INVALID_ARGUMENT, 1,                                                             \
-    "an argument is invalid; the message names it, its value and the allowed values")            \
-  X(MOEJIT_ERROR_UNSUPPORTED, 2,                                                                  \
-    "the arguments are valid but this combination (shape, dtype, GPU architecture) is not "       \
-    "supported")                                                                                  \
-  X(MOEJIT_ERROR_WORKSPACE_TOO_SMALL, 3,                                                          \
-    "the workspace is missing or smaller than moejit_combine_workspace_size() asks for")          \
-  X(MOEJIT_ERROR_DRIVER_NOT_FOUND, 4,                                                             \
-    "the CUDA driver library (libcuda.so.1) could not be loaded: install the NVIDIA driver")      \
-  X(MOEJIT_ERROR_NO_DEVICE, 5,                                                                    \
-    "no CUDA device is available, or the calling thread has no current CUDA context")            \
-  X(MOEJIT_ERROR_CUDA, 6, "a CUDA driver call failed; the message names the call and its CUresult") \
-  X(MOEJIT_ERROR_COMPILE, 7, "NVRTC failed to compile a kernel; the message carries its log")     \
-  X(MOEJIT_ERROR_NOT_CACHED, 8,                                                                   \
+#define MOEJIT_STATUS_TABLE(X)                                                                     \
+  X(MOEJIT_SUCCESS, 0, "success")                                                                  \
+  X(MOEJIT_ERROR_INVALID_ARGUMENT, 1,                                                              \
+    "an argument is invalid; the message names it, its value and the allowed values")              \
+  X(MOEJIT_ERROR_UNSUPPORTED, 2,                                                                   \
+    "the arguments are valid but this combination (shape, dtype, GPU architecture) is not "        \
+    "supported")                                                                                   \
+  X(MOEJIT_ERROR_WORKSPACE_TOO_SMALL, 3,                                                           \
+    "the workspace is missing or smaller than moejit_combine_workspace_size() asks for")           \
+  X(MOEJIT_ERROR_DRIVER_NOT_FOUND, 4,                                                              \
+    "the CUDA driver library (libcuda.so.1) could not be loaded: install the NVIDIA driver")       \
+  X(MOEJIT_ERROR_NO_DEVICE, 5,                                                                     \
+    "no CUDA device is available, or the calling thread has no current CUDA context")              \
+  X(MOEJIT_ERROR_CUDA, 6,                                                                          \
+    "a CUDA driver call failed; the message names the call and its CUresult")                      \
+  X(MOEJIT_ERROR_COMPILE, 7, "NVRTC failed to compile a kernel; the message carries its log")      \
+  X(MOEJIT_ERROR_NOT_CACHED, 8,                                                                    \
     "the cache is in no-compile mode and the kernel is not in it: warm it with moejit-precompile") \
-  X(MOEJIT_ERROR_OUT_OF_MEMORY, 9, "host memory could not be allocated")                          \
+  X(MOEJIT_ERROR_OUT_OF_MEMORY, 9, "host memory could not be allocated")                           \
   X(MOEJIT_ERROR_INTERNAL, 10, "internal error in libmoejit (please report it with the message)")
 
 #define MOEJIT_STATUS_ENUM_ENTRY_(name, value, description) name = value,
@@ -178,11 +179,11 @@ typedef struct moejit_combine_args {
   size_t workspace_bytes;
 } moejit_combine_args;
 
-#define MOEJIT_COMBINE_ARGS_INIT                                                                 \
-  {                                                                                              \
-    sizeof(moejit_combine_args), MOEJIT_LAYOUT_TOKEN_MAJOR, 0, 0, 0, 0, NULL,                    \
-        MOEJIT_DTYPE_FLOAT32, 0, NULL, NULL, MOEJIT_INDEX_INT32, NULL, MOEJIT_DTYPE_FLOAT32, 0,  \
-        1.0f, 0, NULL, 0                                                                         \
+#define MOEJIT_COMBINE_ARGS_INIT                                                                \
+  {                                                                                             \
+    sizeof(moejit_combine_args), MOEJIT_LAYOUT_TOKEN_MAJOR, 0, 0, 0, 0, NULL,                   \
+        MOEJIT_DTYPE_FLOAT32, 0, NULL, NULL, MOEJIT_INDEX_INT32, NULL, MOEJIT_DTYPE_FLOAT32, 0, \
+        1.0f, 0, NULL, 0                                                                        \
   }
 
 /*
@@ -323,13 +324,13 @@ MOEJIT_API moejit_status moejit_runtime_combine(moejit_runtime_t runtime,
 /* ---- Statistics ----------------------------------------------------------------------------- */
 
 typedef struct moejit_stats {
-  size_t struct_size;       /* set by the caller: sizeof(moejit_stats) */
-  uint64_t memory_hits;     /* kernel lookups served by a module already loaded in the context */
-  uint64_t disk_hits;       /* kernels loaded from the on-disk cache */
-  uint64_t compiles;        /* NVRTC compilations */
-  uint64_t disk_errors;     /* cache entries found invalid, or cache reads/writes that failed */
-  uint64_t launches;        /* kernels launched */
-  double compile_seconds;   /* wall time spent in NVRTC */
+  size_t struct_size;     /* set by the caller: sizeof(moejit_stats) */
+  uint64_t memory_hits;   /* kernel lookups served by a module already loaded in the context */
+  uint64_t disk_hits;     /* kernels loaded from the on-disk cache */
+  uint64_t compiles;      /* NVRTC compilations */
+  uint64_t disk_errors;   /* cache entries found invalid, or cache reads/writes that failed */
+  uint64_t launches;      /* kernels launched */
+  double compile_seconds; /* wall time spent in NVRTC */
 } moejit_stats;
 
 /*

@@ -16,7 +16,9 @@
 
 namespace {
 
-void* fake(uintptr_t address) { return reinterpret_cast<void*>(address); }
+void* fake(uintptr_t address) {
+  return reinterpret_cast<void*>(address);
+}
 
 // An enum holding a value outside its enumerators, as a C caller can pass.
 template <typename E>
@@ -166,9 +168,9 @@ TEST(Api, NullArgs) {
 }
 
 TEST(Api, StatusNamesAndDescriptions) {
-#define CHECK_STATUS(name, value, description)                  \
-  EXPECT_STREQ(moejit_status_name(name), #name);                \
-  EXPECT_STREQ(moejit_status_description(name), description);   \
+#define CHECK_STATUS(name, value, description)                \
+  EXPECT_STREQ(moejit_status_name(name), #name);              \
+  EXPECT_STREQ(moejit_status_description(name), description); \
   EXPECT_EQ(static_cast<int>(name), value);
   MOEJIT_STATUS_TABLE(CHECK_STATUS)
 #undef CHECK_STATUS

@@ -15,10 +15,10 @@
 
 namespace moejit_test {
 
-#define CUDA_OK(call)                                                                   \
-  do {                                                                                  \
-    const cudaError_t err_ = (call);                                                    \
-    ASSERT_EQ(err_, cudaSuccess) << #call << ": " << cudaGetErrorString(err_);          \
+#define CUDA_OK(call)                                                          \
+  do {                                                                         \
+    const cudaError_t err_ = (call);                                           \
+    ASSERT_EQ(err_, cudaSuccess) << #call << ": " << cudaGetErrorString(err_); \
   } while (0)
 
 // Empty string if a GPU is usable; otherwise why not (the skip reason).
@@ -37,19 +37,21 @@ inline void bind_device() {
   cudaFree(nullptr);
 }
 
-#define SKIP_WITHOUT_GPU()                                                \
-  do {                                                                    \
-    const std::string reason_ = moejit_test::gpu_unavailable_reason();    \
-    if (!reason_.empty()) GTEST_SKIP() << reason_;                        \
-    moejit_test::bind_device();                                           \
+#define SKIP_WITHOUT_GPU()                                             \
+  do {                                                                 \
+    const std::string reason_ = moejit_test::gpu_unavailable_reason(); \
+    if (!reason_.empty()) GTEST_SKIP() << reason_;                     \
+    moejit_test::bind_device();                                        \
   } while (0)
 
-inline int dtype_bytes(moejit_dtype d) { return d == MOEJIT_DTYPE_FLOAT32 ? 4 : 2; }
+inline int dtype_bytes(moejit_dtype d) {
+  return d == MOEJIT_DTYPE_FLOAT32 ? 4 : 2;
+}
 inline const char* dtype_str(moejit_dtype d) {
   return d == MOEJIT_DTYPE_FLOAT32 ? "fp32" : d == MOEJIT_DTYPE_FLOAT16 ? "fp16" : "bf16";
 }
 inline const char* layout_str(moejit_layout l) {
-  return l == MOEJIT_LAYOUT_TOKEN_MAJOR ? "token_major"
+  return l == MOEJIT_LAYOUT_TOKEN_MAJOR  ? "token_major"
          : l == MOEJIT_LAYOUT_GATHER_MAP ? "gather_map"
                                          : "token_index";
 }
@@ -65,7 +67,9 @@ inline uint32_t float_bits(float f) {
   return u;
 }
 
-inline float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+inline float bf16_to_float(uint16_t h) {
+  return bits_float(static_cast<uint32_t>(h) << 16);
+}
 inline uint16_t float_to_bf16(float f) {  // round to nearest even (finite inputs)
   uint32_t u = float_bits(f);
   u += 0x7fffu + ((u >> 16) & 1u);
@@ -118,7 +122,8 @@ inline void encode(void* base, moejit_dtype d, size_t i, float v) {
   if (d == MOEJIT_DTYPE_FLOAT32)
     static_cast<float*>(base)[i] = v;
   else
-    static_cast<uint16_t*>(base)[i] = d == MOEJIT_DTYPE_BFLOAT16 ? float_to_bf16(v) : float_to_half(v);
+    static_cast<uint16_t*>(base)[i] =
+        d == MOEJIT_DTYPE_BFLOAT16 ? float_to_bf16(v) : float_to_half(v);
 }
 
 // Fast deterministic random numbers (splitmix64).
@@ -144,9 +149,15 @@ inline double tolerance(moejit_dtype out, double magnitude_sum, double ref, int 
   const double accumulation = 1.2e-7 * (terms + 2) * magnitude_sum;
   double rounding;
   switch (out) {
-    case MOEJIT_DTYPE_FLOAT32: rounding = 1.2e-7 * std::fabs(ref); break;
-    case MOEJIT_DTYPE_BFLOAT16: rounding = std::ldexp(1.0, -8) * std::fabs(ref); break;
-    default: rounding = std::ldexp(1.0, -10) * std::fabs(ref) + std::ldexp(1.0, -24); break;
+    case MOEJIT_DTYPE_FLOAT32:
+      rounding = 1.2e-7 * std::fabs(ref);
+      break;
+    case MOEJIT_DTYPE_BFLOAT16:
+      rounding = std::ldexp(1.0, -8) * std::fabs(ref);
+      break;
+    default:
+      rounding = std::ldexp(1.0, -10) * std::fabs(ref) + std::ldexp(1.0, -24);
+      break;
   }
   return accumulation + rounding + 1e-30;
 }

@@ -170,8 +170,10 @@ Routing make_routing(const Case& c, Rng& rng) {
       for (int64_t k = 0; k < K; ++k) {
         int64_t row = perm[t * K + k];
         const int64_t roll = rng.below(100);
-        if (roll < 5) row = -1;                       // dropped slot
-        else if (roll == 5) row = r.rows + rng.below(1000);  // out of range: dropped too
+        if (roll < 5)
+          row = -1;  // dropped slot
+        else if (roll == 5)
+          row = r.rows + rng.below(1000);  // out of range: dropped too
         r.index_values[t * K + k] = row;
         if (row >= 0 && row < r.rows) r.per_token[t].push_back({row, t * K + k});
       }
@@ -184,8 +186,10 @@ Routing make_routing(const Case& c, Rng& rng) {
     int64_t token = c.random_routing ? rng.below(T) : i / K;
     if (c.hot_token && rng.below(2) == 0) token = 0;  // half of all rows to token 0
     const int64_t roll = rng.below(100);
-    if (roll < 5) token = -1;
-    else if (roll == 5) token = T + rng.below(10);  // out of range: dropped
+    if (roll < 5)
+      token = -1;
+    else if (roll == 5)
+      token = T + rng.below(10);  // out of range: dropped
     r.index_values[row] = token;
   }
   for (int64_t row = 0; row < r.rows; ++row) {  // ascending rows, the documented order
@@ -304,8 +308,8 @@ std::string run_case(const Case& c, moejit_runtime_t runtime, Scratch& s) {
         magnitude += std::fabs(old);
       }
       const double value = decode(out.data(), c.out, row_start + h);
-      const double tol = tolerance(c.out, magnitude,
-                                   expected, static_cast<int>(routing.per_token[t].size()));
+      const double tol =
+          tolerance(c.out, magnitude, expected, static_cast<int>(routing.per_token[t].size()));
       if (!(std::fabs(value - expected) <= tol)) {
         std::ostringstream m;
         m << "out[" << t << "][" << h << "] = " << value << ", expected " << expected
@@ -374,7 +378,9 @@ std::vector<std::string> run_cases(const std::vector<Case>& cases, moejit_runtim
   return failures;
 }
 
-unsigned worker_count() { return std::min(16u, std::max(2u, std::thread::hardware_concurrency())); }
+unsigned worker_count() {
+  return std::min(16u, std::max(2u, std::thread::hardware_concurrency()));
+}
 
 class CombineGpu : public ::testing::Test {
  protected:
@@ -392,11 +398,10 @@ TEST_F(CombineGpu, FullMatrixAgainstFloat64Reference) {
           for (int64_t hidden : {1, 7, 128, 2880, 4096, 7168})
             for (int64_t tokens : {0, 1, 33, 4096})
               for (int64_t top_k : {1, 2, 8})
-                cases.push_back(vary(Case{static_cast<moejit_layout>(layout),
-                                          static_cast<moejit_dtype>(in),
-                                          static_cast<moejit_dtype>(out),
-                                          static_cast<moejit_index_type>(idx), hidden, tokens,
-                                          top_k, seed++}));
+                cases.push_back(
+                    vary(Case{static_cast<moejit_layout>(layout), static_cast<moejit_dtype>(in),
+                              static_cast<moejit_dtype>(out), static_cast<moejit_index_type>(idx),
+                              hidden, tokens, top_k, seed++}));
         }
   // Big cases first so the workers finish together.
   std::stable_sort(cases.begin(), cases.end(), [](const Case& a, const Case& b) {
@@ -439,14 +444,22 @@ TEST_F(CombineGpu, TokenIndexWithAHotToken) {
 
 TEST_F(CombineGpu, EightThreadsOnDifferentShapesConcurrently) {
   const Case shapes[8] = {
-      {MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 32, 8, 11},
-      {MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT64, 4096, 64, 2, 12},
-      {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 128, 1536, 2, 13},
-      {MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 128, 1536, 2, 14},
-      {MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT64, 2880, 256, 4, 15},
-      {MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_FLOAT16, MOEJIT_INDEX_INT32, 2048, 512, 8, 16},
-      {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 5120, 100, 1, 17},
-      {MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 3584, 200, 8, 18},
+      {MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32,
+       7168, 32, 8, 11},
+      {MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT64,
+       4096, 64, 2, 12},
+      {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32,
+       128, 1536, 2, 13},
+      {MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32,
+       128, 1536, 2, 14},
+      {MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT64,
+       2880, 256, 4, 15},
+      {MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_FLOAT16, MOEJIT_INDEX_INT32,
+       2048, 512, 8, 16},
+      {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32,
+       5120, 100, 1, 17},
+      {MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32,
+       3584, 200, 8, 18},
   };
   // Each thread repeats its shape: the first calls race to compile, later ones hit.
   std::vector<Case> cases;
@@ -473,8 +486,14 @@ TEST_F(CombineGpu, WarmCallsOnlyLaunch) {
   moejit_runtime_t rt = memory_only_runtime();
   Scratch s;
   cudaStreamCreate(&s.stream);
-  const Case c{MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
-               MOEJIT_INDEX_INT32, 4096, 64, 2, 21};
+  const Case c{MOEJIT_LAYOUT_GATHER_MAP,
+               MOEJIT_DTYPE_BFLOAT16,
+               MOEJIT_DTYPE_BFLOAT16,
+               MOEJIT_INDEX_INT32,
+               4096,
+               64,
+               2,
+               21};
   ASSERT_EQ(run_case(c, rt, s), "");
   moejit_stats before, after;
   before.struct_size = after.struct_size = sizeof(moejit_stats);
@@ -540,7 +559,8 @@ TEST_F(CombineGpu, CudaGraphCaptureAndReplay) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS) << moejit_last_error_message();
+    ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS)
+        << moejit_last_error_message();
     CUDA_OK(cudaStreamEndCapture(stream, &graph));
     CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
 
@@ -562,9 +582,8 @@ TEST_F(CombineGpu, CudaGraphCaptureAndReplay) {
     for (int64_t h = 0; h < H; h += 97) {
       double ref = 0;
       for (const auto& [row, gi] : second.per_token[0])
-        ref += p.gates_host[gi] *
-               decode(p.host[MOEJIT_DTYPE_BFLOAT16].data(), MOEJIT_DTYPE_BFLOAT16,
-                      static_cast<size_t>(row * H + h));
+        ref += p.gates_host[gi] * decode(p.host[MOEJIT_DTYPE_BFLOAT16].data(),
+                                         MOEJIT_DTYPE_BFLOAT16, static_cast<size_t>(row * H + h));
       ref *= 1.5;
       EXPECT_NEAR(decode(direct.data(), MOEJIT_DTYPE_BFLOAT16, static_cast<size_t>(h)), ref,
                   std::fabs(ref) / 128 + 1e-6);
@@ -601,7 +620,8 @@ TEST_F(CombineGpu, AddressesPastTwoToThe31) {
        {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_LAYOUT_TOKEN_INDEX}) {
     SCOPED_TRACE(layout_str(layout));
     Rng rng(31);
-    const Case c{layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, H, T, K, 3};
+    const Case c{layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, H, T, K,
+                 3};
     Routing routing = make_routing(c, rng);
     if (layout == MOEJIT_LAYOUT_GATHER_MAP) {  // keep rows inside the buffer (R rows, not 4R/3)
       routing.rows = R;

@@ -189,9 +189,10 @@ TEST(Manifest, ExactAndShapeLines) {
   EXPECT_NE(bad("topk=2 dtype=bf16").find("m.txt:2"), std::string::npos);
   EXPECT_NE(bad("hidden=4096 topk=2").find("no dtype"), std::string::npos);
   EXPECT_NE(bad("hidden=4096 topk=2 dtype=int8").find("unknown dtype"), std::string::npos);
-  EXPECT_NE(bad("layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=3 K=2 tpt=8 tpb=16 upt=1 cap=0")
-                .find("vec = 3"),
-            std::string::npos);
+  EXPECT_NE(
+      bad("layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=3 K=2 tpt=8 tpb=16 upt=1 cap=0")
+          .find("vec = 3"),
+      std::string::npos);
   EXPECT_NE(bad("layout=gather_map in=bf16 H=64").find("\"out\" is missing"), std::string::npos);
   EXPECT_NE(bad("hidden").find("expected key=value"), std::string::npos);
 }

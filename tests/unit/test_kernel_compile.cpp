@@ -24,7 +24,8 @@ struct Case {
 };
 
 int max_vec(int in_dtype, int out_dtype) {
-  const int widest = (in_dtype == MOEJIT_DTYPE_FLOAT32 || out_dtype == MOEJIT_DTYPE_FLOAT32) ? 4 : 2;
+  const int widest =
+      (in_dtype == MOEJIT_DTYPE_FLOAT32 || out_dtype == MOEJIT_DTYPE_FLOAT32) ? 4 : 2;
   return 16 / widest;
 }
 
@@ -40,11 +41,10 @@ std::vector<Case> matrix() {
         for (int idx = 0; idx < 2; ++idx) {
           if (layout == MOEJIT_LAYOUT_TOKEN_MAJOR && idx == 1) continue;  // no index
           const int hidden = hiddens[n % 6];
-          KernelSpec s = spec_for_shape(static_cast<moejit_layout>(layout),
-                                        static_cast<moejit_dtype>(in),
-                                        static_cast<moejit_dtype>(out),
-                                        static_cast<moejit_index_type>(idx), hidden,
-                                        top_ks[n % 3], 256);
+          KernelSpec s =
+              spec_for_shape(static_cast<moejit_layout>(layout), static_cast<moejit_dtype>(in),
+                             static_cast<moejit_dtype>(out), static_cast<moejit_index_type>(idx),
+                             hidden, top_ks[n % 3], 256);
           // Rotate through every vector width the dtype pair allows (misaligned buffers get the
           // narrower ones at run time), not only the widest.
           const int widths = max_vec(in, out) == 8 ? 4 : 3;
@@ -113,10 +113,10 @@ TEST(KernelCompile, CompileErrorCarriesTheLog) {
   settings.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
   Stats stats;
   KernelStore store(settings, stats);
-  CompileRequest r = store.request_for(
-      spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
-                     MOEJIT_INDEX_INT32, 128, 2, 256),
-      Target{90, false});
+  CompileRequest r =
+      store.request_for(spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32,
+                                       MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 128, 2, 256),
+                        Target{90, false});
   r.source += "\nthis is not C++;\n";
   try {
     compile(r);
@@ -150,10 +150,10 @@ TEST(KernelCompile, PtxTargetProducesPtxText) {
   settings.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
   Stats stats;
   KernelStore store(settings, stats);
-  const CompiledModule m = compile(store.request_for(
-      spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
-                     MOEJIT_INDEX_INT32, 128, 2, 256),
-      Target{90, true}));
+  const CompiledModule m = compile(
+      store.request_for(spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32,
+                                       MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 128, 2, 256),
+                        Target{90, true}));
   EXPECT_NE(m.image.find(".target sm_90"), std::string::npos);
 }
 

@@ -86,14 +86,14 @@ TEST(KernelSpec, PlanMatchesSpecForShapeOnAlignedBuffers) {
   // The precompile tool warms spec_for_shape(); the runtime must ask for the same spec.
   for (int hidden : {1, 7, 128, 2880, 4096, 7168}) {
     for (int64_t tokens : {1, 3, 16, 17, 4096}) {
-      auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000),
-                           hidden);
+      auto a =
+          gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), hidden);
       a.num_tokens = tokens;
       a.num_rows = 2 * tokens;
       const KernelSpec planned = plan_combine(&a).spec;
-      EXPECT_EQ(planned, spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
-                                        MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, hidden, 2, 256,
-                                        tokens))
+      EXPECT_EQ(planned,
+                spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
+                               MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, hidden, 2, 256, tokens))
           << "hidden " << hidden << " tokens " << tokens;
       const auto all = specs_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                        MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, hidden, 2, 256);
@@ -127,10 +127,10 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
 TEST(KernelSpec, EqualityAndHashCoverEveryField) {
   const KernelSpec base = spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                          MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256);
-  int KernelSpec::*fields[] = {&KernelSpec::layout, &KernelSpec::in_dtype, &KernelSpec::out_dtype,
-                               &KernelSpec::index_bytes, &KernelSpec::hidden, &KernelSpec::vec,
-                               &KernelSpec::top_k, &KernelSpec::tpt, &KernelSpec::tpb,
-                               &KernelSpec::list_cap};
+  int KernelSpec::*fields[] = {
+      &KernelSpec::layout, &KernelSpec::in_dtype, &KernelSpec::out_dtype, &KernelSpec::index_bytes,
+      &KernelSpec::hidden, &KernelSpec::vec,      &KernelSpec::top_k,     &KernelSpec::tpt,
+      &KernelSpec::tpb,    &KernelSpec::list_cap};
   for (auto field : fields) {
     KernelSpec other = base;
     other.*field += field == &KernelSpec::index_bytes ? 4 : 1;  // 4 -> 8: int32 -> int64

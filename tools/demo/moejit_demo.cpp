@@ -57,10 +57,14 @@ bool parse(int argc, char** argv, Options* o) {
     if (a == "--hidden" && value(&o->hidden)) continue;
     if (a == "--layout" && i + 1 < argc) {
       const std::string l = argv[++i];
-      if (l == "token_major") o->layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
-      else if (l == "gather_map") o->layout = MOEJIT_LAYOUT_GATHER_MAP;
-      else if (l == "token_index") o->layout = MOEJIT_LAYOUT_TOKEN_INDEX;
-      else return false;
+      if (l == "token_major")
+        o->layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
+      else if (l == "gather_map")
+        o->layout = MOEJIT_LAYOUT_GATHER_MAP;
+      else if (l == "token_index")
+        o->layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+      else
+        return false;
       continue;
     }
     return false;
@@ -72,10 +76,11 @@ bool parse(int argc, char** argv, Options* o) {
 // store (and disk cache) the runtime uses.
 int compile_only(const Options& o, const std::string& why) {
   std::printf("No GPU found (%s).\n", why.c_str());
-  std::printf("Compiling the kernels a %s combine at T=%lld K=%lld H=%lld bf16 would use, for "
-              "sm_90, without running them.\n",
-              moejit::layout_name(o.layout), static_cast<long long>(o.tokens),
-              static_cast<long long>(o.top_k), static_cast<long long>(o.hidden));
+  std::printf(
+      "Compiling the kernels a %s combine at T=%lld K=%lld H=%lld bf16 would use, for "
+      "sm_90, without running them.\n",
+      moejit::layout_name(o.layout), static_cast<long long>(o.tokens),
+      static_cast<long long>(o.top_k), static_cast<long long>(o.hidden));
   try {
     moejit::Stats stats;
     moejit::KernelStore store(moejit::resolve_settings(nullptr), stats);
@@ -85,16 +90,18 @@ int compile_only(const Options& o, const std::string& why) {
     const auto start = std::chrono::steady_clock::now();
     moejit::KernelStore::Source source;
     const auto module = store.obtain(spec, moejit::Target{90, false}, &source);
-    const double ms = std::chrono::duration<double, std::milli>(
-                          std::chrono::steady_clock::now() - start).count();
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     std::printf("  %s\n  -> %zu-byte sm_90 cubin, %s in %.1f ms (cache: %s, %s)\n",
                 spec.describe().c_str(), module->image.size(),
                 source == moejit::KernelStore::Source::kDisk ? "loaded from the disk cache"
-                                                             : "compiled with NVRTC " ,
-                ms, store.settings().cache_dir.empty() ? "none" : store.settings().cache_dir.c_str(),
+                                                             : "compiled with NVRTC ",
+                ms,
+                store.settings().cache_dir.empty() ? "none" : store.settings().cache_dir.c_str(),
                 store.has_disk_cache() ? "on disk" : "memory only");
-    std::printf("Kernels compile here; run this on a machine with an NVIDIA GPU to execute and "
-                "time them.\n");
+    std::printf(
+        "Kernels compile here; run this on a machine with an NVIDIA GPU to execute and "
+        "time them.\n");
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "compile failed: %s\n", e.what());
@@ -121,10 +128,11 @@ int main(int argc, char** argv) {
   cudaGetDeviceProperties(&prop, 0);
   cudaSetDevice(0);
   const int64_t T = o.tokens, K = o.top_k, H = o.hidden, R = T * K;
-  std::printf("GPU: %s (sm_%d%d). Combine: %s layout, T=%lld tokens, top_k=%lld, hidden=%lld, "
-              "bf16 in/out, fp32 gates.\n",
-              prop.name, prop.major, prop.minor, moejit::layout_name(o.layout),
-              static_cast<long long>(T), static_cast<long long>(K), static_cast<long long>(H));
+  std::printf(
+      "GPU: %s (sm_%d%d). Combine: %s layout, T=%lld tokens, top_k=%lld, hidden=%lld, "
+      "bf16 in/out, fp32 gates.\n",
+      prop.name, prop.major, prop.minor, moejit::layout_name(o.layout), static_cast<long long>(T),
+      static_cast<long long>(K), static_cast<long long>(H));
 
   // Random inputs; rows expert-sorted = a random permutation of token-major order.
   std::mt19937_64 rng(7);
@@ -255,13 +263,15 @@ int main(int argc, char** argv) {
   moejit_stats s;
   s.struct_size = sizeof(s);
   moejit_runtime_get_stats(nullptr, &s);
-  std::printf("first call (compile or cache load + launch): %.1f ms; compiles %llu, disk hits %llu\n",
-              first_ms, static_cast<unsigned long long>(s.compiles),
-              static_cast<unsigned long long>(s.disk_hits));
+  std::printf(
+      "first call (compile or cache load + launch): %.1f ms; compiles %llu, disk hits %llu\n",
+      first_ms, static_cast<unsigned long long>(s.compiles),
+      static_cast<unsigned long long>(s.disk_hits));
   std::printf("check vs float64 reference: relative L2 error %.2e, worst element %.2e -> %s\n",
               rel_err, worst, ok ? "PASS" : "FAIL");
-  std::printf("time: median %.1f us over 50 runs (L2 flushed); effective bandwidth %.0f GB/s "
-              "(%.1f MB moved at minimum)\n",
-              us, bytes / us * 1e-3, bytes * 1e-6);
+  std::printf(
+      "time: median %.1f us over 50 runs (L2 flushed); effective bandwidth %.0f GB/s "
+      "(%.1f MB moved at minimum)\n",
+      us, bytes / us * 1e-3, bytes * 1e-6);
   return ok ? 0 : 1;
 }
