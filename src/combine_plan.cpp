@@ -166,19 +166,18 @@ moejit_combine_args validated_shape(const moejit_combine_args* in) {
   return a;
 }
 
-}  // namespace
-
-size_t combine_workspace_bytes(const moejit_combine_args* args) {
-  const moejit_combine_args a = validated_shape(args);
+// Workspace bytes of already validated arguments.
+size_t workspace_bytes(const moejit_combine_args& a) {
   if (a.layout != MOEJIT_LAYOUT_TOKEN_INDEX || a.num_tokens == 0) return 0;
   const int64_t cap = list_capacity((a.num_rows + a.num_tokens - 1) / a.num_tokens);
   const size_t list = static_cast<size_t>(a.num_tokens) * static_cast<size_t>(cap);
   return counts_bytes(a.num_tokens) + list * sizeof(int) + list * sizeof(float);
 }
 
-KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dtype out_dtype,
-                          moejit_index_type index_type, int hidden, int rows_per_token,
-                          size_t alignment_bytes, int64_t num_tokens) {
+// The spec for a shape once the vector width is known (from real pointers, or an alignment).
+KernelSpec make_spec(moejit_layout layout, moejit_dtype in_dtype, moejit_dtype out_dtype,
+                     moejit_index_type index_type, int hidden, int rows_per_token, int vec,
+                     int64_t num_tokens) {
   KernelSpec s;
   s.layout = layout;
   s.in_dtype = in_dtype;
@@ -186,7 +185,7 @@ KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dt
   s.index_bytes =
       layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? 4 : (index_type == MOEJIT_INDEX_INT64 ? 8 : 4);
   s.hidden = hidden;
-  s.vec = choose_vec(in_dtype, out_dtype, hidden, alignment_bytes, hidden, alignment_bytes, hidden);
+  s.vec = vec;
   if (layout == MOEJIT_LAYOUT_TOKEN_INDEX) {
     s.top_k = 0;
     s.list_cap = list_capacity(rows_per_token);
@@ -195,6 +194,21 @@ KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dt
   }
   choose_geometry(&s, num_tokens);
   return s;
+}
+
+}  // namespace
+
+size_t combine_workspace_bytes(const moejit_combine_args* args) {
+  return workspace_bytes(validated_shape(args));
+}
+
+KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dtype out_dtype,
+                          moejit_index_type index_type, int hidden, int rows_per_token,
+                          size_t alignment_bytes, int64_t num_tokens) {
+  const int vec =
+      choose_vec(in_dtype, out_dtype, hidden, alignment_bytes, hidden, alignment_bytes, hidden);
+  return make_spec(layout, in_dtype, out_dtype, index_type, hidden, rows_per_token, vec,
+                   num_tokens);
 }
 
 std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dtype,
@@ -244,15 +258,14 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
                                      ? (a.num_rows + a.num_tokens - 1) / a.num_tokens
                                      : a.top_k;
   KernelSpec& s = plan.spec;
-  s = spec_for_shape(
+  const int hidden = static_cast<int>(a.hidden_dim);
+  s = make_spec(
       static_cast<moejit_layout>(a.layout), static_cast<moejit_dtype>(a.expert_dtype),
-      static_cast<moejit_dtype>(a.out_dtype), static_cast<moejit_index_type>(a.index_type),
-      static_cast<int>(a.hidden_dim),
-      static_cast<int>(std::min<int64_t>(rows_per_token, MOEJIT_MAX_TOP_K)), 256, a.num_tokens);
-  s.vec = choose_vec(a.expert_dtype, a.out_dtype, s.hidden,
-                     reinterpret_cast<uintptr_t>(a.expert_hidden), a.expert_row_stride,
-                     reinterpret_cast<uintptr_t>(a.out), a.out_row_stride);
-  choose_geometry(&s, a.num_tokens);
+      static_cast<moejit_dtype>(a.out_dtype), static_cast<moejit_index_type>(a.index_type), hidden,
+      static_cast<int>(std::min<int64_t>(rows_per_token, MOEJIT_MAX_TOP_K)),
+      choose_vec(a.expert_dtype, a.out_dtype, hidden, reinterpret_cast<uintptr_t>(a.expert_hidden),
+                 a.expert_row_stride, reinterpret_cast<uintptr_t>(a.out), a.out_row_stride),
+      a.num_tokens);
 
   CombineParams& p = plan.params;
   p.expert = a.expert_hidden;
@@ -277,7 +290,7 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   plan.combine_blocks = static_cast<unsigned>(blocks);
 
   if (s.token_index()) {
-    const size_t needed = combine_workspace_bytes(&a);
+    const size_t needed = workspace_bytes(a);
     if (a.workspace == nullptr || a.workspace_bytes < needed)
       throw Error(MOEJIT_ERROR_WORKSPACE_TOO_SMALL,
                   "args->workspace = " + hex(a.workspace) +

@@ -1,5 +1,7 @@
 #include "bench_data.h"
 
+#include "kernel_spec.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -94,15 +96,7 @@ int dtype_bytes(moejit_dtype dtype) {
 }
 
 const char* dtype_text(moejit_dtype dtype) {
-  switch (dtype) {
-    case MOEJIT_DTYPE_FLOAT32:
-      return "fp32";
-    case MOEJIT_DTYPE_FLOAT16:
-      return "fp16";
-    case MOEJIT_DTYPE_BFLOAT16:
-      return "bf16";
-  }
-  return "unknown";
+  return moejit::dtype_name(dtype);
 }
 
 bool parse_dtype(const std::string& text, moejit_dtype* dtype) {

@@ -1,5 +1,7 @@
 #include "combine_bench.h"
 
+#include "kernel_spec.h"
+
 #include <cstring>
 #include <stdexcept>
 
@@ -132,15 +134,7 @@ CaseResult run_layout(const HostInputs& in, const DeviceInputs& d, moejit_layout
 }  // namespace
 
 const char* layout_text(moejit_layout layout) {
-  switch (layout) {
-    case MOEJIT_LAYOUT_TOKEN_MAJOR:
-      return "token_major";
-    case MOEJIT_LAYOUT_GATHER_MAP:
-      return "gather_map";
-    case MOEJIT_LAYOUT_TOKEN_INDEX:
-      return "token_index";
-  }
-  return "unknown";
+  return moejit::layout_name(layout);
 }
 
 bool parse_layout(const std::string& text, moejit_layout* layout) {

@@ -31,9 +31,10 @@ import statistics
 import sys
 
 # ---- libmoejit through ctypes ----------------------------------------------------------------
-# Mirrors of include/moejit/moejit.h. ctypes lays fields out with the C rules of the platform, so
-# the padding after each 4-byte enum matches the compiler's; _check_layout() verifies it against
-# the offsets of the x86-64 / aarch64 Linux ABI and against the library's own struct_size.
+# The struct mirrors are the package's own (python/moejit/_capi.py, checked against the C header
+# by tests/python): one definition for the bindings and the benchmark.
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "python"))
+from moejit._capi import CombineArgs, Stats  # noqa: E402  (needs no torch)
 
 LAYOUTS = {"token_major": 0, "gather_map": 1, "token_index": 2}
 DTYPES = {"fp32": 0, "fp16": 1, "bf16": 2}
@@ -41,60 +42,9 @@ INDEX_INT32 = 0
 CACHE_MODE_DISABLED = 3
 
 
-class CombineArgs(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("layout", ctypes.c_int),
-        ("num_tokens", ctypes.c_int64),
-        ("top_k", ctypes.c_int64),
-        ("num_rows", ctypes.c_int64),
-        ("hidden_dim", ctypes.c_int64),
-        ("expert_hidden", ctypes.c_void_p),
-        ("expert_dtype", ctypes.c_int),
-        ("expert_row_stride", ctypes.c_int64),
-        ("gates", ctypes.c_void_p),
-        ("indices", ctypes.c_void_p),
-        ("index_type", ctypes.c_int),
-        ("out", ctypes.c_void_p),
-        ("out_dtype", ctypes.c_int),
-        ("out_row_stride", ctypes.c_int64),
-        ("scale", ctypes.c_float),
-        ("accumulate", ctypes.c_int),
-        ("workspace", ctypes.c_void_p),
-        ("workspace_bytes", ctypes.c_size_t),
-    ]
-
-
-class Stats(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("memory_hits", ctypes.c_uint64),
-        ("disk_hits", ctypes.c_uint64),
-        ("compiles", ctypes.c_uint64),
-        ("disk_errors", ctypes.c_uint64),
-        ("launches", ctypes.c_uint64),
-        ("compile_seconds", ctypes.c_double),
-    ]
-
-
-# offsetof() of each field as the C compiler lays it out on 64-bit Linux (printed from moejit.h).
-_ARGS_OFFSETS = {
-    "layout": 8, "num_tokens": 16, "top_k": 24, "num_rows": 32, "hidden_dim": 40,
-    "expert_hidden": 48, "expert_dtype": 56, "expert_row_stride": 64, "gates": 72, "indices": 80,
-    "index_type": 88, "out": 96, "out_dtype": 104, "out_row_stride": 112, "scale": 120,
-    "accumulate": 124, "workspace": 128, "workspace_bytes": 136,
-}
-
-
 def _check_layout():
     if ctypes.sizeof(ctypes.c_void_p) != 8:
         raise RuntimeError("peers.py expects a 64-bit platform")
-    for name, offset in _ARGS_OFFSETS.items():
-        got = getattr(CombineArgs, name).offset
-        if got != offset:
-            raise RuntimeError(f"ctypes CombineArgs.{name} at offset {got}, C has {offset}")
-    if ctypes.sizeof(CombineArgs) != 144 or ctypes.sizeof(Stats) != 56:
-        raise RuntimeError("ctypes structs do not match moejit.h's sizes (144, 56)")
 
 
 class Moejit:
