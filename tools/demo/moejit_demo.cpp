@@ -75,7 +75,7 @@ bool parse(int argc, char** argv, Options* o) {
 // No GPU: compile what a call at this shape would need, for the H200's sm_90, through the same
 // store (and disk cache) the runtime uses.
 int compile_only(const Options& o, const std::string& why) {
-  std::printf("No GPU found (%s).\n", why.c_str());
+  std::printf("No GPU found (the CUDA runtime says: %s).\n", why.c_str());
   std::printf(
       "Compiling the kernels a %s combine at T=%lld K=%lld H=%lld bf16 would use, for "
       "sm_90, without running them.\n",
@@ -86,7 +86,7 @@ int compile_only(const Options& o, const std::string& why) {
     moejit::KernelStore store(moejit::resolve_settings(nullptr), stats);
     const moejit::KernelSpec spec = moejit::spec_for_shape(
         o.layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32,
-        static_cast<int>(o.hidden), static_cast<int>(o.top_k), 256);
+        static_cast<int>(o.hidden), static_cast<int>(o.top_k), 256, o.tokens);
     const auto start = std::chrono::steady_clock::now();
     moejit::KernelStore::Source source;
     const auto module = store.obtain(spec, moejit::Target{90, false}, &source);
@@ -95,7 +95,7 @@ int compile_only(const Options& o, const std::string& why) {
     std::printf("  %s\n  -> %zu-byte sm_90 cubin, %s in %.1f ms (cache: %s, %s)\n",
                 spec.describe().c_str(), module->image.size(),
                 source == moejit::KernelStore::Source::kDisk ? "loaded from the disk cache"
-                                                             : "compiled with NVRTC ",
+                                                             : "compiled with NVRTC",
                 ms,
                 store.settings().cache_dir.empty() ? "none" : store.settings().cache_dir.c_str(),
                 store.has_disk_cache() ? "on disk" : "memory only");
