@@ -59,6 +59,17 @@ std::vector<Case> matrix() {
   return cases;
 }
 
+// A kernel store with no disk cache: these tests check compilation, not caching.
+struct MemoryStore {
+  Settings settings = [] {
+    Settings s;
+    s.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
+    return s;
+  }();
+  Stats stats;
+  KernelStore store{settings, stats};
+};
+
 TEST(KernelCompile, MatrixCoversEveryValue) {
   std::set<int> layouts, ins, outs, idx, hid, vec, arch;
   std::set<std::pair<int, int>> pairs;
@@ -79,10 +90,8 @@ TEST(KernelCompile, MatrixCoversEveryValue) {
 }
 
 TEST(KernelCompile, EveryVariantCompilesForSm80Sm89Sm90) {
-  Settings settings;
-  settings.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
-  Stats stats;
-  KernelStore store(settings, stats);
+  MemoryStore memory;
+  KernelStore& store = memory.store;
   const std::vector<Case> cases = matrix();
   std::atomic<size_t> next{0};
   std::mutex failures_mutex;
@@ -109,10 +118,8 @@ TEST(KernelCompile, EveryVariantCompilesForSm80Sm89Sm90) {
 }
 
 TEST(KernelCompile, CompileErrorCarriesTheLog) {
-  Settings settings;
-  settings.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
-  Stats stats;
-  KernelStore store(settings, stats);
+  MemoryStore memory;
+  KernelStore& store = memory.store;
   CompileRequest r =
       store.request_for(spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32,
                                        MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 128, 2, 256),
@@ -146,10 +153,8 @@ TEST(KernelCompile, TargetsFollowWhatNvrtcSupports) {
 }
 
 TEST(KernelCompile, PtxTargetProducesPtxText) {
-  Settings settings;
-  settings.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
-  Stats stats;
-  KernelStore store(settings, stats);
+  MemoryStore memory;
+  KernelStore& store = memory.store;
   const CompiledModule m = compile(
       store.request_for(spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32,
                                        MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 128, 2, 256),
