@@ -23,7 +23,8 @@
 //   UPT       vector slots per thread (a work item spans TPT * UPT slots of one token)
 //   LIST_CAP  token-index layout: rows per token kept in the workspace list (0 otherwise)
 //
-// Grid: one block per (group of TPB tokens) x (chunk of TPT vector slots); 1-D, token-major.
+// Grid: one block per work item, a group of TPB tokens x a chunk of TPT * UPT vector slots (2-D:
+// x the token group, y the chunk).
 // All addresses are computed in 64 bits: R * H passes 2^31 at realistic prefill sizes.
 //
 // No toolkit header is included: fp16/bf16 conversions use PTX or bit operations, so NVRTC needs
@@ -86,38 +87,55 @@ struct alignas(sizeof(S) * N) Pack {
 
 // Reads a pack of expert data that no thread of this kernel writes: through the non-coherent
 // path, without allocating in L1 (each row is read once; L1 is better left to the indices).
+// Only where `pred` holds; elsewhere `v` keeps its value. One predicated
+// instruction and no branch: when each row load of a batch sat in its own `if`, the register
+// allocator gave them one shared destination plus copies, and every load then waited for the
+// one before it (seen in the SASS; a 65% slowdown at top_k 8). With the destination an in-out
+// operand, each load keeps its own registers and a batch issues back to back.
 template <typename P>
-__device__ __forceinline__ P load_streaming(const P* ptr) {
-  P v;
+__device__ __forceinline__ void load_streaming_if(bool pred, const P* ptr, P& v) {
+  const int on = pred;
+  unsigned* u = reinterpret_cast<unsigned*>(&v);
   if constexpr (sizeof(P) == 16) {
-    unsigned* u = reinterpret_cast<unsigned*>(&v);
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(u[0]), "=r"(u[1]), "=r"(u[2]), "=r"(u[3])
-        : "l"(ptr));
+    asm("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+        " @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+        : "+r"(u[0]), "+r"(u[1]), "+r"(u[2]), "+r"(u[3])
+        : "l"(ptr), "r"(on));
   } else if constexpr (sizeof(P) == 8) {
-    unsigned* u = reinterpret_cast<unsigned*>(&v);
-    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(u[0]), "=r"(u[1]) : "l"(ptr));
+    asm("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n"
+        " @p ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n}"
+        : "+r"(u[0]), "+r"(u[1])
+        : "l"(ptr), "r"(on));
   } else if constexpr (sizeof(P) == 4) {
-    unsigned* u = reinterpret_cast<unsigned*>(&v);
-    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(u[0]) : "l"(ptr));
+    asm("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n"
+        " @p ld.global.nc.L1::no_allocate.u32 %0, [%1];\n}"
+        : "+r"(u[0])
+        : "l"(ptr), "r"(on));
   } else {
-    v = *ptr;
+    if (pred) v = *ptr;
   }
-  return v;
 }
 
-// Loads slot `slot` of a row: a full vector, or the partial tail element by element.
+// Slot `slot` of a row into v where `pred` holds (v keeps its value elsewhere): a full vector, or
+// the partial tail element by element. `row` must be a valid row even where pred is false.
 template <typename S, int VEC, int HIDDEN>
-__device__ __forceinline__ Pack<S, VEC> load_slot(const S* __restrict__ row, int slot) {
+__device__ __forceinline__ void load_slot_if(bool pred, const S* __restrict__ row, int slot,
+                                             Pack<S, VEC>& v) {
   constexpr int kFull = HIDDEN / VEC;
-  Pack<S, VEC> v;
   if (HIDDEN % VEC == 0 || slot < kFull) {
-    v = load_streaming(
-        reinterpret_cast<const Pack<S, VEC>*>(row + static_cast<long long>(slot) * VEC));
-  } else {
+    load_streaming_if(
+        pred, reinterpret_cast<const Pack<S, VEC>*>(row + static_cast<long long>(slot) * VEC), v);
+  } else if (pred) {
 #pragma unroll
     for (int e = 0; e < VEC; ++e) v.e[e] = e < HIDDEN % VEC ? row[kFull * VEC + e] : S(0);
   }
+}
+
+template <typename S, int VEC>
+__device__ __forceinline__ Pack<S, VEC> zero_pack() {
+  Pack<S, VEC> v;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) v.e[e] = S(0);
   return v;
 }
 
@@ -158,6 +176,22 @@ __device__ __forceinline__ void store_slot(typename Elem<OUT_DT>::storage* __res
   }
 }
 
+// Programmatic dependent launch (sm_90+): the token-index chain's kernels are launched so that
+// each may start while its predecessor drains. A dependent kernel calls wait_for_predecessor()
+// before touching memory (it returns once the previous kernel finished and its writes are
+// visible); a predecessor calls allow_dependents() to let the next kernel's blocks be scheduled
+// early. Both are no-ops for a plain launch and on older GPUs.
+__device__ __forceinline__ void wait_for_predecessor() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Rows in flight per thread: enough independent 16-byte loads to cover memory latency without
 // spilling the loaded vectors.
 constexpr int kBatch = 8;
@@ -174,9 +208,38 @@ __device__ __forceinline__ void add_rows_by_walk(const CombineParams& p, long lo
   for (long long r = 0; r < p.num_rows; ++r) {
     if (static_cast<long long>(__ldg(token_idx + r)) != tok) continue;
     const float w = p.gates != nullptr ? __ldg(p.gates + r) : 1.0f;
-    const Pack<S, VEC> v = load_slot<S, VEC, HIDDEN>(expert + r * p.expert_stride, slot);
+    Pack<S, VEC> v = zero_pack<S, VEC>();
+    load_slot_if<S, VEC, HIDDEN>(true, expert + r * p.expert_stride, slot, v);
 #pragma unroll
     for (int e = 0; e < VEC; ++e) sum[e] = fmaf(w, Elem<IN_DT>::to_float(v.e[e]), sum[e]);
+  }
+}
+
+// A token-index list longer than the rows sorted in registers (a skewed routing) but within
+// LIST_CAP: add its rows in ascending row order by repeated selection of the next smallest id.
+// Quadratic in the list length, but the list is short and cached; bitwise identical to the
+// sorted path and to add_rows_by_walk (the same rows in the same order).
+template <int IN_DT, int VEC, int HIDDEN>
+__device__ __forceinline__ void add_listed_rows_in_order(const CombineParams& p, long long tok,
+                                                         int cap, int count, int slot,
+                                                         float (&sum)[VEC]) {
+  typedef typename Elem<IN_DT>::storage S;
+  const S* __restrict__ expert = static_cast<const S*>(p.expert);
+  const int* __restrict__ list = p.token_rows + tok * cap;
+  int prev = -1;
+  for (int done = 0; done < count; ++done) {
+    int next = 0x7fffffff;
+    for (int k = 0; k < count; ++k) {
+      const int r = __ldg(list + k);
+      if (r > prev && r < next) next = r;
+    }
+    const float w = p.gates != nullptr ? __ldg(p.gates + next) : 1.0f;
+    Pack<S, VEC> v = zero_pack<S, VEC>();
+    load_slot_if<S, VEC, HIDDEN>(true, expert + static_cast<long long>(next) * p.expert_stride,
+                                 slot, v);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) sum[e] = fmaf(w, Elem<IN_DT>::to_float(v.e[e]), sum[e]);
+    prev = next;
   }
 }
 
@@ -184,133 +247,146 @@ __device__ __forceinline__ void add_rows_by_walk(const CombineParams& p, long lo
 
 // ---- the combine -----------------------------------------------------------------------------
 
-// One persistent loop for every layout. A work item is TPB tokens x TPT vector slots; blocks loop
-// over items with a grid stride. Each thread keeps the routing of its token (rows and gates) in
-// registers and loads the routing of its NEXT item while the current item's rows are in flight,
-// so the dependent index load never leaves the memory pipe idle between items.
+// Sorts a few row ids ascending in registers (odd-even transposition: compile-time indices only,
+// so the array never leaves registers). The token-index lists arrive in atomic arrival order;
+// sorting restores the documented, deterministic summation order.
+template <int N>
+__device__ __forceinline__ void sort_rows(int (&r)[N]) {
+#pragma unroll
+  for (int round = 0; round < N; ++round)
+#pragma unroll
+    for (int i = round & 1; i + 1 < N; i += 2) {
+      const int lo = min(r[i], r[i + 1]), hi = max(r[i], r[i + 1]);
+      r[i] = lo;
+      r[i + 1] = hi;
+    }
+}
+
+// One block per work item (a group of TPB tokens x a chunk of TPT * UPT vector slots) on a 2-D
+// grid: x the token group, y the chunk. Each thread reads its token's routing, issues the loads
+// of a whole batch of rows (up to kBatch 16-byte vectors) before the first use, sums in fp32 in a
+// fixed order and stores once. Measured on the H200 against a persistent grid that prefetched the
+// next item's routing: this form was 1-14% faster at every prefill shape (fewer registers, the
+// hardware scheduler balancing short blocks) and equal at decode; see tools/bench/NOTES.md.
 template <int LAYOUT, int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT,
           int TPB, int UPT, int LIST_CAP>
 __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
-  static_assert(LAYOUT != kLayoutTokenIndex || (LIST_CAP > 0 && TOP_K == 0), "token index");
+  static_assert(LAYOUT != kLayoutTokenIndex || (LIST_CAP > 0 && TOP_K == 0 && UPT == 1),
+                "token index: a list, no top_k, one slot per thread");
   static_assert(LAYOUT == kLayoutTokenIndex || (TOP_K > 0 && LIST_CAP == 0), "fixed top_k");
   typedef typename detail::Elem<IN_DT>::storage S;
   typedef typename detail::Elem<OUT_DT>::storage OutS;
   constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;  // vectors per row, tail included
-  constexpr int kSpan = TPT * UPT;                  // slots of one token per work item
-  constexpr int kChunks = (kSlots + kSpan - 1) / kSpan;
   constexpr bool kTokenIndex = LAYOUT == kLayoutTokenIndex;
-  constexpr int kMaxRows = kTokenIndex ? LIST_CAP : TOP_K;  // rows a token can have listed
-  // Rows whose routing is held (and prefetched) in registers; later rows, rare (top_k > 8), are
-  // read when their batch comes. Keeps registers bounded for every top_k.
   // Rows loaded together: kBatch 16-byte vectors in flight per thread, whatever UPT is.
   constexpr int kRowsPerBatch = detail::kBatch / UPT > 0 ? detail::kBatch / UPT : 1;
+  // Rows whose routing is held in registers. Fixed layouts: the first batch (later rows, when
+  // top_k > kBatch, are read as they come). Token index: the first kBatch entries of the list,
+  // sorted here; a longer list (a skewed routing) takes the slow paths below.
+  constexpr int kMaxRows = kTokenIndex ? LIST_CAP : TOP_K;
   constexpr int kHeld = kMaxRows < kRowsPerBatch ? kMaxRows : kRowsPerBatch;
 
   const IdxT* __restrict__ indices = static_cast<const IdxT*>(p.indices);
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
   const int sub = static_cast<int>(threadIdx.x) / TPT;
   const int lane = static_cast<int>(threadIdx.x) % TPT;
+  const long long tok = static_cast<long long>(blockIdx.x) * TPB + sub;
+  const int first_slot = static_cast<int>(blockIdx.y) * (TPT * UPT) + lane;
+  if constexpr (kTokenIndex) detail::wait_for_predecessor();  // the lists are token_index_assign's
+  if (tok >= p.num_tokens) return;  // no barrier below: idle token groups may leave
 
-  struct Routing {
-    int count;       // rows of the token (token index: may exceed kMaxRows: overflow)
-    int row[kHeld];  // row ids (R < 2^31); -1: dropped. Unused for token-major.
-    float gate[kHeld];
-  };
-  // Row k of token tok (-1: dropped) and its gate, from memory.
-  auto row_of = [&](long long tok, int k) -> int {
-    if constexpr (kTokenIndex) {
-      return __ldg(p.token_rows + tok * LIST_CAP + k);  // sorted by token_index_sort
-    } else {
-      const long long m = static_cast<long long>(__ldg(indices + tok * TOP_K + k));
-      return (m >= 0 && m < p.num_rows) ? static_cast<int>(m) : -1;  // -1 / out of range: dropped
+  // Routing of the held rows: row ids (-1: dropped; R < 2^31) and gates.
+  int count = TOP_K;
+  int row[kHeld];
+  float gate[kHeld];
+  if constexpr (kTokenIndex) {
+    count = __ldg(p.token_counts + tok);
+#pragma unroll
+    for (int k = 0; k < kHeld; ++k)
+      row[k] = k < count ? __ldg(p.token_rows + tok * LIST_CAP + k) : 0x7fffffff;
+    sort_rows(row);
+#pragma unroll
+    for (int k = 0; k < kHeld; ++k) {
+      if (k >= count) row[k] = -1;
+      gate[k] = p.gates != nullptr && row[k] >= 0 ? __ldg(p.gates + row[k]) : 1.0f;
     }
-  };
-  auto gate_of = [&](long long tok, int k) -> float {
-    if constexpr (kTokenIndex) return __ldg(p.token_gates + tok * LIST_CAP + k);
-    return p.gates != nullptr ? __ldg(p.gates + tok * TOP_K + k) : 1.0f;
-  };
-  auto route = [&](long long item, Routing& r) {
-    const long long tok = (item / kChunks) * TPB + sub;
-    r.count = 0;
-    if (tok >= p.num_tokens) return;
-    r.count = kTokenIndex ? __ldg(p.token_counts + tok) : TOP_K;
+  } else {
 #pragma unroll
-    for (int k = 0; k < kHeld; ++k) {  // entries past count are stale and never used
-      if (LAYOUT != kLayoutTokenMajor) r.row[k] = row_of(tok, k);
-      r.gate[k] = gate_of(tok, k);
-    }
-  };
-
-  const long long total = ((p.num_tokens + TPB - 1) / TPB) * kChunks;
-  Routing cur;
-  route(blockIdx.x, cur);
-  for (long long item = blockIdx.x; item < total; item += gridDim.x) {
-    const long long tok = (item / kChunks) * TPB + sub;
-    const int first_slot = static_cast<int>(item % kChunks) * kSpan + lane;
-    const bool token_on = tok < p.num_tokens;
-    float sum[UPT][VEC];
-#pragma unroll
-    for (int u = 0; u < UPT; ++u)
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) sum[u][e] = 0.0f;
-    Routing next;
-    const bool listed = cur.count <= kMaxRows;
-    // First batch: routing from registers; all its loads are issued before the next item's
-    // routing is prefetched, then the rows are added in order.
-    {
-      detail::Pack<S, VEC> v[kRowsPerBatch][UPT];
-      bool present[kRowsPerBatch];
-#pragma unroll
-      for (int j = 0; j < kRowsPerBatch; ++j) {
-        present[j] = false;
-        if (j < kMaxRows && token_on && listed && j < cur.count) {
-          const long long row =
-              LAYOUT == kLayoutTokenMajor ? tok * TOP_K + j : cur.row[j < kHeld ? j : 0];
-          if (row >= 0) {
-            present[j] = true;
-#pragma unroll
-            for (int u = 0; u < UPT; ++u)
-              if (first_slot + u * TPT < kSlots)
-                v[j][u] = detail::load_slot<S, VEC, HIDDEN>(expert + row * p.expert_stride,
-                                                            first_slot + u * TPT);
-          }
-        }
+    for (int k = 0; k < kHeld; ++k) {
+      if constexpr (LAYOUT == kLayoutTokenMajor) {
+        row[k] = 0;  // unused: the row is tok * TOP_K + k
+      } else {
+        const long long m = static_cast<long long>(__ldg(indices + tok * TOP_K + k));
+        row[k] = (m >= 0 && m < p.num_rows) ? static_cast<int>(m) : -1;  // out of range: dropped
       }
-      if (item + gridDim.x < total) route(item + gridDim.x, next);
-#pragma unroll
-      for (int j = 0; j < kRowsPerBatch; ++j)
-        if (present[j]) {
-#pragma unroll
-          for (int u = 0; u < UPT; ++u)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e)
-              sum[u][e] = fmaf(cur.gate[j < kHeld ? j : 0],
-                               detail::Elem<IN_DT>::to_float(v[j][u].e[e]), sum[u][e]);
-        }
+      gate[k] = p.gates != nullptr ? __ldg(p.gates + tok * TOP_K + k) : 1.0f;
     }
-    // Later rows (top_k or a list longer than one batch), two at a time, routing from memory: a
-    // loop that is not unrolled, so the rare long lists cost no registers on the common path.
+  }
+  // Token index: every row of the token is among the held (sorted) ones.
+  const bool held_all = !kTokenIndex || count <= kHeld;
+
+  float sum[UPT][VEC];
+#pragma unroll
+  for (int u = 0; u < UPT; ++u)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) sum[u][e] = 0.0f;
+
+  // First batch, routing from registers: every load is issued before the first add.
+  if (held_all) {
+    detail::Pack<S, VEC> v[kRowsPerBatch][UPT];
+    bool present[kRowsPerBatch];
+#pragma unroll
+    for (int j = 0; j < kRowsPerBatch; ++j) {
+      const int k = j < kHeld ? j : 0;
+      const long long r = LAYOUT == kLayoutTokenMajor ? tok * TOP_K + j : row[k];
+      present[j] = j < kHeld && j < count && (LAYOUT == kLayoutTokenMajor || row[k] >= 0);
+      const S* src = expert + (present[j] ? r : 0) * p.expert_stride;
+#pragma unroll
+      for (int u = 0; u < UPT; ++u) {
+        v[j][u] = detail::zero_pack<S, VEC>();
+        detail::load_slot_if<S, VEC, HIDDEN>(present[j] && first_slot + u * TPT < kSlots, src,
+                                             first_slot + u * TPT, v[j][u]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRowsPerBatch; ++j)
+      if (present[j]) {
+#pragma unroll
+        for (int u = 0; u < UPT; ++u)
+#pragma unroll
+          for (int e = 0; e < VEC; ++e)
+            sum[u][e] = fmaf(gate[j < kHeld ? j : 0], detail::Elem<IN_DT>::to_float(v[j][u].e[e]),
+                             sum[u][e]);
+      }
+  }
+  // Fixed layouts with top_k > kRowsPerBatch: later rows two at a time, routing from memory. A
+  // loop that is not unrolled, so the rare large top_k costs no registers on the common path.
+  if constexpr (!kTokenIndex) {
 #pragma unroll 1
-    for (int base = kRowsPerBatch; base < kMaxRows && base < cur.count; base += 2) {
+    for (int base = kRowsPerBatch; base < TOP_K; base += 2) {
       detail::Pack<S, VEC> v[2][UPT];
       float w[2];
       bool present[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int k = base + j;
-        present[j] = false;
-        w[j] = 0.0f;
-        if (k < kMaxRows && token_on && listed && k < cur.count) {
-          const long long row = LAYOUT == kLayoutTokenMajor ? tok * TOP_K + k : row_of(tok, k);
-          if (row >= 0) {
-            present[j] = true;
-            w[j] = gate_of(tok, k);
-#pragma unroll
-            for (int u = 0; u < UPT; ++u)
-              if (first_slot + u * TPT < kSlots)
-                v[j][u] = detail::load_slot<S, VEC, HIDDEN>(expert + row * p.expert_stride,
-                                                            first_slot + u * TPT);
+        long long r = -1;
+        if (k < TOP_K) {
+          if constexpr (LAYOUT == kLayoutTokenMajor) {
+            r = tok * TOP_K + k;
+          } else {
+            const long long m = static_cast<long long>(__ldg(indices + tok * TOP_K + k));
+            r = (m >= 0 && m < p.num_rows) ? m : -1;
           }
+        }
+        present[j] = r >= 0;
+        w[j] = present[j] && p.gates != nullptr ? __ldg(p.gates + tok * TOP_K + k) : 1.0f;
+        const S* src = expert + (present[j] ? r : 0) * p.expert_stride;
+#pragma unroll
+        for (int u = 0; u < UPT; ++u) {
+          v[j][u] = detail::zero_pack<S, VEC>();
+          detail::load_slot_if<S, VEC, HIDDEN>(present[j] && first_slot + u * TPT < kSlots, src,
+                                               first_slot + u * TPT, v[j][u]);
         }
       }
 #pragma unroll
@@ -323,17 +399,22 @@ __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
               sum[u][e] = fmaf(w[j], detail::Elem<IN_DT>::to_float(v[j][u].e[e]), sum[u][e]);
         }
     }
-#pragma unroll
-    for (int u = 0; u < UPT; ++u) {
-      const int slot = first_slot + u * TPT;
-      if (!token_on || slot >= kSlots) continue;
-      if constexpr (kTokenIndex) {
-        if (!listed) detail::add_rows_by_walk<IN_DT, VEC, HIDDEN, IdxT>(p, tok, slot, sum[u]);
-      }
-      OutS* out_row = static_cast<OutS*>(p.out) + tok * p.out_stride;
-      detail::store_slot<OUT_DT, VEC, HIDDEN>(out_row, slot, sum[u], p.scale, p.accumulate != 0);
+  }
+  const int slot = first_slot;  // token index: UPT == 1
+  if constexpr (kTokenIndex) {
+    if (!held_all && slot < kSlots) {
+      if (count <= LIST_CAP)
+        detail::add_listed_rows_in_order<IN_DT, VEC, HIDDEN>(p, tok, LIST_CAP, count, slot, sum[0]);
+      else
+        detail::add_rows_by_walk<IN_DT, VEC, HIDDEN, IdxT>(p, tok, slot, sum[0]);
     }
-    cur = next;
+  }
+#pragma unroll
+  for (int u = 0; u < UPT; ++u) {
+    const int sl = first_slot + u * TPT;
+    if (sl >= kSlots) continue;
+    OutS* out_row = static_cast<OutS*>(p.out) + tok * p.out_stride;
+    detail::store_slot<OUT_DT, VEC, HIDDEN>(out_row, sl, sum[u], p.scale, p.accumulate != 0);
   }
 }
 
@@ -391,12 +472,13 @@ __global__ void __launch_bounds__(TPT* TPB) combine_scan(const CombineParams p) 
       detail::Pack<S, VEC> v[detail::kBatch];
       float w[detail::kBatch];
 #pragma unroll
-      for (int j = 0; j < detail::kBatch; ++j)
-        if (base + j < count) {
-          const int row = s_rows[sub][base + j];
-          w[j] = p.gates != nullptr ? __ldg(p.gates + row) : 1.0f;
-          v[j] = detail::load_slot<S, VEC, HIDDEN>(expert + row * p.expert_stride, slot);
-        }
+      for (int j = 0; j < detail::kBatch; ++j) {
+        const bool on = base + j < count;
+        const int row = on ? s_rows[sub][base + j] : 0;
+        w[j] = on && p.gates != nullptr ? __ldg(p.gates + row) : 1.0f;
+        v[j] = detail::zero_pack<S, VEC>();
+        detail::load_slot_if<S, VEC, HIDDEN>(on, expert + row * p.expert_stride, slot, v[j]);
+      }
 #pragma unroll
       for (int j = 0; j < detail::kBatch; ++j)
         if (base + j < count) {
@@ -413,11 +495,12 @@ __global__ void __launch_bounds__(TPT* TPB) combine_scan(const CombineParams p) 
 }
 
 // ---- token-index layout: building the per-token row lists ------------------------------------
-// Three small steps before the combine; together they are a counting sort of token_idx into
-// per-token lists in ascending row order, so the summation order never depends on atomics.
+// Two small steps before the combine: per-token lists of row ids in arrival order. The combine
+// sorts each list in registers, so the summation order never depends on the atomics.
 
 // Step 1: forget the previous call's lists (the workspace may hold anything).
 __global__ void token_index_clear(const CombineParams p) {
+  detail::allow_dependents();
   for (long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
        t < p.num_tokens; t += static_cast<long long>(gridDim.x) * blockDim.x)
     p.token_counts[t] = 0;
@@ -427,6 +510,8 @@ __global__ void token_index_clear(const CombineParams p) {
 template <typename IdxT>
 __global__ void token_index_assign(const CombineParams p) {
   const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
+  detail::allow_dependents();
+  detail::wait_for_predecessor();  // the counts are token_index_clear's
   for (long long r = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; r < p.num_rows;
        r += static_cast<long long>(gridDim.x) * blockDim.x) {
     const long long t = static_cast<long long>(__ldg(token_idx + r));
@@ -434,36 +519,6 @@ __global__ void token_index_assign(const CombineParams p) {
     const int arrival = atomicAdd(p.token_counts + t, 1);
     if (arrival < p.list_capacity)
       p.token_rows[t * p.list_capacity + arrival] = static_cast<int>(r);
-  }
-}
-
-// Step 3: one thread per token sorts its list (ascending row id: the documented, deterministic
-// summation order) and gathers the gates in that order, so the combine reads both contiguously.
-// A sorting network on registers: compile-time indices only, no local memory.
-template <int LIST_CAP>
-__global__ void token_index_sort(const CombineParams p) {
-  for (long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
-       t < p.num_tokens; t += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const int count = p.token_counts[t];
-    if (count > LIST_CAP) continue;  // overflow: the combine walks token_idx instead
-    int r[LIST_CAP];
-#pragma unroll
-    for (int k = 0; k < LIST_CAP; ++k)
-      r[k] = k < count ? p.token_rows[t * LIST_CAP + k] : 0x7fffffff;
-#pragma unroll
-    for (int round = 0; round < LIST_CAP; ++round)
-#pragma unroll
-      for (int i = round & 1; i + 1 < LIST_CAP; i += 2) {
-        const int lo = min(r[i], r[i + 1]), hi = max(r[i], r[i + 1]);
-        r[i] = lo;
-        r[i + 1] = hi;
-      }
-#pragma unroll
-    for (int k = 0; k < LIST_CAP; ++k)
-      if (k < count) {
-        p.token_rows[t * LIST_CAP + k] = r[k];
-        p.token_gates[t * LIST_CAP + k] = p.gates != nullptr ? __ldg(p.gates + r[k]) : 1.0f;
-      }
   }
 }
 

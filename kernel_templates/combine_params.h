@@ -23,7 +23,6 @@ struct CombineParams {
   void* out;                // T rows of OutT
   int* token_counts;        // token-index layout: [T] rows seen per token (workspace)
   int* token_rows;          // token-index layout: [T * list_capacity] row ids (workspace)
-  float* token_gates;       // token-index layout: [T * list_capacity] gates of those rows
   long long expert_stride;  // elements between expert rows
   long long out_stride;     // elements between output rows
   long long num_tokens;     // T

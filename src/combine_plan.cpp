@@ -50,18 +50,19 @@ int list_capacity(int64_t rows_per_token) {
   return 64;
 }
 
-// Token-index workspace: counts [T] (padded to 256 bytes), then row ids and gates [T * cap] each.
+// Token-index workspace: counts [T] (padded to 256 bytes), then row ids [T * cap].
 size_t counts_bytes(int64_t tokens) {
   return (static_cast<size_t>(tokens) * sizeof(int) + 255) / 256 * 256;
 }
 
 // Up to this many tokens a call is decode-sized: latency, not bandwidth, decides.
-constexpr int64_t kDecodeMaxTokens = 16;
+constexpr int64_t kDecodeMaxTokens = 64;
 
-// Thread geometry, from the H200 sweeps (tools/bench/results): one vector slot per thread and
-// 128-thread blocks for bandwidth; short rows share a block between several tokens; decode-sized
-// calls use 32-thread token groups so one token's row spreads over more SMs; the token-index
-// combine with short lists takes two slots per thread (its routing costs more per item).
+// Thread geometry, from the H200 sweeps (tools/bench/NOTES.md): one vector slot per thread and
+// 128-thread blocks for bandwidth; short rows share a block between several tokens. Decode-sized
+// calls spread each token's row over more, smaller blocks: 16-slot token groups, two per 32-thread
+// block (DeepSeek-V3's 7168-wide bf16 row becomes 56 blocks), or for the token index 64-thread
+// groups (its single-launch kernel needs whole warps per token).
 void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   const int slots = s->slots();
   s->upt = 1;
@@ -73,11 +74,10 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
     s->tpb = kBlockThreads / s->tpt;
   }
   const bool decode = num_tokens >= 0 && num_tokens <= kDecodeMaxTokens;
-  if (decode && !s->token_index() && slots > 32) {
-    s->tpt = 32;
-    s->tpb = 1;
+  if (decode && slots > 32) {
+    s->tpt = s->token_index() ? 64 : 16;
+    s->tpb = s->token_index() ? 1 : 2;
   }
-  if (s->token_index() && s->list_cap <= 8 && slots >= 2 * s->tpt) s->upt = 2;
 }
 
 // Widest vector (elements) such that every row start of both buffers is aligned to it.
@@ -171,7 +171,7 @@ size_t workspace_bytes(const moejit_combine_args& a) {
   if (a.layout != MOEJIT_LAYOUT_TOKEN_INDEX || a.num_tokens == 0) return 0;
   const int64_t cap = list_capacity((a.num_rows + a.num_tokens - 1) / a.num_tokens);
   const size_t list = static_cast<size_t>(a.num_tokens) * static_cast<size_t>(cap);
-  return counts_bytes(a.num_tokens) + list * sizeof(int) + list * sizeof(float);
+  return counts_bytes(a.num_tokens) + list * sizeof(int);
 }
 
 // The spec for a shape once the vector width is known (from real pointers, or an alignment).
@@ -280,14 +280,16 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   p.accumulate = a.accumulate;
   p.list_capacity = s.list_cap;
 
+  // Grid x: token groups (at most 2^31 - 1). Grid y: chunks per row, at most 65536 / 4 (hidden
+  // <= MOEJIT_MAX_HIDDEN_DIM, >= 4 slots per chunk), under the 65535 limit.
   const int64_t groups = (a.num_tokens + s.tpb - 1) / s.tpb;
-  const int64_t blocks = groups * s.chunks();
-  if (blocks > INT32_MAX)
+  if (groups > INT32_MAX)
     throw Error(MOEJIT_ERROR_UNSUPPORTED,
-                "num_tokens = " + std::to_string(a.num_tokens) + " with hidden_dim = " +
-                    std::to_string(a.hidden_dim) + " needs " + std::to_string(blocks) +
-                    " blocks, more than one launch allows (2^31 - 1): split the batch");
-  plan.combine_blocks = static_cast<unsigned>(blocks);
+                "num_tokens = " + std::to_string(a.num_tokens) + " needs " +
+                    std::to_string(groups) +
+                    " token groups, more than one launch allows (2^31 - 1): split the batch");
+  plan.combine_groups = static_cast<unsigned>(groups);
+  plan.combine_chunks = static_cast<unsigned>(s.chunks());
 
   if (s.token_index()) {
     const size_t needed = workspace_bytes(a);
@@ -299,23 +301,20 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
                       " bytes of device memory here (moejit_combine_workspace_size())");
     check_aligned("args->workspace", a.workspace, 16, "the workspace");
     char* ws = static_cast<char*>(a.workspace);
-    const size_t list = static_cast<size_t>(a.num_tokens) * static_cast<size_t>(s.list_cap);
     p.token_counts = reinterpret_cast<int*>(ws);
     p.token_rows = reinterpret_cast<int*>(ws + counts_bytes(a.num_tokens));
-    p.token_gates = reinterpret_cast<float*>(ws + counts_bytes(a.num_tokens) + list * sizeof(int));
     auto helper_blocks = [](int64_t n) {
       return static_cast<unsigned>(std::max<int64_t>(
           1, std::min<int64_t>((n + kHelperThreads - 1) / kHelperThreads, kMaxHelperBlocks)));
     };
     plan.clear_blocks = helper_blocks(a.num_tokens);
     plan.assign_blocks = helper_blocks(a.num_rows);
-    plan.sort_blocks = plan.clear_blocks;
     const double scan_blocks = static_cast<double>(groups) * s.scan_chunks();
     plan.token_scan = s.has_scan_kernel() && a.num_rows <= kScanMaxRows &&
                       scan_blocks * static_cast<double>(a.num_rows) *
                               (a.index_type == MOEJIT_INDEX_INT64 ? 8 : 4) <=
                           kScanMaxBytes;
-    if (plan.token_scan) plan.combine_blocks = static_cast<unsigned>(scan_blocks);
+    if (plan.token_scan) plan.scan_blocks = static_cast<unsigned>(scan_blocks);
   }
   return plan;
 }
@@ -326,36 +325,48 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
   const DriverApi& d = driver();
   CombineParams params = plan.params;
   void* kernel_args[] = {&params};
-  if (plan.token_scan) {
-    check_cuda(d.cuLaunchKernel(kernels.functions[kScanKernel], plan.combine_blocks, 1, 1,
-                                static_cast<unsigned>(plan.spec.block_threads()), 1, 1, 0, stream,
-                                kernel_args, nullptr),
-               "cuLaunchKernel(combine_scan)");
+  // Each kernel after the first of the token-index chain may start while its predecessor drains
+  // (programmatic dependent launch): it waits in griddepcontrol.wait before touching memory, so
+  // only the launch latency overlaps. Where unsupported, plain stream order.
+  auto launch = [&](int kernel, unsigned gx, unsigned gy, unsigned threads, bool dependent,
+                    const char* what) {
+    if (dependent && kernels.dependent_launch) {
+      CUlaunchAttribute attr{};
+      attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+      attr.value.programmaticStreamSerializationAllowed = 1;
+      CUlaunchConfig config{};
+      config.gridDimX = gx;
+      config.gridDimY = gy;
+      config.gridDimZ = 1;
+      config.blockDimX = threads;
+      config.blockDimY = 1;
+      config.blockDimZ = 1;
+      config.hStream = stream;
+      config.attrs = &attr;
+      config.numAttrs = 1;
+      check_cuda(d.cuLaunchKernelEx(&config, kernels.functions[kernel], kernel_args, nullptr),
+                 what);
+    } else {
+      check_cuda(d.cuLaunchKernel(kernels.functions[kernel], gx, gy, 1, threads, 1, 1, 0, stream,
+                                  kernel_args, nullptr),
+                 what);
+    }
     stats.launches.fetch_add(1, std::memory_order_relaxed);
+  };
+  const unsigned threads = static_cast<unsigned>(plan.spec.block_threads());
+  if (plan.token_scan) {
+    launch(kScanKernel, plan.scan_blocks, 1, threads, false, "cuLaunchKernel(combine_scan)");
     return;
   }
-  if (plan.spec.token_index()) {
-    check_cuda(d.cuLaunchKernel(kernels.functions[kClearKernel], plan.clear_blocks, 1, 1,
-                                kHelperThreads, 1, 1, 0, stream, kernel_args, nullptr),
-               "cuLaunchKernel(token_index_clear)");
-    check_cuda(d.cuLaunchKernel(kernels.functions[kAssignKernel], plan.assign_blocks, 1, 1,
-                                kHelperThreads, 1, 1, 0, stream, kernel_args, nullptr),
-               "cuLaunchKernel(token_index_assign)");
-    check_cuda(d.cuLaunchKernel(kernels.functions[kSortKernel], plan.sort_blocks, 1, 1,
-                                kHelperThreads, 1, 1, 0, stream, kernel_args, nullptr),
-               "cuLaunchKernel(token_index_sort)");
-    stats.launches.fetch_add(3, std::memory_order_relaxed);
+  const bool chained = plan.spec.token_index();
+  if (chained) {
+    launch(kClearKernel, plan.clear_blocks, 1, kHelperThreads, false,
+           "cuLaunchKernel(token_index_clear)");
+    launch(kAssignKernel, plan.assign_blocks, 1, kHelperThreads, true,
+           "cuLaunchKernelEx(token_index_assign)");
   }
-  // The combine is persistent (it loops over work items, prefetching the next item's routing):
-  // no more blocks than fit on the device at once.
-  const unsigned blocks = kernels.resident_blocks == 0
-                              ? plan.combine_blocks
-                              : std::min(plan.combine_blocks, kernels.resident_blocks);
-  check_cuda(d.cuLaunchKernel(kernels.functions[kCombineKernel], blocks, 1, 1,
-                              static_cast<unsigned>(plan.spec.block_threads()), 1, 1, 0, stream,
-                              kernel_args, nullptr),
-             "cuLaunchKernel(combine)");
-  stats.launches.fetch_add(1, std::memory_order_relaxed);
+  launch(kCombineKernel, plan.combine_groups, plan.combine_chunks, threads, chained,
+         chained ? "cuLaunchKernelEx(combine)" : "cuLaunchKernel(combine)");
 }
 
 }  // namespace moejit

@@ -21,10 +21,11 @@ struct CombinePlan {
   KernelSpec spec;
   CombineParams params{};
   bool nothing_to_do = false;       // T == 0
-  unsigned int combine_blocks = 0;  // 1-D grid of the combine kernel
+  unsigned int combine_groups = 0;  // grid x of the combine: token groups of spec.tpb tokens
+  unsigned int combine_chunks = 0;  // grid y: chunks of spec.tpt * spec.upt vector slots per row
+  unsigned int scan_blocks = 0;     // 1-D grid of the single-launch token-index kernel
   unsigned int clear_blocks = 0;    // token-index helpers (0 for other layouts)
   unsigned int assign_blocks = 0;
-  unsigned int sort_blocks = 0;
   bool token_scan = false;  // token index, few rows: the single-launch scan kernel
 };
 

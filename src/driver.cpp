@@ -47,8 +47,6 @@ LoadedDriver load() {
             resolve(handle, "cuDeviceGetCount", &a.cuDeviceGetCount) &&
             resolve(handle, "cuDeviceGet", &a.cuDeviceGet) &&
             resolve(handle, "cuDeviceGetAttribute", &a.cuDeviceGetAttribute) &&
-            resolve(handle, "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-                    &a.cuOccupancyMaxActiveBlocksPerMultiprocessor) &&
             resolve(handle, "cuModuleLoadData", &a.cuModuleLoadData) &&
             resolve(handle, "cuModuleUnload", &a.cuModuleUnload) &&
             resolve(handle, "cuModuleGetFunction", &a.cuModuleGetFunction) &&
@@ -58,7 +56,8 @@ LoadedDriver load() {
     d.message = "libcuda.so.1 was found but lacks a required function; the driver is too old";
     return d;
   }
-  resolve(handle, "cuCtxGetId", &a.cuCtxGetId);  // optional: CUDA 12.0+
+  resolve(handle, "cuCtxGetId", &a.cuCtxGetId);              // optional: CUDA 12.0+
+  resolve(handle, "cuLaunchKernelEx", &a.cuLaunchKernelEx);  // optional: CUDA 12.0+
   const CUresult init = a.cuInit(0);
   if (init != CUDA_SUCCESS) {
     const char* name = nullptr;

@@ -46,7 +46,6 @@ std::vector<std::string> KernelSpec::name_expressions() const {
   if (token_index()) {
     names.push_back("&moejit::token_index_clear");
     names.push_back(std::string("&moejit::token_index_assign<") + idx + ">");
-    names.push_back("&moejit::token_index_sort<" + std::to_string(list_cap) + ">");
     if (has_scan_kernel()) {
       std::ostringstream scan;
       scan << "&moejit::combine_scan<" << in_dtype << ", " << out_dtype << ", " << idx << ", "

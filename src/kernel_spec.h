@@ -36,7 +36,7 @@ struct KernelSpec {
   std::vector<std::string> name_expressions() const;
   // The generated translation unit.
   std::string source() const;
-  // "layout=gather_map in=bf16 out=bf16 idx=int32 H=7168 vec=8 K=8 tpt=128 tpb=1 cap=0": for
+  // "layout=gather_map in=bf16 out=bf16 idx=int32 H=7168 vec=8 K=8 tpt=128 tpb=1 upt=1 cap=0": for
   // logs, messages and the precompile manifest.
   std::string describe() const;
 
@@ -50,9 +50,8 @@ enum KernelSlot {
   kCombineKernel = 0,
   kClearKernel = 1,
   kAssignKernel = 2,
-  kSortKernel = 3,
-  kScanKernel = 4,  // token index, small batches: one launch (absent when tpt % 32 != 0)
-  kMaxKernels = 5
+  kScanKernel = 3,  // token index, small batches: one launch (absent when tpt % 32 != 0)
+  kMaxKernels = 4
 };
 
 const char* dtype_name(int dtype);    // "fp32" | "fp16" | "bf16"

@@ -103,13 +103,7 @@ void ModuleCache::load(const KernelSpec& spec, CUcontext context, Entry& entry) 
                                          module->lowered_names[i]);
     }
   }
-  int sms = 0, per_sm = 0;
-  check_cuda(d.cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device),
-             "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)");
-  check_cuda(d.cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k.functions[kCombineKernel],
-                                                           spec.block_threads(), 0),
-             "cuOccupancyMaxActiveBlocksPerMultiprocessor");
-  k.resident_blocks = static_cast<unsigned>(std::max(1, sms * per_sm));
+  k.dependent_launch = major >= 9 && d.cuLaunchKernelEx != nullptr;
   entry.kernels = k;
   entry.context = context;
   logger().debug("loaded {} ({}) in context {}", spec.describe(), target.name(),

@@ -21,9 +21,9 @@ namespace moejit {
 struct LoadedKernels {
   CUmodule module = nullptr;
   CUfunction functions[kMaxKernels] = {};
-  // Blocks of the combine kernel that fit on the device at once (occupancy x SMs): the grid of
-  // the persistent fixed-top_k kernel. Read off the device when the module is loaded.
-  unsigned resident_blocks = 0;
+  // The device (compute capability 9.0+) and driver can start a kernel of the token-index chain
+  // while its predecessor drains (programmatic dependent launch, cuLaunchKernelEx).
+  bool dependent_launch = false;
 };
 
 class ModuleCache {

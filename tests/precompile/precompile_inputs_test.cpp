@@ -128,9 +128,8 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
   s.origin = "test";
   std::vector<KernelSpec> specs;
   expand_shape(s, all_layouts(), all_index_types(), &specs);
-  // token_major has no index: (1 + gather_map x 2) x {prefill, decode geometry} + token_index x 2
-  // (one geometry: decode-sized token-index calls use the single-launch kernel of the same spec).
-  ASSERT_EQ(specs.size(), 8u);
+  // token_major has no index: (1 + gather_map x 2 + token_index x 2) x {prefill, decode geometry}.
+  ASSERT_EQ(specs.size(), 10u);
   for (moejit_layout l : all_layouts())
     for (moejit_index_type t : all_index_types())
       for (int64_t tokens : {kAnyTokens, int64_t{1}, int64_t{4096}}) {
@@ -139,7 +138,7 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
         EXPECT_NE(std::find(specs.begin(), specs.end(), want), specs.end()) << want.describe();
       }
   expand_shape(s, all_layouts(), all_index_types(), &specs);  // no duplicates
-  EXPECT_EQ(specs.size(), 8u);
+  EXPECT_EQ(specs.size(), 10u);
 
   s.hidden = 0;
   EXPECT_NE(error_of([&] {
@@ -164,8 +163,8 @@ TEST(Manifest, ExactAndShapeLines) {
   d.dtype = MOEJIT_DTYPE_FLOAT32;
   std::vector<KernelSpec> specs;
   parse_manifest(text, "m.txt", d, &specs);
-  // Shape lines expand to every geometry: prefill then decode for the fixed layouts.
-  ASSERT_EQ(specs.size(), 6u);
+  // Shape lines expand to every geometry: prefill then decode.
+  ASSERT_EQ(specs.size(), 7u);
   EXPECT_EQ(specs[0], exact);
   EXPECT_EQ(specs[1], spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                      MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256));
@@ -177,6 +176,8 @@ TEST(Manifest, ExactAndShapeLines) {
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256, 1));
   EXPECT_EQ(specs[5], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256));
+  EXPECT_EQ(specs[6], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256, 1));
 
   auto bad = [&](const std::string& line) {
     return error_of([&] {
@@ -308,15 +309,15 @@ TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
   std::istringstream in(text.out);
   for (std::string l; std::getline(in, l);)
     if (std::regex_match(l, line)) ++lines;
-  EXPECT_EQ(lines, 16u) << text.out;  // 8 specs x 2 targets
+  EXPECT_EQ(lines, 20u) << text.out;  // 10 specs x 2 targets
 
   const test::ToolRun js =
       run("--dry-run --json --model-config '" + configs("qwen3-30b-a3b.json") +
           "' --arch sm_90 --layout gather_map,token_index --cache-dir '" + cache + "'");
   ASSERT_EQ(js.rc, 0) << js.err;
   const nlohmann::json j = nlohmann::json::parse(js.out);
-  EXPECT_EQ(j["total"], 6);  // gather_map x 2 index types x 2 geometries + token_index x 2
-  EXPECT_EQ(j["missing"], 6);
+  EXPECT_EQ(j["total"], 8);  // (gather_map + token_index) x 2 index types x 2 geometries
+  EXPECT_EQ(j["missing"], 8);
   EXPECT_EQ(j["cached"], 0);
   // The keys are the runtime's own: recompute them through KernelStore::request_for.
   Settings settings;

@@ -29,22 +29,34 @@ moejit_combine_args gather_args(void* expert, void* out, int64_t hidden) {
 
 TEST(KernelSpec, AlignedBf16UsesSixteenByteVectors) {
   auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
-  a.num_tokens = 33;
-  a.num_rows = 66;
+  a.num_tokens = 333;
+  a.num_rows = 666;
   const CombinePlan plan = plan_combine(&a);
   EXPECT_EQ(plan.spec.vec, 8);
   EXPECT_EQ(plan.spec.tpt, 128);
   EXPECT_EQ(plan.spec.tpb, 1);
   EXPECT_EQ(plan.spec.chunks(), 7);
-  EXPECT_EQ(plan.combine_blocks, 33u * 7u);
+  EXPECT_EQ(plan.combine_groups, 333u);
+  EXPECT_EQ(plan.combine_chunks, 7u);
 }
 
 TEST(KernelSpec, DecodeSizedCallsSpreadATokenOverMoreBlocks) {
   auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
   const CombinePlan plan = plan_combine(&a);  // 3 tokens
-  EXPECT_EQ(plan.spec.tpt, 32);
-  EXPECT_EQ(plan.spec.chunks(), 28);
-  EXPECT_EQ(plan.combine_blocks, 3u * 28u);
+  EXPECT_EQ(plan.spec.tpt, 16);
+  EXPECT_EQ(plan.spec.tpb, 2);
+  EXPECT_EQ(plan.spec.chunks(), 56);
+  EXPECT_EQ(plan.combine_groups, 2u);  // two tokens per 32-thread block
+  EXPECT_EQ(plan.combine_chunks, 56u);
+  // The token index keeps whole warps per token (its single-launch kernel needs them).
+  const KernelSpec ti = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
+                                       MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256, 3);
+  EXPECT_EQ(ti.tpt, 64);
+  EXPECT_TRUE(ti.has_scan_kernel());
+  // Past 64 tokens: the bandwidth geometry.
+  a.num_tokens = 65;
+  a.num_rows = 130;
+  EXPECT_EQ(plan_combine(&a).spec.tpt, 128);
 }
 
 TEST(KernelSpec, MisalignedPointerNarrowsTheVector) {
@@ -71,7 +83,8 @@ TEST(KernelSpec, ShortRowsShareBlocks) {
   EXPECT_EQ(plan.spec.tpt, 32);
   EXPECT_EQ(plan.spec.tpb, 4);
   EXPECT_EQ(plan.spec.block_threads(), 128);
-  EXPECT_EQ(plan.combine_blocks, 1u);  // 3 tokens fit in one block of 4 token groups
+  EXPECT_EQ(plan.combine_groups, 1u);  // 3 tokens fit in one block of 4 token groups
+  EXPECT_EQ(plan.combine_chunks, 1u);
 }
 
 TEST(KernelSpec, TinyHiddenKeepsAtLeastFourThreadsPerToken) {
@@ -109,18 +122,17 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_EQ(s.list_cap, 16);
   EXPECT_EQ(s.vec, 4);  // fp32 output limits the vector to 16 bytes of output
   const auto names = s.name_expressions();
-  ASSERT_EQ(names.size(), 5u);
+  ASSERT_EQ(names.size(), 4u);
   EXPECT_EQ(names[kCombineKernel],
             "&moejit::combine<2, 1, 0, long long, 2048, 4, 0, 128, 1, 1, 16>");
   EXPECT_EQ(names[kClearKernel], "&moejit::token_index_clear");
   EXPECT_EQ(names[kAssignKernel], "&moejit::token_index_assign<long long>");
-  EXPECT_EQ(names[kSortKernel], "&moejit::token_index_sort<16>");
   EXPECT_EQ(names[kScanKernel], "&moejit::combine_scan<1, 0, long long, 2048, 4, 128, 1, 16>");
   // Rows too short for a token to own a warp: no single-launch kernel.
   const KernelSpec tiny = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                          MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 8, 2, 256);
   EXPECT_FALSE(tiny.has_scan_kernel());
-  EXPECT_EQ(tiny.name_expressions().size(), 4u);
+  EXPECT_EQ(tiny.name_expressions().size(), 3u);
   EXPECT_NE(s.source().find("#include \"combine.cuh\""), std::string::npos);
 }
 

@@ -243,8 +243,8 @@ void measure_calls(cudaStream_t stream, JitFigures* figures) {
   const auto threads = static_cast<unsigned>(plan.spec.block_threads());
   figures->bare_launch_host_us = host_us_per_call(stream, kBatches, kPerBatch, [&] {
     moejit::check_cuda(
-        d.cuLaunchKernel(kernels.functions[moejit::kCombineKernel], plan.combine_blocks, 1, 1,
-                         threads, 1, 1, 0, cu_stream, kernel_args, nullptr),
+        d.cuLaunchKernel(kernels.functions[moejit::kCombineKernel], plan.combine_groups,
+                         plan.combine_chunks, 1, threads, 1, 1, 0, cu_stream, kernel_args, nullptr),
         "cuLaunchKernel(combine)");
   });
 }
