@@ -271,8 +271,8 @@ __device__ __forceinline__ void sort_rows(int (&r)[N]) {
 template <int LAYOUT, int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT,
           int TPB, int UPT, int LIST_CAP>
 __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
-  static_assert(LAYOUT != kLayoutTokenIndex || (LIST_CAP > 0 && TOP_K == 0 && UPT == 1),
-                "token index: a list, no top_k, one slot per thread");
+  static_assert(LAYOUT != kLayoutTokenIndex || (LIST_CAP > 0 && TOP_K == 0),
+                "token index: a list, no top_k");
   static_assert(LAYOUT == kLayoutTokenIndex || (TOP_K > 0 && LIST_CAP == 0), "fixed top_k");
   typedef typename detail::Elem<IN_DT>::storage S;
   typedef typename detail::Elem<OUT_DT>::storage OutS;
@@ -281,10 +281,12 @@ __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
   // Rows loaded together: kBatch 16-byte vectors in flight per thread, whatever UPT is.
   constexpr int kRowsPerBatch = detail::kBatch / UPT > 0 ? detail::kBatch / UPT : 1;
   // Rows whose routing is held in registers. Fixed layouts: the first batch (later rows, when
-  // top_k > kBatch, are read as they come). Token index: the first kBatch entries of the list,
-  // sorted here; a longer list (a skewed routing) takes the slow paths below.
+  // top_k > kRowsPerBatch, are read as they come). Token index: the first kBatch entries of the
+  // list, sorted here and loaded in batches of kRowsPerBatch; a longer list (a skewed routing)
+  // takes the slow paths below.
   constexpr int kMaxRows = kTokenIndex ? LIST_CAP : TOP_K;
-  constexpr int kHeld = kMaxRows < kRowsPerBatch ? kMaxRows : kRowsPerBatch;
+  constexpr int kHeldCap = kTokenIndex ? detail::kBatch : kRowsPerBatch;
+  constexpr int kHeld = kMaxRows < kHeldCap ? kMaxRows : kHeldCap;
 
   const IdxT* __restrict__ indices = static_cast<const IdxT*>(p.indices);
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
@@ -300,10 +302,14 @@ __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
   int row[kHeld];
   float gate[kHeld];
   if constexpr (kTokenIndex) {
+    // The list entries are read together with the count, not after it (entries past the count
+    // are stale but inside the workspace): one round trip before the rows, as for a gather map.
     count = __ldg(p.token_counts + tok);
 #pragma unroll
+    for (int k = 0; k < kHeld; ++k) row[k] = __ldg(p.token_rows + tok * LIST_CAP + k);
+#pragma unroll
     for (int k = 0; k < kHeld; ++k)
-      row[k] = k < count ? __ldg(p.token_rows + tok * LIST_CAP + k) : 0x7fffffff;
+      if (k >= count) row[k] = 0x7fffffff;
     sort_rows(row);
 #pragma unroll
     for (int k = 0; k < kHeld; ++k) {
@@ -331,33 +337,37 @@ __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
 #pragma unroll
     for (int e = 0; e < VEC; ++e) sum[u][e] = 0.0f;
 
-  // First batch, routing from registers: every load is issued before the first add.
+  // The held rows, routing from registers, a batch at a time: every load of a batch is issued
+  // before its first add. (One batch for the fixed layouts.)
   if (held_all) {
-    detail::Pack<S, VEC> v[kRowsPerBatch][UPT];
-    bool present[kRowsPerBatch];
 #pragma unroll
-    for (int j = 0; j < kRowsPerBatch; ++j) {
-      const int k = j < kHeld ? j : 0;
-      const long long r = LAYOUT == kLayoutTokenMajor ? tok * TOP_K + j : row[k];
-      present[j] = j < kHeld && j < count && (LAYOUT == kLayoutTokenMajor || row[k] >= 0);
-      const S* src = expert + (present[j] ? r : 0) * p.expert_stride;
+    for (int b = 0; b < kHeld; b += kRowsPerBatch) {
+      detail::Pack<S, VEC> v[kRowsPerBatch][UPT];
+      bool present[kRowsPerBatch];
 #pragma unroll
-      for (int u = 0; u < UPT; ++u) {
-        v[j][u] = detail::zero_pack<S, VEC>();
-        detail::load_slot_if<S, VEC, HIDDEN>(present[j] && first_slot + u * TPT < kSlots, src,
-                                             first_slot + u * TPT, v[j][u]);
+      for (int i = 0; i < kRowsPerBatch; ++i) {
+        const int j = b + i, k = j < kHeld ? j : 0;
+        const long long r = LAYOUT == kLayoutTokenMajor ? tok * TOP_K + j : row[k];
+        present[i] = j < kHeld && j < count && (LAYOUT == kLayoutTokenMajor || row[k] >= 0);
+        const S* src = expert + (present[i] ? r : 0) * p.expert_stride;
+#pragma unroll
+        for (int u = 0; u < UPT; ++u) {
+          v[i][u] = detail::zero_pack<S, VEC>();
+          detail::load_slot_if<S, VEC, HIDDEN>(present[i] && first_slot + u * TPT < kSlots, src,
+                                               first_slot + u * TPT, v[i][u]);
+        }
       }
+#pragma unroll
+      for (int i = 0; i < kRowsPerBatch; ++i)
+        if (present[i]) {
+          const int k = b + i < kHeld ? b + i : 0;
+#pragma unroll
+          for (int u = 0; u < UPT; ++u)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+              sum[u][e] = fmaf(gate[k], detail::Elem<IN_DT>::to_float(v[i][u].e[e]), sum[u][e]);
+        }
     }
-#pragma unroll
-    for (int j = 0; j < kRowsPerBatch; ++j)
-      if (present[j]) {
-#pragma unroll
-        for (int u = 0; u < UPT; ++u)
-#pragma unroll
-          for (int e = 0; e < VEC; ++e)
-            sum[u][e] = fmaf(gate[j < kHeld ? j : 0], detail::Elem<IN_DT>::to_float(v[j][u].e[e]),
-                             sum[u][e]);
-      }
   }
   // Fixed layouts with top_k > kRowsPerBatch: later rows two at a time, routing from memory. A
   // loop that is not unrolled, so the rare large top_k costs no registers on the common path.
@@ -400,13 +410,18 @@ __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
         }
     }
   }
-  const int slot = first_slot;  // token index: UPT == 1
   if constexpr (kTokenIndex) {
-    if (!held_all && slot < kSlots) {
-      if (count <= LIST_CAP)
-        detail::add_listed_rows_in_order<IN_DT, VEC, HIDDEN>(p, tok, LIST_CAP, count, slot, sum[0]);
-      else
-        detail::add_rows_by_walk<IN_DT, VEC, HIDDEN, IdxT>(p, tok, slot, sum[0]);
+    if (!held_all) {
+#pragma unroll
+      for (int u = 0; u < UPT; ++u) {
+        const int slot = first_slot + u * TPT;
+        if (slot >= kSlots) continue;
+        if (count <= LIST_CAP)
+          detail::add_listed_rows_in_order<IN_DT, VEC, HIDDEN>(p, tok, LIST_CAP, count, slot,
+                                                               sum[u]);
+        else
+          detail::add_rows_by_walk<IN_DT, VEC, HIDDEN, IdxT>(p, tok, slot, sum[u]);
+      }
     }
   }
 #pragma unroll

@@ -78,6 +78,9 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
     s->tpt = s->token_index() ? 64 : 16;
     s->tpb = s->token_index() ? 1 : 2;
   }
+  // Token index with short lists (<= 4 rows per token on average): two slots per thread, so
+  // each block's routing round trip (count and list, then rows and gates) carries twice the rows.
+  if (s->token_index() && !decode && s->list_cap <= 8 && slots >= 2 * s->tpt) s->upt = 2;
 }
 
 // Widest vector (elements) such that every row start of both buffers is aligned to it.
