@@ -196,22 +196,37 @@ __device__ __forceinline__ void allow_dependents() {
 // spilling the loaded vectors.
 constexpr int kBatch = 8;
 
+// Adds row r with weight w to this thread's UPT slots (first_slot, first_slot + TPT, ...): the
+// rare paths below, one row at a time.
+template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT>
+__device__ __forceinline__ void add_row(const CombineParams& p, long long r, float w,
+                                        int first_slot, float (&sum)[UPT][VEC]) {
+  typedef typename Elem<IN_DT>::storage S;
+  constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;
+  const S* src = static_cast<const S*>(p.expert) + r * p.expert_stride;
+  Pack<S, VEC> v[UPT];
+#pragma unroll
+  for (int u = 0; u < UPT; ++u) {
+    v[u] = zero_pack<S, VEC>();
+    load_slot_if<S, VEC, HIDDEN>(first_slot + u * TPT < kSlots, src, first_slot + u * TPT, v[u]);
+  }
+#pragma unroll
+  for (int u = 0; u < UPT; ++u)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) sum[u][e] = fmaf(w, Elem<IN_DT>::to_float(v[u].e[e]), sum[u][e]);
+}
+
 // More rows for one token than its list holds (a skewed routing): walk token_idx in row order
 // and add this token's rows, in the same ascending order as the listed path. Slow but bounded,
 // and bitwise identical to what a longer list would give.
-template <int IN_DT, int VEC, int HIDDEN, typename IdxT>
-__device__ __forceinline__ void add_rows_by_walk(const CombineParams& p, long long tok, int slot,
-                                                 float (&sum)[VEC]) {
-  typedef typename Elem<IN_DT>::storage S;
+template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT, typename IdxT>
+__device__ __forceinline__ void add_rows_by_walk(const CombineParams& p, long long tok,
+                                                 int first_slot, float (&sum)[UPT][VEC]) {
   const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
-  const S* __restrict__ expert = static_cast<const S*>(p.expert);
   for (long long r = 0; r < p.num_rows; ++r) {
     if (static_cast<long long>(__ldg(token_idx + r)) != tok) continue;
-    const float w = p.gates != nullptr ? __ldg(p.gates + r) : 1.0f;
-    Pack<S, VEC> v = zero_pack<S, VEC>();
-    load_slot_if<S, VEC, HIDDEN>(true, expert + r * p.expert_stride, slot, v);
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) sum[e] = fmaf(w, Elem<IN_DT>::to_float(v.e[e]), sum[e]);
+    add_row<IN_DT, VEC, HIDDEN, UPT, TPT>(p, r, p.gates != nullptr ? __ldg(p.gates + r) : 1.0f,
+                                          first_slot, sum);
   }
 }
 
@@ -219,12 +234,10 @@ __device__ __forceinline__ void add_rows_by_walk(const CombineParams& p, long lo
 // LIST_CAP: add its rows in ascending row order by repeated selection of the next smallest id.
 // Quadratic in the list length, but the list is short and cached; bitwise identical to the
 // sorted path and to add_rows_by_walk (the same rows in the same order).
-template <int IN_DT, int VEC, int HIDDEN>
+template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT>
 __device__ __forceinline__ void add_listed_rows_in_order(const CombineParams& p, long long tok,
-                                                         int cap, int count, int slot,
-                                                         float (&sum)[VEC]) {
-  typedef typename Elem<IN_DT>::storage S;
-  const S* __restrict__ expert = static_cast<const S*>(p.expert);
+                                                         int cap, int count, int first_slot,
+                                                         float (&sum)[UPT][VEC]) {
   const int* __restrict__ list = p.token_rows + tok * cap;
   int prev = -1;
   for (int done = 0; done < count; ++done) {
@@ -233,12 +246,8 @@ __device__ __forceinline__ void add_listed_rows_in_order(const CombineParams& p,
       const int r = __ldg(list + k);
       if (r > prev && r < next) next = r;
     }
-    const float w = p.gates != nullptr ? __ldg(p.gates + next) : 1.0f;
-    Pack<S, VEC> v = zero_pack<S, VEC>();
-    load_slot_if<S, VEC, HIDDEN>(true, expert + static_cast<long long>(next) * p.expert_stride,
-                                 slot, v);
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) sum[e] = fmaf(w, Elem<IN_DT>::to_float(v.e[e]), sum[e]);
+    add_row<IN_DT, VEC, HIDDEN, UPT, TPT>(
+        p, next, p.gates != nullptr ? __ldg(p.gates + next) : 1.0f, first_slot, sum);
     prev = next;
   }
 }
@@ -412,16 +421,11 @@ __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
   }
   if constexpr (kTokenIndex) {
     if (!held_all) {
-#pragma unroll
-      for (int u = 0; u < UPT; ++u) {
-        const int slot = first_slot + u * TPT;
-        if (slot >= kSlots) continue;
-        if (count <= LIST_CAP)
-          detail::add_listed_rows_in_order<IN_DT, VEC, HIDDEN>(p, tok, LIST_CAP, count, slot,
-                                                               sum[u]);
-        else
-          detail::add_rows_by_walk<IN_DT, VEC, HIDDEN, IdxT>(p, tok, slot, sum[u]);
-      }
+      if (count <= LIST_CAP)
+        detail::add_listed_rows_in_order<IN_DT, VEC, HIDDEN, UPT, TPT>(p, tok, LIST_CAP, count,
+                                                                       first_slot, sum);
+      else
+        detail::add_rows_by_walk<IN_DT, VEC, HIDDEN, UPT, TPT, IdxT>(p, tok, first_slot, sum);
     }
   }
 #pragma unroll
@@ -479,9 +483,9 @@ __global__ void __launch_bounds__(TPT* TPB) combine_scan(const CombineParams p) 
   if (tok >= p.num_tokens || slot >= kSlots) return;
   const int count = s_count[sub];
 
-  float sum[VEC];
+  float sum[1][VEC];  // [1]: one slot per thread (the shape add_rows_by_walk takes)
 #pragma unroll
-  for (int e = 0; e < VEC; ++e) sum[e] = 0.0f;
+  for (int e = 0; e < VEC; ++e) sum[0][e] = 0.0f;
   if (count <= LIST_CAP) {
     for (int base = 0; base < count; base += detail::kBatch) {
       detail::Pack<S, VEC> v[detail::kBatch];
@@ -499,14 +503,14 @@ __global__ void __launch_bounds__(TPT* TPB) combine_scan(const CombineParams p) 
         if (base + j < count) {
 #pragma unroll
           for (int e = 0; e < VEC; ++e)
-            sum[e] = fmaf(w[j], detail::Elem<IN_DT>::to_float(v[j].e[e]), sum[e]);
+            sum[0][e] = fmaf(w[j], detail::Elem<IN_DT>::to_float(v[j].e[e]), sum[0][e]);
         }
     }
   } else {
-    detail::add_rows_by_walk<IN_DT, VEC, HIDDEN, IdxT>(p, tok, slot, sum);
+    detail::add_rows_by_walk<IN_DT, VEC, HIDDEN, 1, TPT, IdxT>(p, tok, slot, sum);
   }
   OutS* out_row = static_cast<OutS*>(p.out) + tok * p.out_stride;
-  detail::store_slot<OUT_DT, VEC, HIDDEN>(out_row, slot, sum, p.scale, p.accumulate != 0);
+  detail::store_slot<OUT_DT, VEC, HIDDEN>(out_row, slot, sum[0], p.scale, p.accumulate != 0);
 }
 
 // ---- token-index layout: building the per-token row lists ------------------------------------
