@@ -196,24 +196,39 @@ __device__ __forceinline__ void allow_dependents() {
 // spilling the loaded vectors.
 constexpr int kBatch = 8;
 
-// Adds row r with weight w to this thread's UPT slots (first_slot, first_slot + TPT, ...): the
-// rare paths below, one row at a time.
-template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT>
-__device__ __forceinline__ void add_row(const CombineParams& p, long long r, float w,
-                                        int first_slot, float (&sum)[UPT][VEC]) {
-  typedef typename Elem<IN_DT>::storage S;
+// Slots first_slot + u * TPT (u < UPT) of one row into v[u] where `pred` holds and the slot
+// exists; zero elsewhere. `src` must be a valid row even where pred is false.
+template <typename S, int VEC, int HIDDEN, int UPT, int TPT>
+__device__ __forceinline__ void load_row_slots(bool pred, const S* src, int first_slot,
+                                               Pack<S, VEC> (&v)[UPT]) {
   constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;
-  const S* src = static_cast<const S*>(p.expert) + r * p.expert_stride;
-  Pack<S, VEC> v[UPT];
 #pragma unroll
   for (int u = 0; u < UPT; ++u) {
     v[u] = zero_pack<S, VEC>();
-    load_slot_if<S, VEC, HIDDEN>(first_slot + u * TPT < kSlots, src, first_slot + u * TPT, v[u]);
+    load_slot_if<S, VEC, HIDDEN>(pred && first_slot + u * TPT < kSlots, src, first_slot + u * TPT,
+                                 v[u]);
   }
+}
+
+// sum[u] += w * v[u] for each of a thread's UPT slots, in fp32.
+template <int IN_DT, int VEC, int UPT, typename S>
+__device__ __forceinline__ void add_row_slots(float w, const Pack<S, VEC> (&v)[UPT],
+                                              float (&sum)[UPT][VEC]) {
 #pragma unroll
   for (int u = 0; u < UPT; ++u)
 #pragma unroll
     for (int e = 0; e < VEC; ++e) sum[u][e] = fmaf(w, Elem<IN_DT>::to_float(v[u].e[e]), sum[u][e]);
+}
+
+// Adds row r with weight w to this thread's UPT slots: the rare paths below, one row at a time.
+template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT>
+__device__ __forceinline__ void add_row(const CombineParams& p, long long r, float w,
+                                        int first_slot, float (&sum)[UPT][VEC]) {
+  typedef typename Elem<IN_DT>::storage S;
+  Pack<S, VEC> v[UPT];
+  load_row_slots<S, VEC, HIDDEN, UPT, TPT>(
+      true, static_cast<const S*>(p.expert) + r * p.expert_stride, first_slot, v);
+  add_row_slots<IN_DT, VEC, UPT>(w, v, sum);
 }
 
 // More rows for one token than its list holds (a skewed routing): walk token_idx in row order
@@ -223,6 +238,7 @@ template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT, typename IdxT>
 __device__ __forceinline__ void add_rows_by_walk(const CombineParams& p, long long tok,
                                                  int first_slot, float (&sum)[UPT][VEC]) {
   const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
+#pragma unroll 1  // rare and long: unrolling would only multiply its code (and compile time)
   for (long long r = 0; r < p.num_rows; ++r) {
     if (static_cast<long long>(__ldg(token_idx + r)) != tok) continue;
     add_row<IN_DT, VEC, HIDDEN, UPT, TPT>(p, r, p.gates != nullptr ? __ldg(p.gates + r) : 1.0f,
@@ -240,8 +256,10 @@ __device__ __forceinline__ void add_listed_rows_in_order(const CombineParams& p,
                                                          float (&sum)[UPT][VEC]) {
   const int* __restrict__ list = p.token_rows + tok * cap;
   int prev = -1;
+#pragma unroll 1  // rare: keep one copy of the code
   for (int done = 0; done < count; ++done) {
     int next = 0x7fffffff;
+#pragma unroll 1
     for (int k = 0; k < count; ++k) {
       const int r = __ldg(list + k);
       if (r > prev && r < next) next = r;
@@ -358,24 +376,13 @@ __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
         const int j = b + i, k = j < kHeld ? j : 0;
         const long long r = LAYOUT == kLayoutTokenMajor ? tok * TOP_K + j : row[k];
         present[i] = j < kHeld && j < count && (LAYOUT == kLayoutTokenMajor || row[k] >= 0);
-        const S* src = expert + (present[i] ? r : 0) * p.expert_stride;
-#pragma unroll
-        for (int u = 0; u < UPT; ++u) {
-          v[i][u] = detail::zero_pack<S, VEC>();
-          detail::load_slot_if<S, VEC, HIDDEN>(present[i] && first_slot + u * TPT < kSlots, src,
-                                               first_slot + u * TPT, v[i][u]);
-        }
+        detail::load_row_slots<S, VEC, HIDDEN, UPT, TPT>(
+            present[i], expert + (present[i] ? r : 0) * p.expert_stride, first_slot, v[i]);
       }
 #pragma unroll
       for (int i = 0; i < kRowsPerBatch; ++i)
-        if (present[i]) {
-          const int k = b + i < kHeld ? b + i : 0;
-#pragma unroll
-          for (int u = 0; u < UPT; ++u)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e)
-              sum[u][e] = fmaf(gate[k], detail::Elem<IN_DT>::to_float(v[i][u].e[e]), sum[u][e]);
-        }
+        if (present[i])
+          detail::add_row_slots<IN_DT, VEC, UPT>(gate[b + i < kHeld ? b + i : 0], v[i], sum);
     }
   }
   // Fixed layouts with top_k > kRowsPerBatch: later rows two at a time, routing from memory. A
@@ -400,23 +407,12 @@ __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
         }
         present[j] = r >= 0;
         w[j] = present[j] && p.gates != nullptr ? __ldg(p.gates + tok * TOP_K + k) : 1.0f;
-        const S* src = expert + (present[j] ? r : 0) * p.expert_stride;
-#pragma unroll
-        for (int u = 0; u < UPT; ++u) {
-          v[j][u] = detail::zero_pack<S, VEC>();
-          detail::load_slot_if<S, VEC, HIDDEN>(present[j] && first_slot + u * TPT < kSlots, src,
-                                               first_slot + u * TPT, v[j][u]);
-        }
+        detail::load_row_slots<S, VEC, HIDDEN, UPT, TPT>(
+            present[j], expert + (present[j] ? r : 0) * p.expert_stride, first_slot, v[j]);
       }
 #pragma unroll
       for (int j = 0; j < 2; ++j)
-        if (present[j]) {
-#pragma unroll
-          for (int u = 0; u < UPT; ++u)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e)
-              sum[u][e] = fmaf(w[j], detail::Elem<IN_DT>::to_float(v[j][u].e[e]), sum[u][e]);
-        }
+        if (present[j]) detail::add_row_slots<IN_DT, VEC, UPT>(w[j], v[j], sum);
     }
   }
   if constexpr (kTokenIndex) {
@@ -488,23 +484,19 @@ __global__ void __launch_bounds__(TPT* TPB) combine_scan(const CombineParams p) 
   for (int e = 0; e < VEC; ++e) sum[0][e] = 0.0f;
   if (count <= LIST_CAP) {
     for (int base = 0; base < count; base += detail::kBatch) {
-      detail::Pack<S, VEC> v[detail::kBatch];
+      detail::Pack<S, VEC> v[detail::kBatch][1];
       float w[detail::kBatch];
 #pragma unroll
       for (int j = 0; j < detail::kBatch; ++j) {
         const bool on = base + j < count;
         const int row = on ? s_rows[sub][base + j] : 0;
         w[j] = on && p.gates != nullptr ? __ldg(p.gates + row) : 1.0f;
-        v[j] = detail::zero_pack<S, VEC>();
-        detail::load_slot_if<S, VEC, HIDDEN>(on, expert + row * p.expert_stride, slot, v[j]);
+        detail::load_row_slots<S, VEC, HIDDEN, 1, TPT>(on, expert + row * p.expert_stride, slot,
+                                                       v[j]);
       }
 #pragma unroll
       for (int j = 0; j < detail::kBatch; ++j)
-        if (base + j < count) {
-#pragma unroll
-          for (int e = 0; e < VEC; ++e)
-            sum[0][e] = fmaf(w[j], detail::Elem<IN_DT>::to_float(v[j].e[e]), sum[0][e]);
-        }
+        if (base + j < count) detail::add_row_slots<IN_DT, VEC, 1>(w[j], v[j], sum);
     }
   } else {
     detail::add_rows_by_walk<IN_DT, VEC, HIDDEN, 1, TPT, IdxT>(p, tok, slot, sum);
