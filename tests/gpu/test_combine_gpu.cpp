@@ -507,15 +507,24 @@ TEST_F(CombineGpu, WarmCallsOnlyLaunch) {
 }
 
 // Capture into a CUDA graph once warm, change the inputs' contents, replay: the replay must give
-// exactly what a direct call on the new inputs gives (also for the three-kernel token-index path).
+// exactly what a direct call on the new inputs gives. Token index twice: 33 tokens take the
+// single-launch kernel; 600 tokens (4800 rows, past kScanMaxRows) take clear -> assign -> combine,
+// chained by programmatic dependent launch on sm_90+, which the capture must keep.
 TEST_F(CombineGpu, CudaGraphCaptureAndReplay) {
   const Pools& p = pools();
   moejit_runtime_t rt = memory_only_runtime();
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (moejit_layout layout : {MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_LAYOUT_TOKEN_INDEX}) {
-    SCOPED_TRACE(layout_str(layout));
-    const int64_t T = 33, K = 8, H = 7168;
+  const struct {
+    moejit_layout layout;
+    int64_t tokens;
+  } setups[] = {{MOEJIT_LAYOUT_GATHER_MAP, 33},
+                {MOEJIT_LAYOUT_TOKEN_INDEX, 33},
+                {MOEJIT_LAYOUT_TOKEN_INDEX, 600}};
+  for (const auto& setup : setups) {
+    const moejit_layout layout = setup.layout;
+    SCOPED_TRACE(std::string(layout_str(layout)) + " T=" + std::to_string(setup.tokens));
+    const int64_t T = setup.tokens, K = 8, H = 7168;
     Rng rng(4242);
     Case c{layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, H, T, K, 1};
     c.random_routing = layout == MOEJIT_LAYOUT_TOKEN_INDEX;
