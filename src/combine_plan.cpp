@@ -218,10 +218,15 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
                                         moejit_dtype out_dtype, moejit_index_type index_type,
                                         int hidden, int rows_per_token, size_t alignment_bytes) {
   std::vector<KernelSpec> specs;
+  auto add = [&](const KernelSpec& s) {
+    if (std::find(specs.begin(), specs.end(), s) == specs.end()) specs.push_back(s);
+  };
   for (int64_t tokens : {kAnyTokens, int64_t{1}}) {
     const KernelSpec s = spec_for_shape(layout, in_dtype, out_dtype, index_type, hidden,
                                         rows_per_token, alignment_bytes, tokens);
-    if (std::find(specs.begin(), specs.end(), s) == specs.end()) specs.push_back(s);
+    add(s);
+    // Token index: small calls of either geometry take the single-launch kernel instead.
+    if (s.has_scan_kernel()) add(s.with_scan_kernel());
   }
   return specs;
 }
@@ -317,7 +322,10 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
                       scan_blocks * static_cast<double>(a.num_rows) *
                               (a.index_type == MOEJIT_INDEX_INT64 ? 8 : 4) <=
                           kScanMaxBytes;
-    if (plan.token_scan) plan.scan_blocks = static_cast<unsigned>(scan_blocks);
+    if (plan.token_scan) {
+      plan.scan_blocks = static_cast<unsigned>(scan_blocks);
+      s.scan = true;  // its own module: the list path is not compiled for a call that skips it
+    }
   }
   return plan;
 }
@@ -358,7 +366,7 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
   };
   const unsigned threads = static_cast<unsigned>(plan.spec.block_threads());
   if (plan.token_scan) {
-    launch(kScanKernel, plan.scan_blocks, 1, threads, false, "cuLaunchKernel(combine_scan)");
+    launch(kCombineKernel, plan.scan_blocks, 1, threads, false, "cuLaunchKernel(combine_scan)");
     return;
   }
   const bool chained = plan.spec.token_index();

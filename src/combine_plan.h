@@ -48,7 +48,8 @@ KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dt
                           size_t alignment_bytes, int64_t num_tokens = kAnyTokens);
 
 // Every specialization moe_combine() may use for this shape, whatever the batch size (decode and
-// prefill geometries, deduplicated): what tools/precompile warms.
+// prefill geometries, deduplicated; for the token index each geometry's list-path and
+// single-launch modules): what tools/precompile warms.
 std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dtype,
                                         moejit_dtype out_dtype, moejit_index_type index_type,
                                         int hidden, int rows_per_token, size_t alignment_bytes);

@@ -39,6 +39,11 @@ bool KernelSpec::token_index() const {
 std::vector<std::string> KernelSpec::name_expressions() const {
   const char* idx = index_bytes == 8 ? "long long" : "int";
   std::ostringstream combine;
+  if (scan) {
+    combine << "&moejit::combine_scan<" << in_dtype << ", " << out_dtype << ", " << idx << ", "
+            << hidden << ", " << vec << ", " << tpt << ", " << tpb << ", " << list_cap << ">";
+    return {combine.str()};
+  }
   combine << "&moejit::combine<" << layout << ", " << in_dtype << ", " << out_dtype << ", " << idx
           << ", " << hidden << ", " << vec << ", " << top_k << ", " << tpt << ", " << tpb << ", "
           << upt << ", " << list_cap << ">";
@@ -46,12 +51,6 @@ std::vector<std::string> KernelSpec::name_expressions() const {
   if (token_index()) {
     names.push_back("&moejit::token_index_clear");
     names.push_back(std::string("&moejit::token_index_assign<") + idx + ">");
-    if (has_scan_kernel()) {
-      std::ostringstream scan;
-      scan << "&moejit::combine_scan<" << in_dtype << ", " << out_dtype << ", " << idx << ", "
-           << hidden << ", " << vec << ", " << tpt << ", " << tpb << ", " << list_cap << ">";
-      names.push_back(scan.str());
-    }
   }
   return names;
 }
@@ -68,19 +67,20 @@ std::string KernelSpec::describe() const {
     << " out=" << dtype_name(out_dtype) << " idx=" << (index_bytes == 8 ? "int64" : "int32")
     << " H=" << hidden << " vec=" << vec << " K=" << top_k << " tpt=" << tpt << " tpb=" << tpb
     << " upt=" << upt << " cap=" << list_cap;
+  if (scan) s << " scan=1";
   return s.str();
 }
 
 bool KernelSpec::operator==(const KernelSpec& o) const {
   return layout == o.layout && in_dtype == o.in_dtype && out_dtype == o.out_dtype &&
          index_bytes == o.index_bytes && hidden == o.hidden && vec == o.vec && top_k == o.top_k &&
-         tpt == o.tpt && tpb == o.tpb && upt == o.upt && list_cap == o.list_cap;
+         tpt == o.tpt && tpb == o.tpb && upt == o.upt && list_cap == o.list_cap && scan == o.scan;
 }
 
 std::size_t KernelSpec::hash() const {
   std::size_t h = 1469598103934665603ull;
-  for (int v :
-       {layout, in_dtype, out_dtype, index_bytes, hidden, vec, top_k, tpt, tpb, upt, list_cap})
+  for (int v : {layout, in_dtype, out_dtype, index_bytes, hidden, vec, top_k, tpt, tpb, upt,
+                list_cap, static_cast<int>(scan)})
     h = (h ^ static_cast<std::size_t>(static_cast<unsigned>(v))) * 1099511628211ull;
   return h;
 }

@@ -21,6 +21,10 @@ struct KernelSpec {
   int tpb = 0;          // token groups per block
   int upt = 1;          // vector slots per thread (combine kernel)
   int list_cap = 0;     // token index: rows listed per token; 0 otherwise
+  // Token index, small calls: this spec's module is the single-launch kernel alone (combine_scan),
+  // not the list path (combine + clear + assign). Two modules per geometry, so a call compiles
+  // only the kernels it launches (each is a large share of a token-index compile).
+  bool scan = false;
 
   int block_threads() const { return tpt * tpb; }
   int slots() const { return (hidden + vec - 1) / vec; }
@@ -28,16 +32,22 @@ struct KernelSpec {
   // Blocks along hidden of the single-launch token-index kernel (one slot per thread).
   int scan_chunks() const { return (slots() + tpt - 1) / tpt; }
   bool token_index() const;
-  // The token-index single-launch kernel exists for this spec (a token owns whole warps).
+  // The token-index single-launch kernel exists for this geometry (a token owns whole warps).
   bool has_scan_kernel() const { return token_index() && tpt % 32 == 0; }
+  // The same geometry with the single-launch kernel as its module (requires has_scan_kernel()).
+  KernelSpec with_scan_kernel() const {
+    KernelSpec s = *this;
+    s.scan = true;
+    return s;
+  }
 
-  // Name expressions, in the order of the Kernel enum below (combine, then the token-index
-  // helpers when the layout needs them).
+  // Name expressions, in the order of the Kernel enum below: the combine (for a scan spec, the
+  // single-launch kernel), then the token-index list helpers when the module has the list path.
   std::vector<std::string> name_expressions() const;
   // The generated translation unit.
   std::string source() const;
   // "layout=gather_map in=bf16 out=bf16 idx=int32 H=7168 vec=8 K=8 tpt=128 tpb=1 upt=1 cap=0": for
-  // logs, messages and the precompile manifest.
+  // logs, messages and the precompile manifest; a scan spec ends in " scan=1".
   std::string describe() const;
 
   bool operator==(const KernelSpec& o) const;
@@ -47,11 +57,10 @@ struct KernelSpec {
 
 // Index of each kernel in name_expressions() / a loaded module's functions.
 enum KernelSlot {
-  kCombineKernel = 0,
-  kClearKernel = 1,
-  kAssignKernel = 2,
-  kScanKernel = 3,  // token index, small batches: one launch (absent when tpt % 32 != 0)
-  kMaxKernels = 4
+  kCombineKernel = 0,  // the combine; in a scan spec's module, the single-launch kernel
+  kClearKernel = 1,    // token index, list path only
+  kAssignKernel = 2,   // token index, list path only
+  kMaxKernels = 3
 };
 
 const char* dtype_name(int dtype);    // "fp32" | "fp16" | "bf16"

@@ -128,17 +128,22 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
   s.origin = "test";
   std::vector<KernelSpec> specs;
   expand_shape(s, all_layouts(), all_index_types(), &specs);
-  // token_major has no index: (1 + gather_map x 2 + token_index x 2) x {prefill, decode geometry}.
-  ASSERT_EQ(specs.size(), 10u);
+  // token_major has no index: (1 + gather_map x 2) x {prefill, decode geometry}, plus
+  // token_index x 2 index types x 2 geometries x {list path, single-launch module}.
+  ASSERT_EQ(specs.size(), 14u);
   for (moejit_layout l : all_layouts())
     for (moejit_index_type t : all_index_types())
       for (int64_t tokens : {kAnyTokens, int64_t{1}, int64_t{4096}}) {
         const KernelSpec want = spec_for_shape(l, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, t,
                                                7168, 8, 256, tokens);
         EXPECT_NE(std::find(specs.begin(), specs.end(), want), specs.end()) << want.describe();
+        if (want.has_scan_kernel()) {
+          EXPECT_NE(std::find(specs.begin(), specs.end(), want.with_scan_kernel()), specs.end())
+              << want.describe();
+        }
       }
   expand_shape(s, all_layouts(), all_index_types(), &specs);  // no duplicates
-  EXPECT_EQ(specs.size(), 10u);
+  EXPECT_EQ(specs.size(), 14u);
 
   s.hidden = 0;
   EXPECT_NE(error_of([&] {
@@ -155,16 +160,22 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
 TEST(Manifest, ExactAndShapeLines) {
   const KernelSpec exact = spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_FLOAT16,
                                           MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2880, 4, 256);
+  const KernelSpec exact_scan =
+      spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                     MOEJIT_INDEX_INT32, 7168, 8, 256, 1)
+          .with_scan_kernel();
   const std::string text = "# warm list\n\n" + exact.describe() +
                            "  # from a log\n"
                            "hidden=4096 topk=2 dtype=bf16 layout=gather_map index_type=int32\n"
-                           "hidden=2048 topk=8 layout=token_major,token_index index_type=int64\n";
+                           "hidden=2048 topk=8 layout=token_major,token_index index_type=int64\n" +
+                           exact_scan.describe() + "\n";
   ManifestDefaults d;
   d.dtype = MOEJIT_DTYPE_FLOAT32;
   std::vector<KernelSpec> specs;
   parse_manifest(text, "m.txt", d, &specs);
-  // Shape lines expand to every geometry: prefill then decode.
-  ASSERT_EQ(specs.size(), 7u);
+  // Shape lines expand to every geometry: prefill then decode; for the token index each
+  // geometry's list-path module, then its single-launch module.
+  ASSERT_EQ(specs.size(), 10u);
   EXPECT_EQ(specs[0], exact);
   EXPECT_EQ(specs[1], spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                      MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256));
@@ -176,8 +187,11 @@ TEST(Manifest, ExactAndShapeLines) {
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256, 1));
   EXPECT_EQ(specs[5], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256));
-  EXPECT_EQ(specs[6], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+  EXPECT_EQ(specs[6], specs[5].with_scan_kernel());
+  EXPECT_EQ(specs[7], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256, 1));
+  EXPECT_EQ(specs[8], specs[7].with_scan_kernel());
+  EXPECT_EQ(specs[9], exact_scan);  // an exact scan line round-trips
 
   auto bad = [&](const std::string& line) {
     return error_of([&] {
@@ -195,6 +209,11 @@ TEST(Manifest, ExactAndShapeLines) {
           .find("vec = 3"),
       std::string::npos);
   EXPECT_NE(bad("layout=gather_map in=bf16 H=64").find("\"out\" is missing"), std::string::npos);
+  EXPECT_NE(
+      bad("layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=8 tpb=16 upt=1 cap=0 "
+          "scan=1")
+          .find("single-launch module"),
+      std::string::npos);
   EXPECT_NE(bad("hidden").find("expected key=value"), std::string::npos);
 }
 
@@ -309,15 +328,16 @@ TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
   std::istringstream in(text.out);
   for (std::string l; std::getline(in, l);)
     if (std::regex_match(l, line)) ++lines;
-  EXPECT_EQ(lines, 20u) << text.out;  // 10 specs x 2 targets
+  EXPECT_EQ(lines, 28u) << text.out;  // 14 specs x 2 targets
 
   const test::ToolRun js =
       run("--dry-run --json --model-config '" + configs("qwen3-30b-a3b.json") +
           "' --arch sm_90 --layout gather_map,token_index --cache-dir '" + cache + "'");
   ASSERT_EQ(js.rc, 0) << js.err;
   const nlohmann::json j = nlohmann::json::parse(js.out);
-  EXPECT_EQ(j["total"], 8);  // (gather_map + token_index) x 2 index types x 2 geometries
-  EXPECT_EQ(j["missing"], 8);
+  // 2 index types x (gather_map x 2 geometries + token_index x 2 geometries x {list, scan}).
+  EXPECT_EQ(j["total"], 12);
+  EXPECT_EQ(j["missing"], 12);
   EXPECT_EQ(j["cached"], 0);
   // The keys are the runtime's own: recompute them through KernelStore::request_for.
   Settings settings;

@@ -122,12 +122,20 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_EQ(s.list_cap, 16);
   EXPECT_EQ(s.vec, 4);  // fp32 output limits the vector to 16 bytes of output
   const auto names = s.name_expressions();
-  ASSERT_EQ(names.size(), 4u);
+  ASSERT_EQ(names.size(), 3u);
   EXPECT_EQ(names[kCombineKernel],
             "&moejit::combine<2, 1, 0, long long, 2048, 4, 0, 128, 1, 1, 16>");
   EXPECT_EQ(names[kClearKernel], "&moejit::token_index_clear");
   EXPECT_EQ(names[kAssignKernel], "&moejit::token_index_assign<long long>");
-  EXPECT_EQ(names[kScanKernel], "&moejit::combine_scan<1, 0, long long, 2048, 4, 128, 1, 16>");
+  // The single-launch kernel is a module of its own, a spec of its own (and a cache entry).
+  ASSERT_TRUE(s.has_scan_kernel());
+  const KernelSpec scan = s.with_scan_kernel();
+  EXPECT_NE(scan, s);
+  EXPECT_NE(scan.hash(), s.hash());
+  EXPECT_EQ(scan.describe(), s.describe() + " scan=1");
+  EXPECT_EQ(
+      scan.name_expressions(),
+      std::vector<std::string>{"&moejit::combine_scan<1, 0, long long, 2048, 4, 128, 1, 16>"});
   // Rows too short for a token to own a warp: no single-launch kernel.
   const KernelSpec tiny = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                          MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 8, 2, 256);
@@ -136,13 +144,43 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_NE(s.source().find("#include \"combine.cuh\""), std::string::npos);
 }
 
+TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
+  auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
+  a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+  a.workspace = reinterpret_cast<void*>(0x300000);
+  a.workspace_bytes = size_t{1} << 30;
+  // 3 tokens, 6 rows: one launch, whose module holds that kernel alone.
+  const CombinePlan small = plan_combine(&a);
+  EXPECT_TRUE(small.token_scan);
+  EXPECT_TRUE(small.spec.scan);
+  EXPECT_EQ(small.spec.name_expressions().size(), 1u);
+  EXPECT_NE(small.spec.name_expressions()[kCombineKernel].find("combine_scan<"), std::string::npos);
+  // Past the single-launch limit: the list path (clear, assign, combine), the other module.
+  a.num_tokens = 40;
+  a.num_rows = 8000;
+  const CombinePlan large = plan_combine(&a);
+  EXPECT_FALSE(large.token_scan);
+  EXPECT_FALSE(large.spec.scan);
+  EXPECT_EQ(large.spec.name_expressions().size(), 3u);
+  EXPECT_EQ(large.spec.with_scan_kernel().describe(), large.spec.describe() + " scan=1");
+  // Both are among the specs the precompile tool warms for their shapes.
+  const auto warmed_small =
+      specs_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                      MOEJIT_INDEX_INT32, 7168, 2, 256);
+  EXPECT_NE(std::find(warmed_small.begin(), warmed_small.end(), small.spec), warmed_small.end());
+  const auto warmed_large =
+      specs_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                      MOEJIT_INDEX_INT32, 7168, 200, 256);
+  EXPECT_NE(std::find(warmed_large.begin(), warmed_large.end(), large.spec), warmed_large.end());
+}
+
 TEST(KernelSpec, EqualityAndHashCoverEveryField) {
   const KernelSpec base = spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                          MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256);
   int KernelSpec::*fields[] = {
       &KernelSpec::layout, &KernelSpec::in_dtype, &KernelSpec::out_dtype, &KernelSpec::index_bytes,
       &KernelSpec::hidden, &KernelSpec::vec,      &KernelSpec::top_k,     &KernelSpec::tpt,
-      &KernelSpec::tpb,    &KernelSpec::list_cap};
+      &KernelSpec::tpb,    &KernelSpec::upt,      &KernelSpec::list_cap};
   for (auto field : fields) {
     KernelSpec other = base;
     other.*field += field == &KernelSpec::index_bytes ? 4 : 1;  // 4 -> 8: int32 -> int64

@@ -1,7 +1,10 @@
 // The JIT figures (--jit): what the run-time compilation costs a caller, measured on the library's
 // own internals so each cost is isolated:
 //   cold compiles  KernelStore::obtain() with the disk cache disabled: the first NVRTC compile in
-//                  the process (NVRTC's own start-up included), then later, different ones;
+//                  the process (NVRTC's own start-up included), then later, different ones; each
+//                  spec is compiled again a few times (fresh stores: nothing is reused) and the
+//                  median of those later compiles is reported too, so one noisy sample on a shared
+//                  host does not make the figure;
 //   disk-cache hit a fresh KernelStore on a directory another store has just filled (read +
 //                  validate), plus cuModuleLoadData of the image; reported as unavailable, not as
 //                  a number, when the build has no disk cache or the store did not hit;
@@ -20,10 +23,13 @@
 namespace moejit_bench {
 
 struct CompileFigure {
-  std::string spec;  // KernelSpec::describe()
-  double ms = 0.0;
+  std::string spec;              // KernelSpec::describe()
+  double ms = 0.0;               // its first compile (for the first spec: the process's first)
+  double later_median_ms = 0.0;  // median of kLaterCompiles more compiles of the same spec
   size_t image_bytes = 0;
 };
+
+constexpr int kLaterCompiles = 3;
 
 struct JitFigures {
   std::string target;  // "sm_90"

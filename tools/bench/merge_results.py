@@ -129,9 +129,17 @@ def markdown(merged):
         out.append("")
         cold = jit.get("cold_compiles") or []
         if cold:
+            def kind(spec):
+                layout = spec.split()[0].split("=")[1]
+                if layout == "token_index":
+                    return "token-index single launch" if "scan=1" in spec else "token-index lists"
+                return layout.replace("_", "-")
             out.append(f"JIT ({jit.get('target')}, NVRTC {jit.get('nvrtc_version')}): cold "
-                       f"compile {cold[0]['ms']:.0f} ms first in process, then "
-                       + ", ".join(f"{c['ms']:.0f} ms" for c in cold[1:]) + ".")
+                       f"compile {cold[0]['ms']:.0f} ms first in process; then per module kind, "
+                       "first compile / median of later compiles: "
+                       + ", ".join(f"{kind(c['spec'])} {c['ms']:.0f} / "
+                                   f"{c.get('later_median_ms', c['ms']):.0f} ms" for c in cold)
+                       + ".")
         if jit.get("disk_cache_available"):
             out.append(f"Disk-cache hit {jit['disk_hit_ms']:.2f} ms + module load "
                        f"{jit.get('module_load_ms', 0):.2f} ms.")

@@ -120,9 +120,10 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
                        ": exact spec lines need all of layout in out idx H vec K tpt tpb "
                        "upt cap (the KernelSpec::describe() format); \"" +
                        k + "\" is missing");
-  if (kv.size() != 11)
+  if (kv.size() != (kv.count("scan") != 0 ? 12u : 11u))
     throw InputError(where +
-                     ": exact spec lines take only layout in out idx H vec K tpt tpb upt cap");
+                     ": exact spec lines take only layout in out idx H vec K tpt tpb upt cap "
+                     "(and scan=1 for a token-index single-launch module)");
   KernelSpec s;
   s.layout = parse_layout(kv["layout"], where + ": layout");
   s.in_dtype = parse_dtype(kv["in"], where + ": in");
@@ -135,6 +136,7 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
   s.tpb = parse_int(kv["tpb"], where + ": tpb");
   s.upt = parse_int(kv["upt"], where + ": upt");
   s.list_cap = parse_int(kv["cap"], where + ": cap");
+  const int scan = kv.count("scan") != 0 ? parse_int(kv["scan"], where + ": scan") : 0;
 
   // Only what would make NVRTC fail or the kernel nonsensical is refused; a consistent spec that
   // the runtime happens not to pick merely costs one compile.
@@ -161,6 +163,11 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
   if (s.tpt < 4 || s.tpb < 1 || s.tpt * s.tpb > 1024 || (s.tpt * s.tpb) % 32 != 0)
     fail("tpt", s.tpt, "tpt >= 4, tpb >= 1, tpt * tpb a multiple of 32 and at most 1024");
   if (s.upt != 1 && s.upt != 2 && s.upt != 4) fail("upt", s.upt, "expected 1, 2 or 4");
+  if (scan != 0 && scan != 1) fail("scan", scan, "expected 0 or 1");
+  if (scan == 1 && !s.has_scan_kernel())
+    fail("scan", scan,
+         "only the token_index layout with tpt a multiple of 32 has a single-launch module");
+  s.scan = scan == 1;
   return s;
 }
 
