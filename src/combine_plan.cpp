@@ -298,6 +298,17 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
                     " token groups, more than one launch allows (2^31 - 1): split the batch");
   plan.combine_groups = static_cast<unsigned>(groups);
   plan.combine_chunks = static_cast<unsigned>(s.chunks());
+  if (s.layout == MOEJIT_LAYOUT_TOKEN_MAJOR) {
+    // One 1-D grid, chunks of a token adjacent (the kernel splits blockIdx.x; see combine.cuh).
+    const int64_t blocks = groups * s.chunks();
+    if (blocks > INT32_MAX)
+      throw Error(MOEJIT_ERROR_UNSUPPORTED,
+                  "num_tokens = " + std::to_string(a.num_tokens) + " with hidden_dim = " +
+                      std::to_string(a.hidden_dim) + " needs " + std::to_string(blocks) +
+                      " blocks, more than one launch allows (2^31 - 1): split the batch");
+    plan.combine_groups = static_cast<unsigned>(blocks);
+    plan.combine_chunks = 1;
+  }
 
   if (s.token_index()) {
     const size_t needed = workspace_bytes(a);

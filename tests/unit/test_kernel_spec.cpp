@@ -40,6 +40,27 @@ TEST(KernelSpec, AlignedBf16UsesSixteenByteVectors) {
   EXPECT_EQ(plan.combine_chunks, 7u);
 }
 
+TEST(KernelSpec, TokenMajorUsesOneDimensionWithATokensChunksAdjacent) {
+  auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
+  a.layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
+  a.indices = nullptr;
+  a.num_tokens = 333;
+  a.num_rows = 0;
+  const CombinePlan plan = plan_combine(&a);
+  EXPECT_EQ(plan.spec.chunks(), 7);
+  EXPECT_EQ(plan.combine_groups, 333u * 7u);
+  EXPECT_EQ(plan.combine_chunks, 1u);
+  // Past what one 1-D launch holds: a clear error, not a wrapped grid.
+  a.num_tokens = int64_t{1} << 30;
+  try {
+    plan_combine(&a);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), MOEJIT_ERROR_UNSUPPORTED);
+    EXPECT_NE(std::string(e.what()).find("split the batch"), std::string::npos) << e.what();
+  }
+}
+
 TEST(KernelSpec, DecodeSizedCallsSpreadATokenOverMoreBlocks) {
   auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
   const CombinePlan plan = plan_combine(&a);  // 3 tokens

@@ -67,6 +67,7 @@ def merge(bench, peers):
             "torch_version": peers.get("torch_version"),
             "triton_version": peers.get("triton_version"),
             "copy_ceiling_gbps": peers.get("copy_ceiling_gbps"),
+            "empty_kernel_us": peers.get("empty_kernel_us"),
             "method": peers.get("method"),
             "configs": {shape_text(shape_key(s)): {p["name"]: p.get("config")
                                                    for p in s.get("peers", []) if p.get("config")}
@@ -124,6 +125,7 @@ def markdown(merged):
             else:
                 cells.append(fmt_us(us))
         out.append("| " + " | ".join(cells) + " |")
+    out.extend(decode_same_harness(merged, rows))
     jit = merged.get("jit")
     if jit:
         out.append("")
@@ -152,6 +154,29 @@ def markdown(merged):
                        f"{jit['bare_launch_host_us']:.2f} us (+{jit['host_overhead_us']:.2f} us); "
                        f"first call on a fresh runtime {jit['first_call_ms']:.1f} ms.")
     return "\n".join(out) + "\n"
+
+
+def decode_same_harness(merged, rows):
+    """Decode shapes timed in one harness (peers.py): libmoejit through ctypes next to Triton,
+    both divided by that harness's own empty kernel."""
+    empty = (merged.get("peers") or {}).get("empty_kernel_us")
+    decode = [(k, v) for k, v in rows.items() if k[0] <= 64]
+    if not empty or not decode:
+        return []
+    out = ["", f"Decode in one harness (peers.py: libmoejit through ctypes, empty kernel "
+               f"{empty:.2f} us there); us (x empty):", "",
+           "| case | libmoejit token_major | libmoejit gather_map | libmoejit token_index | "
+           "Triton gather(inv) |", "| --- | --- | --- | --- | --- |"]
+    for key, by_layout in decode:
+        cells = [shape_text(key)]
+        for layout in LAYOUTS:
+            us = (by_layout.get(layout) or {}).get("libmoejit_ctypes_us")
+            cells.append(f"{us:.2f} ({us / empty:.2f}x)" if us else "")
+        g = by_layout.get("gather_map") or next(iter(by_layout.values()))
+        tri = (g.get("peers_us") or {}).get("triton_gather_inv")
+        cells.append(f"{tri:.2f} ({tri / empty:.2f}x)" if tri else "")
+        out.append("| " + " | ".join(cells) + " |")
+    return out
 
 
 def main():

@@ -503,9 +503,14 @@ def main_gpu(args, shapes):
                   f"{ratio:>8}{r['rel_err']:>10.2e}  {notes}")
 
     ceiling = copy_ceiling()
+    # The launch floor in this harness: a kernel that does nothing (torch's spin kernel with zero
+    # cycles), timed like every peer. Decode figures divide by it here, as moejit-bench divides
+    # by its own empty kernel; the two harnesses' floors differ, so ratios are taken within one.
+    empty_us = bench(lambda: torch.cuda._sleep(0), 200, 10)
     print(f"peers.py on {torch.cuda.get_device_name(device)}: torch {torch.__version__}, "
           f"triton {getattr(triton, '__version__', 'n/a')}, libmoejit "
-          f"{lib.version if lib else 'n/a'}; copy ceiling {ceiling:.0f} GB/s (1 GiB torch copy)")
+          f"{lib.version if lib else 'n/a'}; copy ceiling {ceiling:.0f} GB/s (1 GiB torch copy); "
+          f"empty kernel {empty_us:.2f} us (L2 flushed)")
     print("x lib = peer us / libmoejit us on the same input layout (> 1: libmoejit is faster)")
 
     report = {
@@ -517,6 +522,7 @@ def main_gpu(args, shapes):
         "libmoejit_version": lib.version if lib else None,
         "libmoejit_path": lib.path if lib else None,
         "copy_ceiling_gbps": ceiling,
+        "empty_kernel_us": empty_us,
         "method": "CUDA events around each run; median; a GPU sleep then a 256 MB fill between "
                   "runs (l2_warm_us: the sleep only); minimal bytes = R*H*in + R*8 + T*H*out",
         "shapes": [],
