@@ -85,32 +85,57 @@ struct alignas(sizeof(S) * N) Pack {
   S e[N];
 };
 
-// Reads a pack of expert data that no thread of this kernel writes: through the non-coherent
-// path, without allocating in L1 (each row is read once; L1 is better left to the indices).
-// Only where `pred` holds; elsewhere `v` keeps its value. One predicated
-// instruction and no branch: when each row load of a batch sat in its own `if`, the register
-// allocator gave them one shared destination plus copies, and every load then waited for the
-// one before it (seen in the SASS; a 65% slowdown at top_k 8). With the destination an in-out
-// operand, each load keeps its own registers and a batch issues back to back.
-template <typename P>
+// Reads a pack of expert data that no thread of this kernel writes, only where `pred` holds;
+// elsewhere `v` keeps its value. Two flavours:
+//  - streaming (the default): the non-coherent path without allocating in L1;
+//  - CACHED: a plain ld.global, which allocates in L1. Chosen for the fixed layouts' prefill
+//    blocks (see kCachedRowLoads in combine): on the H200 that was 1.5-4% faster at K=2 and at
+//    K=8 with H=7168 or 2048, 0.2-2.7% slower at H=2880/3584/4096 K>=4 and K=1, and slower at
+//    decode sizes and for the token index. ld.global.nc without no_allocate measured the same as
+//    ld.global; L1::no_allocate and L1::evict_first on the coherent path measured like the
+//    streaming flavour: L1 allocation is what changes the figure.
+// One predicated instruction and no branch: when each row load of a batch sat in its own `if`,
+// the register allocator gave them one shared destination plus copies, and every load then
+// waited for the one before it (seen in the SASS; a 65% slowdown at top_k 8). With the
+// destination an in-out operand, each load keeps its own registers and a batch issues back to
+// back.
+template <bool CACHED, typename P>
 __device__ __forceinline__ void load_streaming_if(bool pred, const P* ptr, P& v) {
   const int on = pred;
   unsigned* u = reinterpret_cast<unsigned*>(&v);
   if constexpr (sizeof(P) == 16) {
-    asm("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
-        " @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
-        : "+r"(u[0]), "+r"(u[1]), "+r"(u[2]), "+r"(u[3])
-        : "l"(ptr), "r"(on));
+    if constexpr (CACHED)
+      asm("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+          " @p ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+          : "+r"(u[0]), "+r"(u[1]), "+r"(u[2]), "+r"(u[3])
+          : "l"(ptr), "r"(on));
+    else
+      asm("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+          " @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+          : "+r"(u[0]), "+r"(u[1]), "+r"(u[2]), "+r"(u[3])
+          : "l"(ptr), "r"(on));
   } else if constexpr (sizeof(P) == 8) {
-    asm("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n"
-        " @p ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n}"
-        : "+r"(u[0]), "+r"(u[1])
-        : "l"(ptr), "r"(on));
+    if constexpr (CACHED)
+      asm("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n"
+          " @p ld.global.v2.u32 {%0, %1}, [%2];\n}"
+          : "+r"(u[0]), "+r"(u[1])
+          : "l"(ptr), "r"(on));
+    else
+      asm("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n"
+          " @p ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n}"
+          : "+r"(u[0]), "+r"(u[1])
+          : "l"(ptr), "r"(on));
   } else if constexpr (sizeof(P) == 4) {
-    asm("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n"
-        " @p ld.global.nc.L1::no_allocate.u32 %0, [%1];\n}"
-        : "+r"(u[0])
-        : "l"(ptr), "r"(on));
+    if constexpr (CACHED)
+      asm("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n"
+          " @p ld.global.u32 %0, [%1];\n}"
+          : "+r"(u[0])
+          : "l"(ptr), "r"(on));
+    else
+      asm("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n"
+          " @p ld.global.nc.L1::no_allocate.u32 %0, [%1];\n}"
+          : "+r"(u[0])
+          : "l"(ptr), "r"(on));
   } else {
     if (pred) v = *ptr;
   }
@@ -118,12 +143,12 @@ __device__ __forceinline__ void load_streaming_if(bool pred, const P* ptr, P& v)
 
 // Slot `slot` of a row into v where `pred` holds (v keeps its value elsewhere): a full vector, or
 // the partial tail element by element. `row` must be a valid row even where pred is false.
-template <typename S, int VEC, int HIDDEN>
+template <typename S, int VEC, int HIDDEN, bool CACHED = false>
 __device__ __forceinline__ void load_slot_if(bool pred, const S* __restrict__ row, int slot,
                                              Pack<S, VEC>& v) {
   constexpr int kFull = HIDDEN / VEC;
   if (HIDDEN % VEC == 0 || slot < kFull) {
-    load_streaming_if(
+    load_streaming_if<CACHED>(
         pred, reinterpret_cast<const Pack<S, VEC>*>(row + static_cast<long long>(slot) * VEC), v);
   } else if (pred) {
 #pragma unroll
@@ -224,16 +249,17 @@ __device__ __forceinline__ void allow_dependents() {
 constexpr int kBatch = 8;
 
 // Slots first_slot + u * TPT (u < UPT) of one row into v[u] where `pred` holds and the slot
-// exists; zero elsewhere. `src` must be a valid row even where pred is false.
-template <typename S, int VEC, int HIDDEN, int UPT, int TPT>
+// exists; zero elsewhere. `src` must be a valid row even where pred is false. CACHED: see
+// load_streaming_if.
+template <typename S, int VEC, int HIDDEN, int UPT, int TPT, bool CACHED = false>
 __device__ __forceinline__ void load_row_slots(bool pred, const S* src, int first_slot,
                                                Pack<S, VEC> (&v)[UPT]) {
   constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;
 #pragma unroll
   for (int u = 0; u < UPT; ++u) {
     v[u] = zero_pack<S, VEC>();
-    load_slot_if<S, VEC, HIDDEN>(pred && first_slot + u * TPT < kSlots, src, first_slot + u * TPT,
-                                 v[u]);
+    load_slot_if<S, VEC, HIDDEN, CACHED>(pred && first_slot + u * TPT < kSlots, src,
+                                         first_slot + u * TPT, v[u]);
   }
 }
 
@@ -341,6 +367,10 @@ __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
   constexpr int kMaxRows = kTokenIndex ? LIST_CAP : TOP_K;
   constexpr int kHeldCap = kTokenIndex ? detail::kBatch : kRowsPerBatch;
   constexpr int kHeld = kMaxRows < kHeldCap ? kMaxRows : kHeldCap;
+  // Row loads through L1 for the fixed layouts' bandwidth blocks (a whole 128-thread group per
+  // token); streaming for decode-sized groups, short rows and the token index. Measured, see
+  // load_streaming_if.
+  constexpr bool kCachedRowLoads = !kTokenIndex && TPT >= 128;
 
   const IdxT* __restrict__ indices = static_cast<const IdxT*>(p.indices);
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
@@ -420,7 +450,7 @@ __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
         const int j = b + i, k = j < kHeld ? j : 0;
         const long long r = LAYOUT == kLayoutTokenMajor ? tok * TOP_K + j : row[k];
         present[i] = j < kHeld && j < count && (LAYOUT == kLayoutTokenMajor || row[k] >= 0);
-        detail::load_row_slots<S, VEC, HIDDEN, UPT, TPT>(
+        detail::load_row_slots<S, VEC, HIDDEN, UPT, TPT, kCachedRowLoads>(
             present[i], expert + (present[i] ? r : 0) * p.expert_stride, first_slot, v[i]);
       }
       // Fixed layouts add every row of the batch without a branch: an absent (dropped) row was
@@ -458,7 +488,7 @@ __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
         }
         present[j] = r >= 0;
         w[j] = present[j] && p.gates != nullptr ? __ldg(p.gates + tok * TOP_K + k) : 1.0f;
-        detail::load_row_slots<S, VEC, HIDDEN, UPT, TPT>(
+        detail::load_row_slots<S, VEC, HIDDEN, UPT, TPT, kCachedRowLoads>(
             present[j], expert + (present[j] ? r : 0) * p.expert_stride, first_slot, v[j]);
       }
 #pragma unroll
