@@ -90,10 +90,11 @@ struct alignas(sizeof(S) * N) Pack {
 //  - streaming (the default): the non-coherent path without allocating in L1;
 //  - CACHED: a plain ld.global, which allocates in L1. Chosen for the fixed layouts' prefill
 //    blocks (see kCachedRowLoads in combine): on the H200 that was 1.5-4% faster at K=2 and at
-//    K=8 with H=7168 or 2048, 0.2-2.7% slower at H=2880/3584/4096 K>=4 and K=1, and slower at
-//    decode sizes and for the token index. ld.global.nc without no_allocate measured the same as
-//    ld.global; L1::no_allocate and L1::evict_first on the coherent path measured like the
-//    streaming flavour: L1 allocation is what changes the figure.
+//    K=8 with H=7168 or 2048, level at K=1 H=5120, K=4 H=6144 and K=8 H=4096, 1-2.7% slower at
+//    H=2880 and H=3584, and slower at decode sizes and for the token index.
+//    ld.global.nc without no_allocate measured the same as ld.global; L1::no_allocate and
+//    L1::evict_first on the coherent path measured like the streaming flavour: L1 allocation is
+//    what changes the figure.
 // One predicated instruction and no branch: when each row load of a batch sat in its own `if`,
 // the register allocator gave them one shared destination plus copies, and every load then
 // waited for the one before it (seen in the SASS; a 65% slowdown at top_k 8). With the
@@ -368,9 +369,10 @@ __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
   constexpr int kHeldCap = kTokenIndex ? detail::kBatch : kRowsPerBatch;
   constexpr int kHeld = kMaxRows < kHeldCap ? kMaxRows : kHeldCap;
   // Row loads through L1 for the fixed layouts' bandwidth blocks (a whole 128-thread group per
-  // token); streaming for decode-sized groups, short rows and the token index. Measured, see
-  // load_streaming_if.
-  constexpr bool kCachedRowLoads = !kTokenIndex && TPT >= 128;
+  // token) when every chunk of a row is full; streaming for decode-sized groups, short rows, the
+  // token index, and rows whose last chunk is partial (H=2880 and H=3584 measured 1-2% slower
+  // through L1 in both fixed layouts, in two runs; why is not known). See load_streaming_if.
+  constexpr bool kCachedRowLoads = !kTokenIndex && TPT >= 128 && kSlots % (TPT * UPT) == 0;
 
   const IdxT* __restrict__ indices = static_cast<const IdxT*>(p.indices);
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
