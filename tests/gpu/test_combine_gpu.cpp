@@ -608,6 +608,81 @@ TEST_F(CombineGpu, CudaGraphCaptureAndReplay) {
   moejit_runtime_destroy(rt);
 }
 
+// A dropped gather-map slot (-1 or past num_rows) contributes nothing, whatever its gate holds:
+// the kernel adds a batch's rows without branches, so an absent row must get weight 0, not its
+// gate times zero (NaN * 0 is NaN). Decode (T=1, 16-thread groups) and prefill geometry; top_k 8
+// (one batch) and 12 (later rows too).
+TEST_F(CombineGpu, DroppedSlotsIgnoreNonFiniteGates) {
+  const Pools& p = pools();
+  moejit_runtime_t rt = memory_only_runtime();
+  const int64_t H = 7168, R = 4096;
+  for (const int64_t T : {int64_t{1}, int64_t{300}}) {
+    for (const int64_t K : {int64_t{8}, int64_t{12}}) {
+      SCOPED_TRACE("T=" + std::to_string(T) + " K=" + std::to_string(K));
+      Rng rng(static_cast<uint64_t>(T * 131 + K));
+      std::vector<int32_t> map(static_cast<size_t>(T * K));
+      std::vector<float> gates(map.size());
+      for (size_t i = 0; i < map.size(); ++i) {
+        const int64_t roll = rng.below(4);
+        map[i] = roll == 0   ? -1
+                 : roll == 1 ? static_cast<int32_t>(R + rng.below(100))
+                             : static_cast<int32_t>(rng.below(R));
+        gates[i] = roll == 0 ? NAN : roll == 1 ? INFINITY : rng.uniform(0.0f, 1.0f);
+      }
+      void *d_map, *d_gates, *d_out;
+      const size_t out_bytes = static_cast<size_t>(T * H * 2);
+      CUDA_OK(cudaMalloc(&d_map, map.size() * 4));
+      CUDA_OK(cudaMalloc(&d_gates, gates.size() * 4));
+      CUDA_OK(cudaMalloc(&d_out, out_bytes));
+      CUDA_OK(cudaMemcpy(d_map, map.data(), map.size() * 4, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(d_gates, gates.data(), gates.size() * 4, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemset(d_out, 0xFF, out_bytes));
+      moejit_combine_args a;
+      moejit_combine_args_init(&a);
+      a.layout = MOEJIT_LAYOUT_GATHER_MAP;
+      a.num_tokens = T;
+      a.top_k = K;
+      a.num_rows = R;
+      a.hidden_dim = H;
+      a.expert_hidden = p.device[MOEJIT_DTYPE_BFLOAT16];
+      a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
+      a.gates = static_cast<const float*>(d_gates);
+      a.indices = d_map;
+      a.index_type = MOEJIT_INDEX_INT32;
+      a.out = d_out;
+      a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+      ASSERT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS)
+          << moejit_last_error_message();
+      CUDA_OK(cudaDeviceSynchronize());
+      std::vector<uint8_t> out(out_bytes);
+      CUDA_OK(cudaMemcpy(out.data(), d_out, out_bytes, cudaMemcpyDeviceToHost));
+      int64_t bad = 0;
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < H; h += t == 0 ? 1 : 61) {
+          double ref = 0;
+          for (int64_t k = 0; k < K; ++k) {
+            const int32_t row = map[static_cast<size_t>(t * K + k)];
+            if (row < 0 || row >= R) continue;
+            ref += gates[static_cast<size_t>(t * K + k)] *
+                   decode(p.host[MOEJIT_DTYPE_BFLOAT16].data(), MOEJIT_DTYPE_BFLOAT16,
+                          static_cast<size_t>(row * H + h));
+          }
+          const double got =
+              decode(out.data(), MOEJIT_DTYPE_BFLOAT16, static_cast<size_t>(t * H + h));
+          if (!(std::fabs(got - ref) <= std::fabs(ref) / 128 + 1e-6)) {
+            if (++bad <= 5)
+              ADD_FAILURE() << "token " << t << " h " << h << ": " << got << " vs " << ref;
+          }
+        }
+      EXPECT_EQ(bad, 0);
+      cudaFree(d_map);
+      cudaFree(d_gates);
+      cudaFree(d_out);
+    }
+  }
+  moejit_runtime_destroy(rt);
+}
+
 // R * H past 2^31 elements (and the expert buffer past 4 GiB): every address is 64-bit.
 TEST_F(CombineGpu, AddressesPastTwoToThe31) {
   const Pools& p = pools();
