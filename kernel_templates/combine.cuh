@@ -101,7 +101,7 @@ struct alignas(sizeof(S) * N) Pack {
 // destination an in-out operand, each load keeps its own registers and a batch issues back to
 // back.
 template <bool CACHED, typename P>
-__device__ __forceinline__ void load_streaming_if(bool pred, const P* ptr, P& v) {
+__device__ __forceinline__ void load_pack_if(bool pred, const P* ptr, P& v) {
   const int on = pred;
   unsigned* u = reinterpret_cast<unsigned*>(&v);
   if constexpr (sizeof(P) == 16) {
@@ -149,7 +149,7 @@ __device__ __forceinline__ void load_slot_if(bool pred, const S* __restrict__ ro
                                              Pack<S, VEC>& v) {
   constexpr int kFull = HIDDEN / VEC;
   if (HIDDEN % VEC == 0 || slot < kFull) {
-    load_streaming_if<CACHED>(
+    load_pack_if<CACHED>(
         pred, reinterpret_cast<const Pack<S, VEC>*>(row + static_cast<long long>(slot) * VEC), v);
   } else if (pred) {
 #pragma unroll
@@ -251,7 +251,7 @@ constexpr int kBatch = 8;
 
 // Slots first_slot + u * TPT (u < UPT) of one row into v[u] where `pred` holds and the slot
 // exists; zero elsewhere. `src` must be a valid row even where pred is false. CACHED: see
-// load_streaming_if.
+// load_pack_if.
 template <typename S, int VEC, int HIDDEN, int UPT, int TPT, bool CACHED = false>
 __device__ __forceinline__ void load_row_slots(bool pred, const S* src, int first_slot,
                                                Pack<S, VEC> (&v)[UPT]) {
@@ -371,7 +371,7 @@ __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
   // Row loads through L1 for the fixed layouts' bandwidth blocks (a whole 128-thread group per
   // token) when every chunk of a row is full; streaming for decode-sized groups, short rows, the
   // token index, and rows whose last chunk is partial (H=2880 and H=3584 measured 1-2% slower
-  // through L1 in both fixed layouts, in two runs; why is not known). See load_streaming_if.
+  // through L1 in both fixed layouts, in two runs; why is not known). See load_pack_if.
   constexpr bool kCachedRowLoads = !kTokenIndex && TPT >= 128 && kSlots % (TPT * UPT) == 0;
 
   const IdxT* __restrict__ indices = static_cast<const IdxT*>(p.indices);
