@@ -1,0 +1,97 @@
+"""tools/bench/merge_results.py, which turns a moejit-bench JSON and a peers.py JSON into the
+committed record (results/h200.json) and the README table: synthetic inputs, no GPU."""
+import importlib.util
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def merge_results():
+    spec = importlib.util.spec_from_file_location(
+        "merge_results", REPO / "tools" / "bench" / "merge_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_case(T, K, H, layout, us):
+    return {"label": "x", "T": T, "K": K, "H": H, "in_dtype": "bf16", "out_dtype": "bf16",
+            "layout": layout, "median_us": us, "l2_warm_us": us * 0.9, "gbps": 1000.0,
+            "pct_ceiling": 25.0, "ratio_empty": us / 4.0, "rel_err": 1e-3, "correct": True}
+
+
+def bench_json():
+    cases = []
+    for T, K, H in ((1, 8, 7168), (4096, 8, 7168)):
+        for layout, us in (("token_major", 5.0), ("gather_map", 5.5), ("token_index", 6.0)):
+            cases.append(bench_case(T, K, H, layout, us * (1 if T == 1 else 26)))
+    return {
+        "device": "GPU", "date": "2026-11-30T00:00:00Z", "copy_ceiling_gbps": 4000.0,
+        "empty_kernel_us": 4.0, "empty_kernel_l2_warm_us": 3.5, "cases": cases,
+        "jit": {
+            "target": "sm_90", "nvrtc_version": "13.0",
+            "cold_compiles": [
+                {"spec": "layout=gather_map in=bf16 K=8", "ms": 30.0, "later_median_ms": 20.0},
+                {"spec": "layout=token_index in=bf16 cap=8", "ms": 300.0,
+                 "later_median_ms": 25.0},
+                {"spec": "layout=token_index in=bf16 cap=16 scan=1", "ms": 28.0},
+            ],
+            "disk_cache_available": True, "disk_hit_ms": 0.02, "module_load_ms": 0.04,
+        },
+    }
+
+
+def peers_json(empty_kernel_us=3.5):
+    def shape(T, K, H, scale):
+        peers = [{"name": "triton_gather_inv", "input": "gather_map", "us": 4.7 * scale,
+                  "config": "BLOCK_H=128 num_warps=1"},
+                 {"name": "torch_index_add", "input": "token_index", "us": 15.0 * scale}]
+        for layout, us in (("token_major", 4.6), ("gather_map", 5.0), ("token_index", 5.6)):
+            peers.append({"name": "libmoejit_" + layout, "input": layout, "us": us * scale})
+        return {"T": T, "K": K, "H": H, "in_dtype": "bf16", "out_dtype": "bf16", "peers": peers}
+    report = {"copy_ceiling_gbps": 4100.0,
+              "shapes": [shape(1, 8, 7168, 1), shape(4096, 8, 7168, 26)]}
+    if empty_kernel_us is not None:
+        report["empty_kernel_us"] = empty_kernel_us
+    return report
+
+
+def test_merge_keeps_peers_and_the_ctypes_cross_check(merge_results):
+    merged = merge_results.merge(bench_json(), peers_json())
+    assert merged["peers"]["empty_kernel_us"] == 3.5
+    gm = [c for c in merged["cases"] if c["layout"] == "gather_map" and c["T"] == 1][0]
+    assert gm["peers_us"]["triton_gather_inv"] == pytest.approx(4.7)
+    assert gm["libmoejit_ctypes_us"] == pytest.approx(5.0)
+    assert merged["peers"]["configs"]["T1 K8 H7168 bf16"]["triton_gather_inv"].startswith(
+        "BLOCK_H=128")
+
+
+def test_decode_table_uses_one_harness(merge_results):
+    text = merge_results.markdown(merge_results.merge(bench_json(), peers_json()))
+    assert "Decode in one harness (peers.py" in text
+    rows = [line for line in text.splitlines() if line.startswith("| T1 K8 H7168 bf16 | 4.60")]
+    assert len(rows) == 1, text
+    # libmoejit through ctypes and Triton, each over the peers' own empty kernel (3.5 us).
+    assert "4.60 (1.31x)" in rows[0] and "5.00 (1.43x)" in rows[0]
+    assert "5.60 (1.60x)" in rows[0] and "4.70 (1.34x)" in rows[0]
+    # Prefill shapes are not decode: only T <= 64 gets a row.
+    assert not any(line.startswith("| T4096") and "x)" in line for line in text.splitlines())
+
+
+def test_no_decode_table_without_the_peers_empty_kernel(merge_results):
+    text = merge_results.markdown(merge_results.merge(bench_json(), peers_json(None)))
+    assert "Decode in one harness" not in text
+    assert merge_results.markdown(merge_results.merge(bench_json(), None))  # bench alone
+
+
+def test_jit_line_names_each_module_kind(merge_results):
+    text = merge_results.markdown(merge_results.merge(bench_json(), peers_json()))
+    line = [line for line in text.splitlines() if line.startswith("JIT (")][0]
+    assert "cold compile 30 ms first in process" in line
+    assert "gather-map 30 / 20 ms" in line
+    assert "token-index lists 300 / 25 ms" in line
+    # An older record without the later median shows its first compile twice.
+    assert "token-index single launch 28 / 28 ms" in line
