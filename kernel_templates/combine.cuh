@@ -100,47 +100,48 @@ struct alignas(sizeof(S) * N) Pack {
 // waited for the one before it (seen in the SASS; a 65% slowdown at top_k 8). With the
 // destination an in-out operand, each load keeps its own registers and a batch issues back to
 // back.
+//
+// The macros: one predicated load of 4, 2 or 1 32-bit words into u[] from ptr where `on` is
+// nonzero (locals of load_pack_if); OP is the load instruction without its vector suffix.
+#define MOEJIT_PRED_LOAD_V4(OP)                                                                 \
+  asm("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n @p " OP ".v4.u32 {%0, %1, %2, %3}, [%4];\n}" \
+      : "+r"(u[0]), "+r"(u[1]), "+r"(u[2]), "+r"(u[3])                                          \
+      : "l"(ptr), "r"(on))
+#define MOEJIT_PRED_LOAD_V2(OP)                                                         \
+  asm("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p " OP ".v2.u32 {%0, %1}, [%2];\n}" \
+      : "+r"(u[0]), "+r"(u[1])                                                          \
+      : "l"(ptr), "r"(on))
+#define MOEJIT_PRED_LOAD_V1(OP)                                                \
+  asm("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p " OP ".u32 %0, [%1];\n}" \
+      : "+r"(u[0])                                                             \
+      : "l"(ptr), "r"(on))
+
 template <bool CACHED, typename P>
 __device__ __forceinline__ void load_pack_if(bool pred, const P* ptr, P& v) {
   const int on = pred;
   unsigned* u = reinterpret_cast<unsigned*>(&v);
   if constexpr (sizeof(P) == 16) {
     if constexpr (CACHED)
-      asm("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
-          " @p ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
-          : "+r"(u[0]), "+r"(u[1]), "+r"(u[2]), "+r"(u[3])
-          : "l"(ptr), "r"(on));
+      MOEJIT_PRED_LOAD_V4("ld.global");
     else
-      asm("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
-          " @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
-          : "+r"(u[0]), "+r"(u[1]), "+r"(u[2]), "+r"(u[3])
-          : "l"(ptr), "r"(on));
+      MOEJIT_PRED_LOAD_V4("ld.global.nc.L1::no_allocate");
   } else if constexpr (sizeof(P) == 8) {
     if constexpr (CACHED)
-      asm("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n"
-          " @p ld.global.v2.u32 {%0, %1}, [%2];\n}"
-          : "+r"(u[0]), "+r"(u[1])
-          : "l"(ptr), "r"(on));
+      MOEJIT_PRED_LOAD_V2("ld.global");
     else
-      asm("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n"
-          " @p ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n}"
-          : "+r"(u[0]), "+r"(u[1])
-          : "l"(ptr), "r"(on));
+      MOEJIT_PRED_LOAD_V2("ld.global.nc.L1::no_allocate");
   } else if constexpr (sizeof(P) == 4) {
     if constexpr (CACHED)
-      asm("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n"
-          " @p ld.global.u32 %0, [%1];\n}"
-          : "+r"(u[0])
-          : "l"(ptr), "r"(on));
+      MOEJIT_PRED_LOAD_V1("ld.global");
     else
-      asm("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n"
-          " @p ld.global.nc.L1::no_allocate.u32 %0, [%1];\n}"
-          : "+r"(u[0])
-          : "l"(ptr), "r"(on));
+      MOEJIT_PRED_LOAD_V1("ld.global.nc.L1::no_allocate");
   } else {
     if (pred) v = *ptr;
   }
 }
+#undef MOEJIT_PRED_LOAD_V4
+#undef MOEJIT_PRED_LOAD_V2
+#undef MOEJIT_PRED_LOAD_V1
 
 // Slot `slot` of a row into v where `pred` holds (v keeps its value elsewhere): a full vector, or
 // the partial tail element by element. `row` must be a valid row even where pred is false.

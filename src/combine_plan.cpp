@@ -296,8 +296,8 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
                 "num_tokens = " + std::to_string(a.num_tokens) + " needs " +
                     std::to_string(groups) +
                     " token groups, more than one launch allows (2^31 - 1): split the batch");
-  plan.combine_groups = static_cast<unsigned>(groups);
-  plan.combine_chunks = static_cast<unsigned>(s.chunks());
+  plan.combine_grid_x = static_cast<unsigned>(groups);
+  plan.combine_grid_y = static_cast<unsigned>(s.chunks());
   if (s.layout == MOEJIT_LAYOUT_TOKEN_MAJOR) {
     // One 1-D grid, chunks of a token adjacent (the kernel splits blockIdx.x; see combine.cuh).
     const int64_t blocks = groups * s.chunks();
@@ -306,8 +306,8 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
                   "num_tokens = " + std::to_string(a.num_tokens) + " with hidden_dim = " +
                       std::to_string(a.hidden_dim) + " needs " + std::to_string(blocks) +
                       " blocks, more than one launch allows (2^31 - 1): split the batch");
-    plan.combine_groups = static_cast<unsigned>(blocks);
-    plan.combine_chunks = 1;
+    plan.combine_grid_x = static_cast<unsigned>(blocks);
+    plan.combine_grid_y = 1;
   }
 
   if (s.token_index()) {
@@ -387,7 +387,7 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
     launch(kAssignKernel, plan.assign_blocks, 1, kHelperThreads, true,
            "cuLaunchKernelEx(token_index_assign)");
   }
-  launch(kCombineKernel, plan.combine_groups, plan.combine_chunks, threads, chained,
+  launch(kCombineKernel, plan.combine_grid_x, plan.combine_grid_y, threads, chained,
          chained ? "cuLaunchKernelEx(combine)" : "cuLaunchKernel(combine)");
 }
 

@@ -36,8 +36,8 @@ TEST(KernelSpec, AlignedBf16UsesSixteenByteVectors) {
   EXPECT_EQ(plan.spec.tpt, 128);
   EXPECT_EQ(plan.spec.tpb, 1);
   EXPECT_EQ(plan.spec.chunks(), 7);
-  EXPECT_EQ(plan.combine_groups, 333u);
-  EXPECT_EQ(plan.combine_chunks, 7u);
+  EXPECT_EQ(plan.combine_grid_x, 333u);
+  EXPECT_EQ(plan.combine_grid_y, 7u);
 }
 
 TEST(KernelSpec, TokenMajorUsesOneDimensionWithATokensChunksAdjacent) {
@@ -48,8 +48,8 @@ TEST(KernelSpec, TokenMajorUsesOneDimensionWithATokensChunksAdjacent) {
   a.num_rows = 0;
   const CombinePlan plan = plan_combine(&a);
   EXPECT_EQ(plan.spec.chunks(), 7);
-  EXPECT_EQ(plan.combine_groups, 333u * 7u);
-  EXPECT_EQ(plan.combine_chunks, 1u);
+  EXPECT_EQ(plan.combine_grid_x, 333u * 7u);
+  EXPECT_EQ(plan.combine_grid_y, 1u);
   // Past what one 1-D launch holds: a clear error, not a wrapped grid.
   a.num_tokens = int64_t{1} << 30;
   try {
@@ -67,8 +67,8 @@ TEST(KernelSpec, DecodeSizedCallsSpreadATokenOverMoreBlocks) {
   EXPECT_EQ(plan.spec.tpt, 16);
   EXPECT_EQ(plan.spec.tpb, 2);
   EXPECT_EQ(plan.spec.chunks(), 56);
-  EXPECT_EQ(plan.combine_groups, 2u);  // two tokens per 32-thread block
-  EXPECT_EQ(plan.combine_chunks, 56u);
+  EXPECT_EQ(plan.combine_grid_x, 2u);  // two tokens per 32-thread block
+  EXPECT_EQ(plan.combine_grid_y, 56u);
   // The token index keeps whole warps per token (its single-launch kernel needs them).
   const KernelSpec ti = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
                                        MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256, 3);
@@ -104,8 +104,8 @@ TEST(KernelSpec, ShortRowsShareBlocks) {
   EXPECT_EQ(plan.spec.tpt, 32);
   EXPECT_EQ(plan.spec.tpb, 4);
   EXPECT_EQ(plan.spec.block_threads(), 128);
-  EXPECT_EQ(plan.combine_groups, 1u);  // 3 tokens fit in one block of 4 token groups
-  EXPECT_EQ(plan.combine_chunks, 1u);
+  EXPECT_EQ(plan.combine_grid_x, 1u);  // 3 tokens fit in one block of 4 token groups
+  EXPECT_EQ(plan.combine_grid_y, 1u);
 }
 
 TEST(KernelSpec, TinyHiddenKeepsAtLeastFourThreadsPerToken) {

@@ -158,13 +158,13 @@ void measure_cold_compiles(const moejit::Target& target, JitFigures* figures) {
   };
   // Every spec's first compile first (in order: the first is the process's first), then the
   // repeats.
-  for (const moejit::KernelSpec& spec : cold_specs()) {
+  const std::vector<moejit::KernelSpec> specs = cold_specs();
+  for (const moejit::KernelSpec& spec : specs) {
     CompileFigure f;
     f.spec = spec.describe();
     f.ms = compile_ms(spec, &f.image_bytes);
     figures->cold.push_back(f);
   }
-  const std::vector<moejit::KernelSpec> specs = cold_specs();
   for (size_t i = 0; i < specs.size(); ++i) {
     std::vector<double> later;
     size_t ignored = 0;
@@ -265,8 +265,8 @@ void measure_calls(cudaStream_t stream, JitFigures* figures) {
   const auto threads = static_cast<unsigned>(plan.spec.block_threads());
   figures->bare_launch_host_us = host_us_per_call(stream, kBatches, kPerBatch, [&] {
     moejit::check_cuda(
-        d.cuLaunchKernel(kernels.functions[moejit::kCombineKernel], plan.combine_groups,
-                         plan.combine_chunks, 1, threads, 1, 1, 0, cu_stream, kernel_args, nullptr),
+        d.cuLaunchKernel(kernels.functions[moejit::kCombineKernel], plan.combine_grid_x,
+                         plan.combine_grid_y, 1, threads, 1, 1, 0, cu_stream, kernel_args, nullptr),
         "cuLaunchKernel(combine)");
   });
 }
