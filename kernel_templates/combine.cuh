@@ -17,11 +17,13 @@
 //   VEC       elements per vector access; VEC * sizeof(element) <= 16 bytes, and every row start
 //             is VEC-aligned (the host picks VEC from the pointers and strides). A hidden size that
 //             is not a multiple of VEC gets one partial "tail" vector handled element by element.
-//   TOP_K     slots per token (token-major and gather map; 0 for token index)
+//   TOP_K     slots per token (token-major and gather map); token index: the rows per token it
+//             holds in registers (the expected count rounded up to 1, 2, 4 or 8)
 //   TPT       threads per token group (one vector slot per thread)
 //   TPB       token groups per block (several tokens share a block when rows are short)
 //   UPT       vector slots per thread (a work item spans TPT * UPT slots of one token)
-//   LIST_CAP  token-index layout: rows per token kept in the workspace list (0 otherwise)
+//   LIST_CAP  token-index layout: rows per token kept in its list (0 otherwise)
+// `combine_scan` (token index, one launch) takes the same parameters but LAYOUT.
 //
 // Grid: one block per work item, a group of TPB tokens x a chunk of TPT * UPT vector slots (2-D:
 // x the token group, y the chunk; token-major: 1-D, group-major, chunks adjacent).
@@ -301,28 +303,77 @@ __device__ __forceinline__ void add_rows_by_walk(const CombineParams& p, long lo
   }
 }
 
-// A token-index list longer than the rows sorted in registers (a skewed routing) but within
-// LIST_CAP: add its rows in ascending row order by repeated selection of the next smallest id.
-// Quadratic in the list length, but the list is short and cached; bitwise identical to the
-// sorted path and to add_rows_by_walk (the same rows in the same order).
+// A token-index list longer than the rows held in registers (a skewed routing) but within
+// LIST_CAP: add its rows in ascending row order, picking each next row by selection (the smallest
+// id above the last one added) and loading two rows at a time. Quadratic in the list length, but
+// the list is short and cached; bitwise identical to the held path and to add_rows_by_walk (the
+// same rows in the same order). `list` is in the workspace (list path) or in shared memory (single
+// launch): plain loads serve both.
 template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT>
-__device__ __forceinline__ void add_listed_rows_in_order(const CombineParams& p, long long tok,
-                                                         int cap, int count, int first_slot,
+__device__ __forceinline__ void add_listed_rows_in_order(const CombineParams& p, const int* list,
+                                                         int count, int first_slot,
                                                          float (&sum)[UPT][VEC]) {
-  const int* __restrict__ list = p.token_rows + tok * cap;
+  typedef typename Elem<IN_DT>::storage S;
   int prev = -1;
 #pragma unroll 1  // rare: keep one copy of the code
-  for (int done = 0; done < count; ++done) {
-    int next = 0x7fffffff;
+  for (int done = 0; done < count; done += 2) {
+    Pack<S, VEC> v[2][UPT];
+    float w[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      int next = 0x7fffffff;
 #pragma unroll 1
-    for (int k = 0; k < count; ++k) {
-      const int r = __ldg(list + k);
-      if (r > prev && r < next) next = r;
+      for (int k = 0; k < count; ++k) {
+        const int r = list[k];
+        if (r > prev && r < next) next = r;
+      }
+      const bool present = done + j < count;
+      if (present) prev = next;
+      w[j] = present && p.gates != nullptr ? __ldg(p.gates + next) : 1.0f;
+      load_row_slots<S, VEC, HIDDEN, UPT, TPT>(
+          present, static_cast<const S*>(p.expert) + (present ? next : 0) * p.expert_stride,
+          first_slot, v[j]);
     }
-    add_row<IN_DT, VEC, HIDDEN, UPT, TPT>(
-        p, next, p.gates != nullptr ? __ldg(p.gates + next) : 1.0f, first_slot, sum);
-    prev = next;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      if (done + j < count) add_row_slots<IN_DT, VEC, UPT>(w[j], v[j], sum);
   }
+}
+
+// Token index, single launch: the whole block reads all of token_idx (at most 32 entries per
+// thread, from L2 after the first block; the host checks) and appends every row of its TPB tokens
+// to that token's list in shared memory. Each thread checks rows threadIdx.x, + BLOCK, ... with
+// kScanBatch independent loads in flight, so the scan costs rows / (BLOCK * kScanBatch) round
+// trips. Lists come out in atomic arrival order, like the workspace lists of the list path: the
+// combine sorts them. Rows past LIST_CAP are not listed but counted (the combine then walks
+// token_idx).
+constexpr int kScanBatch = 8;
+template <typename IdxT, int BLOCK, int TPB, int LIST_CAP>
+__device__ __forceinline__ void scan_token_rows(const CombineParams& p, long long first_tok,
+                                                int (&count)[TPB], int (&rows)[TPB][LIST_CAP]) {
+  const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
+  const int tid = static_cast<int>(threadIdx.x);
+  if (tid < TPB) count[tid] = 0;
+  __syncthreads();
+  for (long long base = 0; base < p.num_rows; base += BLOCK * kScanBatch) {
+    IdxT t[kScanBatch];
+#pragma unroll
+    for (int i = 0; i < kScanBatch; ++i) {
+      const long long r = base + i * BLOCK + tid;
+      t[i] = r < p.num_rows ? __ldg(token_idx + r) : IdxT(-1);
+    }
+#pragma unroll
+    for (int i = 0; i < kScanBatch; ++i) {
+      // Negative ids (dropped) and ids of other blocks' tokens fail the unsigned compare.
+      const long long id = static_cast<long long>(t[i]);
+      const unsigned long long d = static_cast<unsigned long long>(id - first_tok);
+      if (d < static_cast<unsigned long long>(TPB) && id < p.num_tokens) {
+        const int at = atomicAdd(&count[d], 1);
+        if (at < LIST_CAP) rows[d][at] = static_cast<int>(base + i * BLOCK + tid);
+      }
+    }
+  }
+  __syncthreads();
 }
 
 }  // namespace detail
@@ -344,17 +395,24 @@ __device__ __forceinline__ void sort_rows(int (&r)[N]) {
     }
 }
 
+namespace detail {
+
 // One block per work item (a group of TPB tokens x a chunk of TPT * UPT vector slots) on a 2-D
 // grid: x the token group, y the chunk. Each thread reads its token's routing, issues the loads
 // of a whole batch of rows (up to kBatch 16-byte vectors) before the first use, sums in fp32 in a
 // fixed order and stores once. Measured on the H200 against a persistent grid that prefetched the
 // next item's routing: this form was 1-14% faster at every prefill shape (fewer registers, the
 // hardware scheduler balancing short blocks) and equal at decode; see tools/bench/NOTES.md.
+//
+// SCAN (token index only): the single-launch form, which finds its tokens' rows itself
+// (detail::scan_token_rows) instead of reading the lists token_index_assign built. The kernels
+// `combine` and `combine_scan` below are this body.
 template <int LAYOUT, int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT,
-          int TPB, int UPT, int LIST_CAP>
-__global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
-  static_assert(LAYOUT != kLayoutTokenIndex || (LIST_CAP > 0 && TOP_K == 0),
-                "token index: a list, no top_k");
+          int TPB, int UPT, int LIST_CAP, bool SCAN>
+__device__ __forceinline__ void combine_tokens(const CombineParams& p) {
+  static_assert(!SCAN || LAYOUT == kLayoutTokenIndex, "only the token index scans");
+  static_assert(LAYOUT != kLayoutTokenIndex || (LIST_CAP >= TOP_K && TOP_K >= 1),
+                "token index: a list, at least TOP_K long");
   static_assert(LAYOUT == kLayoutTokenIndex || (TOP_K > 0 && LIST_CAP == 0), "fixed top_k");
   typedef typename detail::Elem<IN_DT>::storage S;
   typedef typename detail::Elem<OUT_DT>::storage OutS;
@@ -363,12 +421,13 @@ __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
   // Rows loaded together: kBatch 16-byte vectors in flight per thread, whatever UPT is.
   constexpr int kRowsPerBatch = detail::kBatch / UPT > 0 ? detail::kBatch / UPT : 1;
   // Rows whose routing is held in registers. Fixed layouts: the first batch (later rows, when
-  // top_k > kRowsPerBatch, are read as they come). Token index: the first kBatch entries of the
-  // list, sorted here and loaded in batches of kRowsPerBatch; a longer list (a skewed routing)
-  // takes the slow paths below.
-  constexpr int kMaxRows = kTokenIndex ? LIST_CAP : TOP_K;
+  // top_k > kRowsPerBatch, are read as they come). Token index: TOP_K is the expected rows per
+  // token (a power of two up to kBatch, chosen by the host): that many list entries, sorted here
+  // and loaded in batches of kRowsPerBatch. Holding no more than a token usually has matters:
+  // 8 held rows for 1 or 2 real ones cost 25-35% at K=1 and 7% at K=2 on the H200 (the sort,
+  // the predicated loads and the masking, in every thread).
   constexpr int kHeldCap = kTokenIndex ? detail::kBatch : kRowsPerBatch;
-  constexpr int kHeld = kMaxRows < kHeldCap ? kMaxRows : kHeldCap;
+  constexpr int kHeld = TOP_K < kHeldCap ? TOP_K : kHeldCap;
   // Row loads through L1 for the fixed layouts' bandwidth blocks (a whole 128-thread group per
   // token) when every chunk of a row is full; streaming for decode-sized groups, short rows, the
   // token index, and rows whose last chunk is partial (H=2880 and H=3584 measured 1-2% slower
@@ -395,19 +454,38 @@ __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
   }
   const long long tok = group * TPB + sub;
   const int first_slot = chunk * (TPT * UPT) + lane;
-  if constexpr (kTokenIndex) detail::wait_for_predecessor();  // the lists are token_index_assign's
-  if (tok >= p.num_tokens) return;  // no barrier below: idle token groups may leave
-
-  // Routing of the held rows: row ids (-1: dropped; R < 2^31) and gates.
+  // Token index: this token's rows (arrival order) and how many there are.
   int count = TOP_K;
+  const int* list = nullptr;
+  if constexpr (SCAN) {
+    __shared__ int s_count[TPB];
+    __shared__ int s_rows[TPB][LIST_CAP];
+    detail::scan_token_rows<IdxT, TPT * TPB, TPB, LIST_CAP>(p, group * TPB, s_count, s_rows);
+    if (tok >= p.num_tokens) return;  // after the scan's barriers; none below
+    count = s_count[sub];
+    list = s_rows[sub];
+  } else {
+    if constexpr (kTokenIndex) detail::wait_for_predecessor();  // token_index_assign's lists
+    if (tok >= p.num_tokens) return;  // no barrier below: idle token groups may leave
+    if constexpr (kTokenIndex) {
+      count = __ldg(p.token_counts + tok);
+      list = p.token_rows + tok * LIST_CAP;
+    }
+  }
+
+  // Routing of the held rows: row ids (-1: dropped or absent; R < 2^31) and gates.
   int row[kHeld];
   float gate[kHeld];
   if constexpr (kTokenIndex) {
-    // The list entries are read together with the count, not after it (entries past the count
-    // are stale but inside the workspace): one round trip before the rows, as for a gather map.
-    count = __ldg(p.token_counts + tok);
+    // The entries are read together with the count, not after it (entries past the count are
+    // stale but inside the list): one round trip before the rows, as for a gather map.
 #pragma unroll
-    for (int k = 0; k < kHeld; ++k) row[k] = __ldg(p.token_rows + tok * LIST_CAP + k);
+    for (int k = 0; k < kHeld; ++k) {
+      if constexpr (SCAN)
+        row[k] = list[k];  // shared memory
+      else
+        row[k] = __ldg(list + k);
+    }
 #pragma unroll
     for (int k = 0; k < kHeld; ++k)
       if (k >= count) row[k] = 0x7fffffff;
@@ -432,14 +510,15 @@ __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
       gate[k] = p.gates != nullptr ? __ldg(p.gates + tok * TOP_K + k) : 1.0f;
     }
   }
-  // Token index: every row of the token is among the held (sorted) ones.
-  const bool held_all = !kTokenIndex || count <= kHeld;
-
   float sum[UPT][VEC];
 #pragma unroll
   for (int u = 0; u < UPT; ++u)
 #pragma unroll
     for (int e = 0; e < VEC; ++e) sum[u][e] = 0.0f;
+
+  // Token index: every row of the token is among the held (sorted) ones. Otherwise (a skewed
+  // routing) the slow paths below add them, in the same order.
+  const bool held_all = !kTokenIndex || count <= kHeld;
 
   // The held rows, routing from registers, a batch at a time: every load of a batch is issued
   // before its first add. (One batch for the fixed layouts.)
@@ -502,8 +581,8 @@ __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
   if constexpr (kTokenIndex) {
     if (!held_all) {
       if (count <= LIST_CAP)
-        detail::add_listed_rows_in_order<IN_DT, VEC, HIDDEN, UPT, TPT>(p, tok, LIST_CAP, count,
-                                                                       first_slot, sum);
+        detail::add_listed_rows_in_order<IN_DT, VEC, HIDDEN, UPT, TPT>(p, list, count, first_slot,
+                                                                       sum);
       else
         detail::add_rows_by_walk<IN_DT, VEC, HIDDEN, UPT, TPT, IdxT>(p, tok, first_slot, sum);
     }
@@ -517,76 +596,25 @@ __global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
   }
 }
 
-// ---- token-index layout, small batches: one launch ---------------------------------------------
-// For decode-sized calls (few rows) the three list-building launches would cost more than the
-// work. Here each block reads all of token_idx (a few KB, from L2) and its first warp per token
-// collects that token's rows in ascending order with warp ballots: one launch, no workspace.
-// One work item per block. Needs TPT to be a multiple of 32 (a token owns whole warps), and at
-// most kScanMaxRows rows (combine_params.h; the host only picks this kernel then).
-template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TPT, int TPB, int LIST_CAP>
+}  // namespace detail
+
+template <int LAYOUT, int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT,
+          int TPB, int UPT, int LIST_CAP>
+__global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
+  detail::combine_tokens<LAYOUT, IN_DT, OUT_DT, IdxT, HIDDEN, VEC, TOP_K, TPT, TPB, UPT, LIST_CAP,
+                         false>(p);
+}
+
+// ---- token-index layout, small calls: one launch -----------------------------------------------
+// For calls with few rows, the list path's two extra launches (clear, assign) cost more than the
+// work: here every block scans all of token_idx for its own tokens' rows, then combines them
+// exactly as the list path does (same sorted order, same slow paths: bitwise the same result).
+// The host picks it while that re-reading stays cheap (src/combine_plan.cpp).
+template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT, int TPB,
+          int UPT, int LIST_CAP>
 __global__ void __launch_bounds__(TPT* TPB) combine_scan(const CombineParams p) {
-  static_assert(TPT % 32 == 0, "a token must own whole warps");
-  typedef typename detail::Elem<IN_DT>::storage S;
-  typedef typename detail::Elem<OUT_DT>::storage OutS;
-  constexpr int kBlock = TPT * TPB;
-  constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;
-  constexpr int kChunks = (kSlots + TPT - 1) / TPT;
-  __shared__ IdxT s_idx[kScanMaxRows];
-  __shared__ int s_rows[TPB][LIST_CAP];
-  __shared__ int s_count[TPB];
-
-  const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
-  const S* __restrict__ expert = static_cast<const S*>(p.expert);
-  const int sub = static_cast<int>(threadIdx.x) / TPT;
-  const int lane = static_cast<int>(threadIdx.x) % TPT;
-  const long long tok = (blockIdx.x / kChunks) * static_cast<long long>(TPB) + sub;
-  const int slot = static_cast<int>(blockIdx.x % kChunks) * TPT + lane;
-  const bool collector = lane < 32 && tok < p.num_tokens;  // the group's first warp
-  const int rows = static_cast<int>(p.num_rows);           // <= kScanMaxRows (host checks)
-
-  // All of token_idx into shared memory at once: independent loads, one round trip to L2.
-  for (int j = static_cast<int>(threadIdx.x); j < rows; j += kBlock)
-    s_idx[j] = __ldg(token_idx + j);
-  __syncthreads();
-  int found = 0;  // rows of tok seen so far (kept by the collector warp)
-  if (collector) {
-    for (int c = 0; c < rows; c += 32) {
-      const bool mine = c + lane < rows && static_cast<long long>(s_idx[c + lane]) == tok;
-      const unsigned mask = __ballot_sync(0xffffffffu, mine);
-      const int pos = found + __popc(mask & ((1u << lane) - 1u));
-      if (mine && pos < LIST_CAP) s_rows[sub][pos] = c + lane;
-      found += __popc(mask);
-    }
-  }
-  if (collector && lane == 0) s_count[sub] = found;
-  __syncthreads();
-  if (tok >= p.num_tokens || slot >= kSlots) return;
-  const int count = s_count[sub];
-
-  float sum[1][VEC];  // [1]: one slot per thread (the shape add_rows_by_walk takes)
-#pragma unroll
-  for (int e = 0; e < VEC; ++e) sum[0][e] = 0.0f;
-  if (count <= LIST_CAP) {
-    for (int base = 0; base < count; base += detail::kBatch) {
-      detail::Pack<S, VEC> v[detail::kBatch][1];
-      float w[detail::kBatch];
-#pragma unroll
-      for (int j = 0; j < detail::kBatch; ++j) {
-        const bool on = base + j < count;
-        const int row = on ? s_rows[sub][base + j] : 0;
-        w[j] = on && p.gates != nullptr ? __ldg(p.gates + row) : 1.0f;
-        detail::load_row_slots<S, VEC, HIDDEN, 1, TPT>(on, expert + row * p.expert_stride, slot,
-                                                       v[j]);
-      }
-#pragma unroll
-      for (int j = 0; j < detail::kBatch; ++j)
-        if (base + j < count) detail::add_row_slots<IN_DT, VEC, 1>(w[j], v[j], sum);
-    }
-  } else {
-    detail::add_rows_by_walk<IN_DT, VEC, HIDDEN, 1, TPT, IdxT>(p, tok, slot, sum);
-  }
-  OutS* out_row = static_cast<OutS*>(p.out) + tok * p.out_stride;
-  detail::store_slot<OUT_DT, VEC, HIDDEN>(out_row, slot, sum[0], p.scale, p.accumulate != 0);
+  detail::combine_tokens<kLayoutTokenIndex, IN_DT, OUT_DT, IdxT, HIDDEN, VEC, TOP_K, TPT, TPB, UPT,
+                         LIST_CAP, true>(p);
 }
 
 // ---- token-index layout: building the per-token row lists ------------------------------------

@@ -11,10 +11,6 @@ enum { kLayoutTokenMajor = 0, kLayoutGatherMap = 1, kLayoutTokenIndex = 2 };
 // Element type codes, equal to the public moejit_dtype values.
 enum { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
-// Most rows the single-launch token-index kernel (combine_scan) takes: it holds all of token_idx
-// in shared memory.
-constexpr int kScanMaxRows = 4096;
-
 // 8-byte members first, then 4-byte ones: no padding surprises between compilers.
 struct CombineParams {
   const void* expert;       // R rows of InT

@@ -18,10 +18,14 @@ constexpr int kBlockThreads = 128;   // combine block size
 constexpr int kHelperThreads = 256;  // token-index clear / assign
 constexpr unsigned kMaxHelperBlocks = 4096;
 constexpr int64_t kMaxRows = INT32_MAX;  // token-index lists store row ids as int32
-// Token index, small calls: every block reads all of token_idx itself (one launch) instead of
-// building per-token lists in three extra launches, while that re-reading (from L2) stays cheaper
-// than those launches: at most kScanMaxRows rows (combine_params.h) and kScanMaxBytes read by all
-// blocks together.
+// Token index, small calls: every block scans all of token_idx for its own tokens (one launch,
+// combine_scan) instead of the list path's clear and assign launches, while that re-reading stays
+// cheaper than those launches: each thread reads at most kScanMaxRowsPerThread entries (a few
+// batches of independent loads) and all blocks together at most kScanMaxBytes (from L2). On the
+// H200: T=1536 K=2 H=128 fp32 (5 MB re-read) 8.6 us in one launch vs 9.7 through the lists,
+// T=256 K=8 H=7168 (15 MB) 16.1 vs 17.9; T=512 K=8 (58 MB) 31.4 vs 26.4, T=2048 K=2 H=4096
+// (64 MB) 32.8 vs 22.9.
+constexpr int64_t kScanMaxRowsPerThread = 32;
 constexpr double kScanMaxBytes = 32.0 * (1 << 20);
 
 int element_bytes(int dtype) {
@@ -50,6 +54,16 @@ int list_capacity(int64_t rows_per_token) {
   return 64;
 }
 
+// Token index: rows per token the combine holds (and sorts) in registers, the expected count
+// rounded up to 1, 2, 4 or 8 (KernelSpec::top_k). A token with more takes extra rounds; holding
+// more than a token has costs every thread (25-35% at K=1 with 8 held, on the H200).
+int held_rows(int64_t rows_per_token) {
+  if (rows_per_token <= 1) return 1;
+  if (rows_per_token <= 2) return 2;
+  if (rows_per_token <= 4) return 4;
+  return 8;
+}
+
 // Token-index workspace: counts [T] (padded to 256 bytes), then row ids [T * cap].
 size_t counts_bytes(int64_t tokens) {
   return (static_cast<size_t>(tokens) * sizeof(int) + 255) / 256 * 256;
@@ -61,8 +75,9 @@ constexpr int64_t kDecodeMaxTokens = 64;
 // Thread geometry, from the H200 sweeps (tools/bench/NOTES.md): one vector slot per thread and
 // 128-thread blocks for bandwidth; short rows share a block between several tokens. Decode-sized
 // calls spread each token's row over more, smaller blocks: 16-slot token groups, two per 32-thread
-// block (DeepSeek-V3's 7168-wide bf16 row becomes 56 blocks), or for the token index 64-thread
-// groups (its single-launch kernel needs whole warps per token).
+// block (DeepSeek-V3's 7168-wide bf16 row becomes 56 blocks); for the token index one 64-thread
+// group per block (its single-launch kernel scans token_idx once per block: fewer, larger blocks
+// measured 2-7% faster than 16x2 at T = 1, 32 and 64, and than 32x1 or 128x1).
 void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   const int slots = s->slots();
   s->upt = 1;
@@ -190,7 +205,7 @@ KernelSpec make_spec(moejit_layout layout, moejit_dtype in_dtype, moejit_dtype o
   s.hidden = hidden;
   s.vec = vec;
   if (layout == MOEJIT_LAYOUT_TOKEN_INDEX) {
-    s.top_k = 0;
+    s.top_k = held_rows(rows_per_token);
     s.list_cap = list_capacity(rows_per_token);
   } else {
     s.top_k = rows_per_token;
@@ -328,15 +343,14 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
     };
     plan.clear_blocks = helper_blocks(a.num_tokens);
     plan.assign_blocks = helper_blocks(a.num_rows);
-    const double scan_blocks = static_cast<double>(groups) * s.scan_chunks();
-    plan.token_scan = s.has_scan_kernel() && a.num_rows <= kScanMaxRows &&
-                      scan_blocks * static_cast<double>(a.num_rows) *
-                              (a.index_type == MOEJIT_INDEX_INT64 ? 8 : 4) <=
-                          kScanMaxBytes;
-    if (plan.token_scan) {
-      plan.scan_blocks = static_cast<unsigned>(scan_blocks);
-      s.scan = true;  // its own module: the list path is not compiled for a call that skips it
-    }
+    const double blocks = static_cast<double>(groups) * s.chunks();
+    const int64_t rows_per_thread = (a.num_rows + s.block_threads() - 1) / s.block_threads();
+    plan.token_scan =
+        s.has_scan_kernel() && rows_per_thread <= kScanMaxRowsPerThread &&
+        blocks * static_cast<double>(a.num_rows) * (a.index_type == MOEJIT_INDEX_INT64 ? 8 : 4) <=
+            kScanMaxBytes;
+    // Its own module: the list path is not compiled for a call that skips it.
+    if (plan.token_scan) s.scan = true;
   }
   return plan;
 }
@@ -377,7 +391,8 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
   };
   const unsigned threads = static_cast<unsigned>(plan.spec.block_threads());
   if (plan.token_scan) {
-    launch(kCombineKernel, plan.scan_blocks, 1, threads, false, "cuLaunchKernel(combine_scan)");
+    launch(kCombineKernel, plan.combine_grid_x, plan.combine_grid_y, threads, false,
+           "cuLaunchKernel(combine_scan)");
     return;
   }
   const bool chained = plan.spec.token_index();

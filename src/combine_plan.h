@@ -21,12 +21,11 @@ struct CombinePlan {
   KernelSpec spec;
   CombineParams params{};
   bool nothing_to_do = false;  // T == 0
-  // Combine grid. Gather map and token index: x the token groups (spec.tpb tokens each), y the
-  // chunks of spec.tpt * spec.upt vector slots per row. Token-major: 1-D, x = groups * chunks
-  // (a token's chunks adjacent), y = 1.
+  // Combine grid (also the single-launch token-index kernel's). Gather map and token index: x the
+  // token groups (spec.tpb tokens each), y the chunks of spec.tpt * spec.upt vector slots per row.
+  // Token-major: 1-D, x = groups * chunks (a token's chunks adjacent), y = 1.
   unsigned int combine_grid_x = 0;
   unsigned int combine_grid_y = 0;
-  unsigned int scan_blocks = 0;   // 1-D grid of the single-launch token-index kernel
   unsigned int clear_blocks = 0;  // token-index helpers (0 for other layouts)
   unsigned int assign_blocks = 0;
   bool token_scan = false;  // token index, few rows: the single-launch scan kernel

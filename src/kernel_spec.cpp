@@ -41,7 +41,8 @@ std::vector<std::string> KernelSpec::name_expressions() const {
   std::ostringstream combine;
   if (scan) {
     combine << "&moejit::combine_scan<" << in_dtype << ", " << out_dtype << ", " << idx << ", "
-            << hidden << ", " << vec << ", " << tpt << ", " << tpb << ", " << list_cap << ">";
+            << hidden << ", " << vec << ", " << top_k << ", " << tpt << ", " << tpb << ", " << upt
+            << ", " << list_cap << ">";
     return {combine.str()};
   }
   combine << "&moejit::combine<" << layout << ", " << in_dtype << ", " << out_dtype << ", " << idx

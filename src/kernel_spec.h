@@ -16,7 +16,8 @@ struct KernelSpec {
   int index_bytes = 4;  // 4 (int32) or 8 (int64)
   int hidden = 0;       // H
   int vec = 1;          // elements per vector access
-  int top_k = 0;        // K (token-major, gather map); 0 for token index
+  int top_k = 0;        // K (token-major, gather map); token index: rows held in registers
+                        // (the expected rows per token rounded up to 1, 2, 4 or 8)
   int tpt = 0;          // threads per token group
   int tpb = 0;          // token groups per block
   int upt = 1;          // vector slots per thread (combine kernel)
@@ -29,11 +30,9 @@ struct KernelSpec {
   int block_threads() const { return tpt * tpb; }
   int slots() const { return (hidden + vec - 1) / vec; }
   int chunks() const { return (slots() + tpt * upt - 1) / (tpt * upt); }
-  // Blocks along hidden of the single-launch token-index kernel (one slot per thread).
-  int scan_chunks() const { return (slots() + tpt - 1) / tpt; }
   bool token_index() const;
-  // The token-index single-launch kernel exists for this geometry (a token owns whole warps).
-  bool has_scan_kernel() const { return token_index() && tpt % 32 == 0; }
+  // The token-index single-launch kernel exists for this spec's geometry (any token-index one).
+  bool has_scan_kernel() const { return token_index(); }
   // The same geometry with the single-launch kernel as its module (requires has_scan_kernel()).
   KernelSpec with_scan_kernel() const {
     KernelSpec s = *this;

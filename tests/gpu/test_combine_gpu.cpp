@@ -508,8 +508,8 @@ TEST_F(CombineGpu, WarmCallsOnlyLaunch) {
 
 // Capture into a CUDA graph once warm, change the inputs' contents, replay: the replay must give
 // exactly what a direct call on the new inputs gives. Token index twice: 33 tokens take the
-// single-launch kernel; 600 tokens (4800 rows, past kScanMaxRows) take clear -> assign -> combine,
-// chained by programmatic dependent launch on sm_90+, which the capture must keep.
+// single-launch kernel; 600 tokens (4800 rows, 38 per thread: past its limit) take clear -> assign
+// -> combine, chained by programmatic dependent launch on sm_90+, which the capture must keep.
 TEST_F(CombineGpu, CudaGraphCaptureAndReplay) {
   const Pools& p = pools();
   moejit_runtime_t rt = memory_only_runtime();

@@ -69,10 +69,12 @@ TEST(KernelSpec, DecodeSizedCallsSpreadATokenOverMoreBlocks) {
   EXPECT_EQ(plan.spec.chunks(), 56);
   EXPECT_EQ(plan.combine_grid_x, 2u);  // two tokens per 32-thread block
   EXPECT_EQ(plan.combine_grid_y, 56u);
-  // The token index keeps whole warps per token (its single-launch kernel needs them).
+  // The token index: one 64-thread group per block (its single-launch kernel scans token_idx
+  // once per block, so fewer, larger blocks).
   const KernelSpec ti = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
                                        MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256, 3);
   EXPECT_EQ(ti.tpt, 64);
+  EXPECT_EQ(ti.tpb, 1);
   EXPECT_TRUE(ti.has_scan_kernel());
   // Past 64 tokens: the bandwidth geometry.
   a.num_tokens = 65;
@@ -139,13 +141,26 @@ TEST(KernelSpec, PlanMatchesSpecForShapeOnAlignedBuffers) {
 TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   const KernelSpec s = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT16,
                                       MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256);
-  EXPECT_EQ(s.top_k, 0);
+  EXPECT_EQ(s.top_k, 8);  // rows held in registers: 8 expected per token
   EXPECT_EQ(s.list_cap, 16);
+  // Held rows: the expected count rounded up to 1, 2, 4 or 8; the list holds at least 8 and twice
+  // the expected count, up to 64.
+  const struct {
+    int rows_per_token, held, cap;
+  } sizes[] = {{0, 1, 8}, {1, 1, 8},  {2, 2, 8},   {3, 4, 8},
+               {4, 4, 8}, {5, 8, 16}, {16, 8, 32}, {40, 8, 64}};
+  for (const auto& z : sizes) {
+    const KernelSpec t =
+        spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                       MOEJIT_INDEX_INT32, 4096, z.rows_per_token, 256);
+    EXPECT_EQ(t.top_k, z.held) << z.rows_per_token;
+    EXPECT_EQ(t.list_cap, z.cap) << z.rows_per_token;
+  }
   EXPECT_EQ(s.vec, 4);  // fp32 output limits the vector to 16 bytes of output
   const auto names = s.name_expressions();
   ASSERT_EQ(names.size(), 3u);
   EXPECT_EQ(names[kCombineKernel],
-            "&moejit::combine<2, 1, 0, long long, 2048, 4, 0, 128, 1, 1, 16>");
+            "&moejit::combine<2, 1, 0, long long, 2048, 4, 8, 128, 1, 1, 16>");
   EXPECT_EQ(names[kClearKernel], "&moejit::token_index_clear");
   EXPECT_EQ(names[kAssignKernel], "&moejit::token_index_assign<long long>");
   // The single-launch kernel is a module of its own, a spec of its own (and a cache entry).
@@ -154,14 +169,17 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_NE(scan, s);
   EXPECT_NE(scan.hash(), s.hash());
   EXPECT_EQ(scan.describe(), s.describe() + " scan=1");
-  EXPECT_EQ(
-      scan.name_expressions(),
-      std::vector<std::string>{"&moejit::combine_scan<1, 0, long long, 2048, 4, 128, 1, 16>"});
-  // Rows too short for a token to own a warp: no single-launch kernel.
+  EXPECT_EQ(scan.name_expressions(),
+            std::vector<std::string>{
+                "&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 128, 1, 1, 16>"});
+  // Rows shorter than a warp (several tokens per block) have one too.
   const KernelSpec tiny = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                          MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 8, 2, 256);
-  EXPECT_FALSE(tiny.has_scan_kernel());
+  EXPECT_EQ(tiny.tpt, 4);
+  EXPECT_TRUE(tiny.has_scan_kernel());
   EXPECT_EQ(tiny.name_expressions().size(), 3u);
+  EXPECT_EQ(tiny.with_scan_kernel().name_expressions(),
+            std::vector<std::string>{"&moejit::combine_scan<0, 0, int, 8, 4, 2, 4, 32, 1, 8>"});
   EXPECT_NE(s.source().find("#include \"combine.cuh\""), std::string::npos);
 }
 
@@ -184,6 +202,28 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   EXPECT_FALSE(large.spec.scan);
   EXPECT_EQ(large.spec.name_expressions().size(), 3u);
   EXPECT_EQ(large.spec.with_scan_kernel().describe(), large.spec.describe() + " scan=1");
+  // The grid is the list path's either way: x the token groups, y the chunks.
+  EXPECT_EQ(small.combine_grid_x, 3u);
+  EXPECT_EQ(small.combine_grid_y, 14u);
+  // Prefill geometry: 1536 tokens of 2 rows, 128-wide fp32 (4 tokens per 128-thread block): each
+  // thread checks 24 entries, all blocks together read 384 x 12 KB -> one launch.
+  a.num_tokens = 1536;
+  a.num_rows = 3072;
+  a.hidden_dim = 128;
+  a.expert_dtype = a.out_dtype = MOEJIT_DTYPE_FLOAT32;
+  const CombinePlan mid = plan_combine(&a);
+  EXPECT_TRUE(mid.token_scan);
+  EXPECT_EQ(mid.spec.tpb, 4);
+  EXPECT_EQ(mid.combine_grid_x, 384u);
+  // Past 32 entries per thread: the list path (4097 rows, 33 per thread).
+  a.num_rows = 4097;
+  EXPECT_FALSE(plan_combine(&a).token_scan);
+  // Within 32 per thread but too much re-reading in all (4096 tokens x 3 chunks x 16 KB).
+  a.num_tokens = 4096;
+  a.num_rows = 4096;
+  a.hidden_dim = 5120;
+  a.expert_dtype = a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+  EXPECT_FALSE(plan_combine(&a).token_scan);
   // Both are among the specs the precompile tool warms for their shapes.
   const auto warmed_small =
       specs_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,

@@ -152,7 +152,8 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
   if ((s.vec != 1 && s.vec != 2 && s.vec != 4 && s.vec != 8) || s.vec * widest > 16)
     fail("vec", s.vec, "expected 1, 2, 4 or 8, at most 16 bytes of the widest dtype");
   if (s.layout == MOEJIT_LAYOUT_TOKEN_INDEX) {
-    if (s.top_k != 0) fail("K", s.top_k, "the token_index layout takes K=0");
+    if (s.top_k != 1 && s.top_k != 2 && s.top_k != 4 && s.top_k != 8)
+      fail("K", s.top_k, "the token_index layout takes K 1, 2, 4 or 8 (rows held per token)");
     if (s.list_cap != 8 && s.list_cap != 16 && s.list_cap != 32 && s.list_cap != 64)
       fail("cap", s.list_cap, "the token_index layout takes cap 8, 16, 32 or 64");
   } else {
@@ -165,8 +166,7 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
   if (s.upt != 1 && s.upt != 2 && s.upt != 4) fail("upt", s.upt, "expected 1, 2 or 4");
   if (scan != 0 && scan != 1) fail("scan", scan, "expected 0 or 1");
   if (scan == 1 && !s.has_scan_kernel())
-    fail("scan", scan,
-         "only the token_index layout with tpt a multiple of 32 has a single-launch module");
+    fail("scan", scan, "only the token_index layout has a single-launch module");
   s.scan = scan == 1;
   return s;
 }
