@@ -69,22 +69,32 @@ def test_merge_keeps_peers_and_the_ctypes_cross_check(merge_results):
         "BLOCK_H=128")
 
 
-def test_decode_table_uses_one_harness(merge_results):
+def test_one_harness_table_has_every_shape_and_the_ratios(merge_results):
     text = merge_results.markdown(merge_results.merge(bench_json(), peers_json()))
-    assert "Decode in one harness (peers.py" in text
-    rows = [line for line in text.splitlines() if line.startswith("| T1 K8 H7168 bf16 | 4.60")]
-    assert len(rows) == 1, text
-    # libmoejit through ctypes and Triton, each over the peers' own empty kernel (3.5 us).
-    assert "4.60 (1.31x)" in rows[0] and "5.00 (1.43x)" in rows[0]
-    assert "5.60 (1.60x)" in rows[0] and "4.70 (1.34x)" in rows[0]
-    # Prefill shapes are not decode: only T <= 64 gets a row.
-    assert not any(line.startswith("| T4096") and "x)" in line for line in text.splitlines())
+    assert "All shapes in one harness (peers.py" in text
+    section = text.split("All shapes in one harness")[1]
+    decode = [line for line in section.splitlines() if line.startswith("| T1 K8 H7168 bf16 |")]
+    assert len(decode) == 1, text
+    # Decode: libmoejit through ctypes and the peers, each over the peers' own empty kernel.
+    assert "4.60 (1.31x)" in decode[0] and "5.00 (1.43x)" in decode[0]
+    assert "5.60 (1.60x)" in decode[0] and "4.70 (1.34x)" in decode[0]
+    # Ratios: Triton / token_major 4.7 / 4.6, Triton / gather_map 4.7 / 5.0, index_add_ / token
+    # index 15 / 5.6.
+    assert decode[0].rstrip().endswith("| 1.02 | 0.94 | 2.68 |"), decode[0]
+    prefill = [line for line in section.splitlines() if line.startswith("| T4096 K8 H7168 bf16 |")]
+    assert len(prefill) == 1, text
+    # Prefill rows give plain times (no "x empty") and the same ratios.
+    assert "x)" not in prefill[0]
+    assert "| 119.6 | 130.0 | 145.6 | 122.2 | 390.0 | 1.02 | 0.94 | 2.68 |" in prefill[0], prefill[0]
 
 
-def test_no_decode_table_without_the_peers_empty_kernel(merge_results):
+def test_one_harness_table_needs_the_peers(merge_results):
+    # Without the peers' empty kernel the table stays, without "x empty".
     text = merge_results.markdown(merge_results.merge(bench_json(), peers_json(None)))
-    assert "Decode in one harness" not in text
-    assert merge_results.markdown(merge_results.merge(bench_json(), None))  # bench alone
+    assert "All shapes in one harness" in text and "(1.31x)" not in text
+    # The bench alone: no such table.
+    alone = merge_results.markdown(merge_results.merge(bench_json(), None))
+    assert "All shapes in one harness" not in alone
 
 
 def test_jit_line_names_each_module_kind(merge_results):

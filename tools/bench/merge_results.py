@@ -125,7 +125,7 @@ def markdown(merged):
             else:
                 cells.append(fmt_us(us))
         out.append("| " + " | ".join(cells) + " |")
-    out.extend(decode_same_harness(merged, rows))
+    out.extend(same_harness(merged, rows))
     jit = merged.get("jit")
     if jit:
         out.append("")
@@ -156,27 +156,46 @@ def markdown(merged):
     return "\n".join(out) + "\n"
 
 
-def decode_same_harness(merged, rows):
-    """Decode shapes timed in one harness (peers.py): libmoejit through ctypes next to Triton,
-    both divided by that harness's own empty kernel."""
-    empty = (merged.get("peers") or {}).get("empty_kernel_us")
-    decode = [(k, v) for k, v in rows.items() if k[0] <= 64]
-    if not empty or not decode:
+def same_harness(merged, rows):
+    """Every shape timed in one harness (peers.py): libmoejit through ctypes next to the peers, on
+    the same inputs and the same L2 flush, with the ratios the targets are about. Decode rows
+    (T <= 64) also give each time over that harness's own empty kernel."""
+    peers = merged.get("peers")
+    if not peers or not rows:
         return []
-    out = ["", f"Decode in one harness (peers.py: libmoejit through ctypes, empty kernel "
-               f"{empty:.2f} us there); us (x empty):", "",
+    empty = peers.get("empty_kernel_us")
+    out = ["", "All shapes in one harness (peers.py: libmoejit through ctypes"
+           + (f", empty kernel {empty:.2f} us there" if empty else "")
+           + "); us, (x empty) at decode sizes. Ratios > 1: libmoejit faster.", "",
            "| case | libmoejit token_major | libmoejit gather_map | libmoejit token_index | "
-           "Triton gather(inv) |", "| --- | --- | --- | --- | --- |"]
-    for key, by_layout in decode:
-        cells = [shape_text(key)]
-        for layout in LAYOUTS:
-            us = (by_layout.get(layout) or {}).get("libmoejit_ctypes_us")
-            cells.append(f"{us:.2f} ({us / empty:.2f}x)" if us else "")
+           "Triton gather(inv) | torch index_add_ | Triton / token_major | Triton / gather_map | "
+           "index_add_ / token_index |",
+           "|" + " --- |" * 9]
+
+    def cell(us, decode):
+        if not us:
+            return ""
+        return f"{us:.2f} ({us / empty:.2f}x)" if decode and empty else fmt_us(us)
+
+    def ratio(num, den):
+        return f"{num / den:.2f}" if num and den else ""
+
+    any_row = False
+    for key, by_layout in rows.items():
+        decode = key[0] <= 64
+        mine = {layout: (by_layout.get(layout) or {}).get("libmoejit_ctypes_us")
+                for layout in LAYOUTS}
         g = by_layout.get("gather_map") or next(iter(by_layout.values()))
-        tri = (g.get("peers_us") or {}).get("triton_gather_inv")
-        cells.append(f"{tri:.2f} ({tri / empty:.2f}x)" if tri else "")
+        peer_us = g.get("peers_us") or {}
+        tri, ia = peer_us.get("triton_gather_inv"), peer_us.get("torch_index_add")
+        if not any(mine.values()) and not tri:
+            continue
+        any_row = True
+        cells = [shape_text(key)] + [cell(mine[layout], decode) for layout in LAYOUTS]
+        cells += [cell(tri, decode), cell(ia, decode), ratio(tri, mine["token_major"]),
+                  ratio(tri, mine["gather_map"]), ratio(ia, mine["token_index"])]
         out.append("| " + " | ".join(cells) + " |")
-    return out
+    return out if any_row else []
 
 
 def main():
