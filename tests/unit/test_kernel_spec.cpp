@@ -251,5 +251,19 @@ TEST(KernelSpec, EqualityAndHashCoverEveryField) {
   }
 }
 
+TEST(KernelSpec, OneRowPerTokenTakesTwoSlotsPerThreadAtPrefill) {
+  auto spec = [](moejit_layout layout, int hidden, int top_k, int64_t tokens) {
+    return spec_for_shape(layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32,
+                          hidden, top_k, 256, tokens);
+  };
+  for (moejit_layout layout : {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP}) {
+    EXPECT_EQ(spec(layout, 5120, 1, kAnyTokens).upt, 2);
+    EXPECT_EQ(spec(layout, 5120, 1, kAnyTokens).chunks(), 3);  // 640 slots in chunks of 256
+    EXPECT_EQ(spec(layout, 5120, 2, kAnyTokens).upt, 1);       // two rows: one slot
+    EXPECT_EQ(spec(layout, 5120, 1, 16).upt, 1);               // decode geometry
+    EXPECT_EQ(spec(layout, 1024, 1, kAnyTokens).upt, 1);       // 128 slots: one chunk already
+  }
+}
+
 }  // namespace
 }  // namespace moejit
