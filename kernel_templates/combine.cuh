@@ -424,8 +424,8 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   // top_k > kRowsPerBatch, are read as they come). Token index: TOP_K is the expected rows per
   // token (a power of two up to kBatch, chosen by the host): that many list entries, sorted here
   // and loaded in batches of kRowsPerBatch. Holding no more than a token usually has matters:
-  // 8 held rows for 1 or 2 real ones cost 25-35% at K=1 and 7% at K=2 on the H200 (the sort,
-  // the predicated loads and the masking, in every thread).
+  // 8 held rows cost 35% at K=1 and 8% at K=2 on the H200 (the sort, the predicated loads and
+  // the masking, in every thread).
   constexpr int kHeldCap = kTokenIndex ? detail::kBatch : kRowsPerBatch;
   constexpr int kHeld = TOP_K < kHeldCap ? TOP_K : kHeldCap;
   // Row loads through L1 for the fixed layouts' bandwidth blocks (a whole 128-thread group per

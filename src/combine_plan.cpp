@@ -56,7 +56,7 @@ int list_capacity(int64_t rows_per_token) {
 
 // Token index: rows per token the combine holds (and sorts) in registers, the expected count
 // rounded up to 1, 2, 4 or 8 (KernelSpec::top_k). A token with more takes extra rounds; holding
-// more than a token has costs every thread (25-35% at K=1 with 8 held, on the H200).
+// more than a token has costs every thread (8 held: 35% slower at K=1, 8% at K=2, on the H200).
 int held_rows(int64_t rows_per_token) {
   if (rows_per_token <= 1) return 1;
   if (rows_per_token <= 2) return 2;
@@ -77,7 +77,7 @@ constexpr int64_t kDecodeMaxTokens = 64;
 // calls spread each token's row over more, smaller blocks: 16-slot token groups, two per 32-thread
 // block (DeepSeek-V3's 7168-wide bf16 row becomes 56 blocks); for the token index one 64-thread
 // group per block (its single-launch kernel scans token_idx once per block: fewer, larger blocks
-// measured 2-7% faster than 16x2 at T = 1, 32 and 64, and than 32x1 or 128x1).
+// measured 2-7% faster than 16x2 at T = 1, 32 and 64, and best overall against 32x1 and 128x1).
 void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   const int slots = s->slots();
   s->upt = 1;
