@@ -33,6 +33,7 @@ def bench_json():
         "empty_kernel_us": 4.0, "empty_kernel_l2_warm_us": 3.5, "cases": cases,
         "jit": {
             "target": "sm_90", "nvrtc_version": "13.0",
+            "compute_cache": "CUDA_CACHE_DISABLE=1 (set by moejit-bench: every compile is cold)",
             "cold_compiles": [
                 {"spec": "layout=gather_map in=bf16 K=8", "ms": 30.0, "later_median_ms": 20.0},
                 {"spec": "layout=token_index in=bf16 cap=8", "ms": 300.0,
@@ -101,6 +102,7 @@ def test_jit_line_names_each_module_kind(merge_results):
     text = merge_results.markdown(merge_results.merge(bench_json(), peers_json()))
     line = [line for line in text.splitlines() if line.startswith("JIT (")][0]
     assert "cold compile 30 ms first in process" in line
+    assert line.startswith("JIT (sm_90, NVRTC 13.0; NVRTC's compute cache off, every compile cold)")
     assert "gather-map 30 / 20 ms" in line
     assert "token-index lists 300 / 25 ms" in line
     # An older record without the later median shows its first compile twice.

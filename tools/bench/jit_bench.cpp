@@ -143,6 +143,15 @@ double host_us_per_call(cudaStream_t stream, int batches, int per_batch, Enqueue
 
 }  // namespace
 
+void disable_compute_cache_for_jit(JitFigures* figures) {
+  if (const char* v = std::getenv("CUDA_CACHE_DISABLE")) {
+    figures->compute_cache = std::string("CUDA_CACHE_DISABLE=") + v + " (from the environment)";
+    return;
+  }
+  setenv("CUDA_CACHE_DISABLE", "1", 1);
+  figures->compute_cache = "CUDA_CACHE_DISABLE=1 (set by moejit-bench: every compile is cold)";
+}
+
 void measure_cold_compiles(const moejit::Target& target, JitFigures* figures) {
   figures->target = target.name();
   figures->nvrtc_version = moejit::nvrtc_version();
@@ -272,7 +281,8 @@ void measure_calls(cudaStream_t stream, JitFigures* figures) {
 }
 
 void print_jit(const JitFigures& f) {
-  std::printf("\nJIT figures (target %s, NVRTC %s)\n", f.target.c_str(), f.nvrtc_version.c_str());
+  std::printf("\nJIT figures (target %s, NVRTC %s; compute cache: %s)\n", f.target.c_str(),
+              f.nvrtc_version.c_str(), f.compute_cache.c_str());
   for (size_t i = 0; i < f.cold.size(); ++i)
     std::printf(
         "  cold compile %s: %8.1f ms, again (median of %d): %6.1f ms  (%zu-byte image)  %s\n",

@@ -34,6 +34,10 @@ constexpr int kLaterCompiles = 3;
 struct JitFigures {
   std::string target;  // "sm_90"
   std::string nvrtc_version;
+  // NVRTC keeps compiled programs in the CUDA compute cache (~/.nv/ComputeCache) unless
+  // CUDA_CACHE_DISABLE=1: a compile of a program any earlier process compiled is then a cache hit
+  // (about 40 ms instead of 130-280 ms on the H200 host), not a cold compile. What held here.
+  std::string compute_cache;
   std::vector<CompileFigure> cold;  // in order: the first is the first compile of the process
 
   bool disk_available = false;
@@ -49,6 +53,10 @@ struct JitFigures {
   double moe_combine_host_us = 0.0;  // per call
   double bare_launch_host_us = 0.0;  // per call
 };
+
+// Call first in main, before anything loads CUDA or NVRTC: unless CUDA_CACHE_DISABLE is already
+// set, sets it to 1 so that the compiles measured are cold, and records which held.
+void disable_compute_cache_for_jit(JitFigures* figures);
 
 // Cold compiles: needs no GPU. Call before anything else compiles, so the first is really the
 // first compile of the process.

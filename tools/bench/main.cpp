@@ -301,6 +301,7 @@ void write_json(const std::string& path, const std::string& device, const Floors
     j.key("jit").begin_object();
     j.member("target", jit->target);
     j.member("nvrtc_version", jit->nvrtc_version);
+    j.member("compute_cache", jit->compute_cache);
     j.key("cold_compiles").begin_array();
     for (const CompileFigure& c : jit->cold) {
       j.begin_object();
@@ -349,6 +350,8 @@ void write_json(const std::string& path, const std::string& device, const Floors
 }
 
 int run(const Options& o) {
+  JitFigures jit;
+  if (o.jit) disable_compute_cache_for_jit(&jit);  // before CUDA or NVRTC reads the environment
   int devices = 0;
   const cudaError_t probe = cudaGetDeviceCount(&devices);
   if (probe != cudaSuccess || devices == 0) {
@@ -356,7 +359,6 @@ int run(const Options& o) {
                                                        cudaGetErrorString(probe)
                                                  : "no devices";
     std::printf("moejit-bench: no GPU found (%s); nothing to measure.\n", why.c_str());
-    JitFigures jit;
     if (o.jit) {
       // Compiling needs no GPU: report what can be measured here, for sm_90 (the H200).
       std::printf("Compile-only JIT figures for sm_90 (module load and launch need a GPU):\n");
@@ -380,7 +382,6 @@ int run(const Options& o) {
   std::printf("moejit-bench %s on %s (sm_%d%d, %s), %s\n", moejit_version_string(), device.c_str(),
               prop.major, prop.minor, target.name().c_str(), utc_now().c_str());
 
-  JitFigures jit;
   if (o.jit) measure_cold_compiles(target, &jit);  // before anything else uses NVRTC
 
   cudaStream_t stream = nullptr;

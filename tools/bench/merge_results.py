@@ -136,7 +136,13 @@ def markdown(merged):
                 if layout == "token_index":
                     return "token-index single launch" if "scan=1" in spec else "token-index lists"
                 return layout.replace("_", "-")
-            out.append(f"JIT ({jit.get('target')}, NVRTC {jit.get('nvrtc_version')}): cold "
+            cache = jit.get("compute_cache")
+            cache_note = ""
+            if cache:
+                cache_note = ("; NVRTC's compute cache off, every compile cold"
+                              if cache.startswith("CUDA_CACHE_DISABLE=1")
+                              else f"; compute cache: {cache}")
+            out.append(f"JIT ({jit.get('target')}, NVRTC {jit.get('nvrtc_version')}{cache_note}): cold "
                        f"compile {cold[0]['ms']:.0f} ms first in process; then per module kind, "
                        "first compile / median of later compiles: "
                        + ", ".join(f"{kind(c['spec'])} {c['ms']:.0f} / "
