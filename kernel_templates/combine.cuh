@@ -248,6 +248,19 @@ __device__ __forceinline__ void allow_dependents() {
 #endif
 }
 
+// Element offset of row r (>= 0) for a stride. A gathered row id is below 2^31, so the product
+// is an unsigned 32 x 64-bit one (two instructions instead of a signed 64 x 64-bit one: part of
+// the 1-2% a shorter chain gave the gather map at decode sizes); token-major row numbers are
+// 64-bit.
+template <int LAYOUT>
+__device__ __forceinline__ long long row_offset(long long r, long long stride) {
+  if constexpr (LAYOUT == kLayoutGatherMap)
+    return static_cast<long long>(static_cast<unsigned long long>(static_cast<unsigned>(r)) *
+                                  static_cast<unsigned long long>(stride));
+  else
+    return r * stride;
+}
+
 // Rows in flight per thread: enough independent 16-byte loads to cover memory latency without
 // spilling the loaded vectors.
 constexpr int kBatch = 8;
@@ -500,9 +513,14 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
     for (int k = 0; k < kHeld; ++k) {
       if constexpr (LAYOUT == kLayoutTokenMajor) {
         row[k] = 0;  // unused: the row is tok * TOP_K + k
+      } else if constexpr (sizeof(IdxT) == 4) {
+        // Out of range (negative included, by the unsigned compare): dropped. An int32 map is
+        // checked in 32 bits (num_rows < 2^31 for this layout): at decode sizes the kernel is
+        // bound by one warp's instruction chain, and the 64-bit compare cost 1-2% there.
+        const unsigned m = static_cast<unsigned>(__ldg(indices + tok * TOP_K + k));
+        row[k] = m < static_cast<unsigned>(p.num_rows) ? static_cast<int>(m) : -1;
       } else {
         const long long m = static_cast<long long>(__ldg(indices + tok * TOP_K + k));
-        // Out of range (negative included, by the unsigned compare): dropped.
         row[k] = static_cast<unsigned long long>(m) < static_cast<unsigned long long>(p.num_rows)
                      ? static_cast<int>(m)
                      : -1;
@@ -533,7 +551,8 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
         const long long r = LAYOUT == kLayoutTokenMajor ? tok * TOP_K + j : row[k];
         present[i] = j < kHeld && j < count && (LAYOUT == kLayoutTokenMajor || row[k] >= 0);
         detail::load_row_slots<S, VEC, HIDDEN, UPT, TPT, kCachedRowLoads>(
-            present[i], expert + (present[i] ? r : 0) * p.expert_stride, first_slot, v[i]);
+            present[i], expert + detail::row_offset<LAYOUT>(present[i] ? r : 0, p.expert_stride),
+            first_slot, v[i]);
       }
       // Fixed layouts add every row of the batch without a branch: an absent (dropped) row was
       // loaded as zeros and gets weight 0 (its gate may be anything). Fewer instructions in the
