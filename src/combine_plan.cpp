@@ -245,7 +245,7 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
                                         rows_per_token, alignment_bytes, tokens);
     add(s);
     // Token index: small calls of either geometry take the single-launch kernel instead.
-    if (s.has_scan_kernel()) add(s.with_scan_kernel());
+    if (s.token_index()) add(s.with_scan_kernel());
   }
   return specs;
 }
@@ -350,7 +350,7 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
     const double blocks = static_cast<double>(groups) * s.chunks();
     const int64_t rows_per_thread = (a.num_rows + s.block_threads() - 1) / s.block_threads();
     plan.token_scan =
-        s.has_scan_kernel() && rows_per_thread <= kScanMaxRowsPerThread &&
+        rows_per_thread <= kScanMaxRowsPerThread &&
         blocks * static_cast<double>(a.num_rows) * (a.index_type == MOEJIT_INDEX_INT64 ? 8 : 4) <=
             kScanMaxBytes;
     // Its own module: the list path is not compiled for a call that skips it.

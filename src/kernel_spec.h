@@ -31,9 +31,8 @@ struct KernelSpec {
   int slots() const { return (hidden + vec - 1) / vec; }
   int chunks() const { return (slots() + tpt * upt - 1) / (tpt * upt); }
   bool token_index() const;
-  // The token-index single-launch kernel exists for this spec's geometry (any token-index one).
-  bool has_scan_kernel() const { return token_index(); }
-  // The same geometry with the single-launch kernel as its module (requires has_scan_kernel()).
+  // The same geometry with the single-launch kernel as its module (token index only: every
+  // token-index geometry has one).
   KernelSpec with_scan_kernel() const {
     KernelSpec s = *this;
     s.scan = true;

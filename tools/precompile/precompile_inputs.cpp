@@ -165,7 +165,7 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
     fail("tpt", s.tpt, "tpt >= 4, tpb >= 1, tpt * tpb a multiple of 32 and at most 1024");
   if (s.upt != 1 && s.upt != 2 && s.upt != 4) fail("upt", s.upt, "expected 1, 2 or 4");
   if (scan != 0 && scan != 1) fail("scan", scan, "expected 0 or 1");
-  if (scan == 1 && !s.has_scan_kernel())
+  if (scan == 1 && !s.token_index())
     fail("scan", scan, "only the token_index layout has a single-launch module");
   s.scan = scan == 1;
   return s;
