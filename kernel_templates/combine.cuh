@@ -263,7 +263,7 @@ __device__ __forceinline__ long long row_offset(long long r, long long stride) {
 
 // Rows in flight per thread: enough independent 16-byte loads to cover memory latency without
 // spilling the loaded vectors.
-constexpr int kBatch = 8;
+enum { kBatch = 8 };  // an enum, not a variable: see kScanBatch
 
 // Slots first_slot + u * TPT (u < UPT) of one row into v[u] where `pred` holds and the slot
 // exists; zero elsewhere. `src` must be a valid row even where pred is false. CACHED: see
@@ -360,7 +360,10 @@ __device__ __forceinline__ void add_listed_rows_in_order(const CombineParams& p,
 // trips. Lists come out in atomic arrival order, like the workspace lists of the list path: the
 // combine sorts them. Rows past LIST_CAP are not listed but counted (the combine then walks
 // token_idx).
-constexpr int kScanBatch = 8;
+// An enum, not a constexpr variable: once no plain __global__ function was left in the module,
+// NVRTC emitted such variables as device symbols whose names carry a per-compile hash, and two
+// compiles of one program then gave different bytes (tests/cache/test_cache_store.cpp).
+enum { kScanBatch = 8 };
 template <typename IdxT, int BLOCK, int TPB, int LIST_CAP>
 __device__ __forceinline__ void scan_token_rows(const CombineParams& p, long long first_tok,
                                                 int (&count)[TPB], int (&rows)[TPB][LIST_CAP]) {
@@ -641,6 +644,9 @@ __global__ void __launch_bounds__(TPT* TPB) combine_scan(const CombineParams p) 
 // sorts each list in registers, so the summation order never depends on the atomics.
 
 // Step 1: forget the previous call's lists (the workspace may hold anything).
+// A template only so that NVRTC compiles it into the modules that name it: a plain __global__
+// function is compiled into every module, and cost 12-13 ms of each fixed-layout compile.
+template <int UNUSED = 0>
 __global__ void token_index_clear(const CombineParams p) {
   detail::allow_dependents();
   for (long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;

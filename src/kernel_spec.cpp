@@ -50,7 +50,7 @@ std::vector<std::string> KernelSpec::name_expressions() const {
           << upt << ", " << list_cap << ">";
   std::vector<std::string> names{combine.str()};
   if (token_index()) {
-    names.push_back("&moejit::token_index_clear");
+    names.push_back("&moejit::token_index_clear<>");
     names.push_back(std::string("&moejit::token_index_assign<") + idx + ">");
   }
   return names;

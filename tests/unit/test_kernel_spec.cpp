@@ -162,7 +162,7 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   ASSERT_EQ(names.size(), 3u);
   EXPECT_EQ(names[kCombineKernel],
             "&moejit::combine<2, 1, 0, long long, 2048, 4, 8, 128, 1, 1, 16>");
-  EXPECT_EQ(names[kClearKernel], "&moejit::token_index_clear");
+  EXPECT_EQ(names[kClearKernel], "&moejit::token_index_clear<>");
   EXPECT_EQ(names[kAssignKernel], "&moejit::token_index_assign<long long>");
   // The single-launch kernel is a module of its own, a spec of its own (and a cache entry).
   const KernelSpec scan = s.with_scan_kernel();
