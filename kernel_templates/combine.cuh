@@ -145,18 +145,17 @@ __device__ __forceinline__ void load_pack_if(bool pred, const P* ptr, P& v) {
 #undef MOEJIT_PRED_LOAD_V2
 #undef MOEJIT_PRED_LOAD_V1
 
-// Slot `slot` of a row into v where `pred` holds (v keeps its value elsewhere): a full vector, or
-// the partial tail element by element. `row` must be a valid row even where pred is false.
+// Slot `slot` of a row, at address `at`, into v where `pred` holds (v keeps its value
+// elsewhere): a full vector, or the partial tail element by element.
 template <typename S, int VEC, int HIDDEN, bool CACHED = false>
-__device__ __forceinline__ void load_slot_if(bool pred, const S* __restrict__ row, int slot,
+__device__ __forceinline__ void load_slot_if(bool pred, const S* __restrict__ at, int slot,
                                              Pack<S, VEC>& v) {
   constexpr int kFull = HIDDEN / VEC;
   if (HIDDEN % VEC == 0 || slot < kFull) {
-    load_pack_if<CACHED>(
-        pred, reinterpret_cast<const Pack<S, VEC>*>(row + static_cast<long long>(slot) * VEC), v);
+    load_pack_if<CACHED>(pred, reinterpret_cast<const Pack<S, VEC>*>(at), v);
   } else if (pred) {
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) v.e[e] = e < HIDDEN % VEC ? row[kFull * VEC + e] : S(0);
+    for (int e = 0; e < VEC; ++e) v.e[e] = e < HIDDEN % VEC ? at[e] : S(0);
   }
 }
 
@@ -248,36 +247,31 @@ __device__ __forceinline__ void allow_dependents() {
 #endif
 }
 
-// Element offset of row r (>= 0) for a stride. A gathered row id is below 2^31, so the product
-// is an unsigned 32 x 64-bit one (two instructions instead of a signed 64 x 64-bit one: part of
-// the 1-2% a shorter chain gave the gather map at decode sizes); token-major row numbers are
-// 64-bit.
-template <int LAYOUT>
-__device__ __forceinline__ long long row_offset(long long r, long long stride) {
-  if constexpr (LAYOUT == kLayoutGatherMap)
-    return static_cast<long long>(static_cast<unsigned long long>(static_cast<unsigned>(r)) *
-                                  static_cast<unsigned long long>(stride));
-  else
-    return r * stride;
-}
-
 // Rows in flight per thread: enough independent 16-byte loads to cover memory latency without
 // spilling the loaded vectors.
 enum { kBatch = 8 };  // an enum, not a variable: see kScanBatch
 
 // Slots first_slot + u * TPT (u < UPT) of one row into v[u] where `pred` holds and the slot
-// exists; zero elsewhere. `src` must be a valid row even where pred is false. CACHED: see
-// load_pack_if.
+// exists; zero elsewhere. `at` is the address of slot first_slot, in a valid row even where pred
+// is false. CACHED: see load_pack_if.
 template <typename S, int VEC, int HIDDEN, int UPT, int TPT, bool CACHED = false>
-__device__ __forceinline__ void load_row_slots(bool pred, const S* src, int first_slot,
-                                               Pack<S, VEC> (&v)[UPT]) {
+__device__ __forceinline__ void load_slots_at(bool pred, const S* at, int first_slot,
+                                              Pack<S, VEC> (&v)[UPT]) {
   constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;
 #pragma unroll
   for (int u = 0; u < UPT; ++u) {
     v[u] = zero_pack<S, VEC>();
-    load_slot_if<S, VEC, HIDDEN, CACHED>(pred && first_slot + u * TPT < kSlots, src,
+    load_slot_if<S, VEC, HIDDEN, CACHED>(pred && first_slot + u * TPT < kSlots, at + u * TPT * VEC,
                                          first_slot + u * TPT, v[u]);
   }
+}
+
+// The same from the start of the row, `src`.
+template <typename S, int VEC, int HIDDEN, int UPT, int TPT, bool CACHED = false>
+__device__ __forceinline__ void load_row_slots(bool pred, const S* src, int first_slot,
+                                               Pack<S, VEC> (&v)[UPT]) {
+  load_slots_at<S, VEC, HIDDEN, UPT, TPT, CACHED>(
+      pred, src + static_cast<long long>(first_slot) * VEC, first_slot, v);
 }
 
 // sum[u] += w * v[u] for each of a thread's UPT slots, in fp32.
@@ -489,8 +483,11 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
     }
   }
 
-  // Routing of the held rows: row ids (-1: dropped or absent; R < 2^31) and gates.
+  // Routing of the held rows: row ids (R < 2^31; token index: -1 when dropped or absent) and
+  // gates. Gather map: `mapped` says whether the entry names a row; row[] is 0 where it does not,
+  // so the row's address needs no select (see the batch below).
   int row[kHeld];
+  bool mapped[kHeld];
   float gate[kHeld];
   if constexpr (kTokenIndex) {
     // The entries are read together with the count, not after it (entries past the count are
@@ -512,23 +509,36 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
       gate[k] = p.gates != nullptr && row[k] >= 0 ? __ldg(p.gates + row[k]) : 1.0f;
     }
   } else {
+    // At decode sizes the kernel is bound by one warp's instruction chain: every instruction
+    // between the map load and the row loads counts. (Together with the row address below, these
+    // cut the gather map's chain to the first row load from 141 to 71 instructions: 1-4% at
+    // T = 1, 32 and 64 on the H200, prefill level.)
 #pragma unroll
     for (int k = 0; k < kHeld; ++k) {
       if constexpr (LAYOUT == kLayoutTokenMajor) {
         row[k] = 0;  // unused: the row is tok * TOP_K + k
       } else if constexpr (sizeof(IdxT) == 4) {
         // Out of range (negative included, by the unsigned compare): dropped. An int32 map is
-        // checked in 32 bits (num_rows < 2^31 for this layout): at decode sizes the kernel is
-        // bound by one warp's instruction chain, and the 64-bit compare cost 1-2% there.
+        // checked in 32 bits (num_rows < 2^31 for this layout; the 64-bit compare cost 1-2%).
         const unsigned m = static_cast<unsigned>(__ldg(indices + tok * TOP_K + k));
-        row[k] = m < static_cast<unsigned>(p.num_rows) ? static_cast<int>(m) : -1;
+        mapped[k] = m < static_cast<unsigned>(p.num_rows);
+        row[k] = mapped[k] ? static_cast<int>(m) : 0;
       } else {
         const long long m = static_cast<long long>(__ldg(indices + tok * TOP_K + k));
-        row[k] = static_cast<unsigned long long>(m) < static_cast<unsigned long long>(p.num_rows)
-                     ? static_cast<int>(m)
-                     : -1;
+        mapped[k] =
+            static_cast<unsigned long long>(m) < static_cast<unsigned long long>(p.num_rows);
+        row[k] = mapped[k] ? static_cast<int>(m) : 0;
       }
-      gate[k] = p.gates != nullptr ? __ldg(p.gates + tok * TOP_K + k) : 1.0f;
+    }
+    // Gates from one base address under one (uniform) branch: a null check per gate made the
+    // compiler build each gate's address separately.
+    if (p.gates != nullptr) {
+      const float* __restrict__ g = p.gates + tok * TOP_K;
+#pragma unroll
+      for (int k = 0; k < kHeld; ++k) gate[k] = __ldg(g + k);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kHeld; ++k) gate[k] = 1.0f;
     }
   }
   float sum[UPT][VEC];
@@ -551,11 +561,21 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
 #pragma unroll
       for (int i = 0; i < kRowsPerBatch; ++i) {
         const int j = b + i, k = j < kHeld ? j : 0;
-        const long long r = LAYOUT == kLayoutTokenMajor ? tok * TOP_K + j : row[k];
-        present[i] = j < kHeld && j < count && (LAYOUT == kLayoutTokenMajor || row[k] >= 0);
-        detail::load_row_slots<S, VEC, HIDDEN, UPT, TPT, kCachedRowLoads>(
-            present[i], expert + detail::row_offset<LAYOUT>(present[i] ? r : 0, p.expert_stride),
-            first_slot, v[i]);
+        if constexpr (LAYOUT == kLayoutGatherMap) {
+          // The row's address from this thread's first slot: one unsigned 32 x 64-bit product
+          // with the stride in bytes (row[k] is a valid row id, 0 where the entry is dropped).
+          present[i] = j < kHeld && mapped[k];
+          const char* at = reinterpret_cast<const char*>(expert + first_slot * VEC) +
+                           static_cast<unsigned long long>(static_cast<unsigned>(row[k])) *
+                               static_cast<unsigned long long>(p.expert_stride * sizeof(S));
+          detail::load_slots_at<S, VEC, HIDDEN, UPT, TPT, kCachedRowLoads>(
+              present[i], reinterpret_cast<const S*>(at), first_slot, v[i]);
+        } else {
+          const long long r = LAYOUT == kLayoutTokenMajor ? tok * TOP_K + j : row[k];
+          present[i] = j < kHeld && j < count && (LAYOUT == kLayoutTokenMajor || row[k] >= 0);
+          detail::load_row_slots<S, VEC, HIDDEN, UPT, TPT, kCachedRowLoads>(
+              present[i], expert + (present[i] ? r : 0) * p.expert_stride, first_slot, v[i]);
+        }
       }
       // Fixed layouts add every row of the batch without a branch: an absent (dropped) row was
       // loaded as zeros and gets weight 0 (its gate may be anything). Fewer instructions in the
