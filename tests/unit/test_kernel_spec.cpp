@@ -264,5 +264,20 @@ TEST(KernelSpec, OneRowPerTokenTakesTwoSlotsPerThreadAtPrefill) {
   }
 }
 
+TEST(KernelSpec, GatherMapWithTwoRowsTakesFourSlotsPerThreadWhereWholeChunksTileTheRow) {
+  auto spec = [](moejit_layout layout, moejit_dtype dtype, int hidden, int top_k, int64_t tokens) {
+    return spec_for_shape(layout, dtype, dtype, MOEJIT_INDEX_INT32, hidden, top_k, 256, tokens);
+  };
+  const auto gm = MOEJIT_LAYOUT_GATHER_MAP;
+  EXPECT_EQ(spec(gm, MOEJIT_DTYPE_BFLOAT16, 4096, 2, kAnyTokens).upt, 4);  // 512 slots
+  EXPECT_EQ(spec(gm, MOEJIT_DTYPE_BFLOAT16, 4096, 2, kAnyTokens).chunks(), 1);
+  EXPECT_EQ(spec(gm, MOEJIT_DTYPE_FLOAT32, 4096, 2, kAnyTokens).upt, 4);  // 1024 slots
+  EXPECT_EQ(spec(gm, MOEJIT_DTYPE_FLOAT32, 4096, 2, kAnyTokens).chunks(), 2);
+  EXPECT_EQ(spec(gm, MOEJIT_DTYPE_BFLOAT16, 7168, 2, kAnyTokens).upt, 1);  // 896: a partial chunk
+  EXPECT_EQ(spec(gm, MOEJIT_DTYPE_BFLOAT16, 4096, 2, 16).upt, 1);          // decode geometry
+  EXPECT_EQ(spec(gm, MOEJIT_DTYPE_BFLOAT16, 4096, 4, kAnyTokens).upt, 1);  // more rows
+  EXPECT_EQ(spec(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_BFLOAT16, 4096, 2, kAnyTokens).upt, 1);
+}
+
 }  // namespace
 }  // namespace moejit
