@@ -89,6 +89,24 @@ def test_one_harness_table_has_every_shape_and_the_ratios(merge_results):
     assert "| 119.6 | 130.0 | 145.6 | 122.2 | 390.0 | 1.02 | 0.94 | 2.68 |" in prefill[0], prefill[0]
 
 
+def test_main_table_has_the_same_size_copy(merge_results):
+    bench = bench_json()
+    for c in bench["cases"]:
+        if c["T"] == 4096:
+            c["same_size_copy_us"], c["pct_ceiling_same_size_copy"] = 120.0, 91.0
+    merged = merge_results.merge(bench, peers_json())
+    gm = [c for c in merged["cases"] if c["layout"] == "gather_map" and c["T"] == 4096][0]
+    assert gm["same_size_copy_us"] == 120.0 and gm["pct_ceiling_same_size_copy"] == 91.0
+    text = merge_results.markdown(merged)
+    header = [line for line in text.splitlines() if line.startswith("| case |")][0]
+    assert "| L2-warm gather_map | same-size copy |" in header
+    prefill = [line for line in text.splitlines() if line.startswith("| T4096 K8 H7168 bf16 |")][0]
+    assert "| 120.0 (91%) |" in prefill, prefill
+    # A record without the figure (older bench): an empty cell, not a crash.
+    decode = [line for line in text.splitlines() if line.startswith("| T1 K8 H7168 bf16 |")][0]
+    assert decode.split(" | ")[6] == "", decode
+
+
 def test_one_harness_table_needs_the_peers(merge_results):
     # Without the peers' empty kernel the table stays, without "x empty".
     text = merge_results.markdown(merge_results.merge(bench_json(), peers_json(None)))

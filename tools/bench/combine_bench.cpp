@@ -73,6 +73,20 @@ moejit_combine_args args_for(const Shape& s, moejit_layout layout, const DeviceI
   return a;
 }
 
+// A device-to-device copy that moves the case's minimal bytes (half read, half written), timed
+// like the combine.
+double time_same_size_copy(const Shape& s, int reps, int warmup, Timer& timer) {
+  const size_t bytes = static_cast<size_t>(s.minimal_bytes() / 2);
+  DeviceBuffer src(bytes), dst(bytes);
+  BENCH_CUDA(cudaMemset(src.get(), 0x5a, bytes));
+  return timer.median_us(
+      [&] {
+        BENCH_CUDA(
+            cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, timer.stream()));
+      },
+      warmup, reps, CacheState::kFlushed);
+}
+
 CaseResult run_layout(const HostInputs& in, const DeviceInputs& d, moejit_layout layout,
                       const BenchSettings& settings, const Floors& floors, Timer& timer) {
   const Shape& s = in.shape;
@@ -159,6 +173,9 @@ std::vector<CaseResult> run_case(const Shape& shape, const std::vector<moejit_la
   std::vector<CaseResult> results;
   for (moejit_layout layout : layouts)
     results.push_back(run_layout(in, d, layout, settings, floors, timer));
+  const int reps = settings.reps > 0 ? settings.reps : (shape.minimal_bytes() < 64e6 ? 200 : 100);
+  const double copy_us = time_same_size_copy(shape, reps, settings.warmup, timer);
+  for (CaseResult& r : results) r.same_size_copy_us = copy_us;
   return results;
 }
 

@@ -234,8 +234,9 @@ Floors measure_floors(Timer& timer, const HelperKernels& helpers) {
 }
 
 void print_header() {
-  std::printf("%-12s %-22s %10s %10s %8s %7s %8s %9s  %s\n", "layout", "shape", "median_us",
-              "l2warm_us", "GB/s", "%ceil", "x_empty", "rel_err", "check");
+  // copy_us: a device-to-device copy of the same bytes (see CaseResult::same_size_copy_us).
+  std::printf("%-12s %-22s %10s %10s %8s %7s %8s %9s %9s  %s\n", "layout", "shape", "median_us",
+              "l2warm_us", "GB/s", "%ceil", "x_empty", "copy_us", "rel_err", "check");
 }
 
 void print_result(const CaseResult& r) {
@@ -247,9 +248,9 @@ void print_result(const CaseResult& r) {
   std::string check = r.correct ? "ok" : "FAIL";
   if (r.unwritten > 0) check += " (" + std::to_string(r.unwritten) + " NaN)";
   if (!r.deterministic) check += " (output changed between runs)";
-  std::printf("%-12s %-22s %10.2f %10.2f %8.0f %6.1f%% %8.2f %9.2e  %s\n", layout_text(r.layout),
-              r.shape.describe().c_str(), r.median_us, r.l2_warm_us, r.gbps, r.pct_ceiling,
-              r.ratio_empty, r.rel_err, check.c_str());
+  std::printf("%-12s %-22s %10.2f %10.2f %8.0f %6.1f%% %8.2f %9.2f %9.2e  %s\n",
+              layout_text(r.layout), r.shape.describe().c_str(), r.median_us, r.l2_warm_us, r.gbps,
+              r.pct_ceiling, r.ratio_empty, r.same_size_copy_us, r.rel_err, check.c_str());
 }
 
 void write_json(const std::string& path, const std::string& device, const Floors& floors,
@@ -288,6 +289,12 @@ void write_json(const std::string& path, const std::string& device, const Floors
       j.member("gbps", r.gbps);
       j.member("pct_ceiling", r.pct_ceiling);
       j.member("ratio_empty", r.ratio_empty);
+      j.member("same_size_copy_us", r.same_size_copy_us);
+      j.member("pct_ceiling_same_size_copy", r.same_size_copy_us > 0 && floors.copy_ceiling_gbps > 0
+                                                 ? 100.0 * r.shape.minimal_bytes() /
+                                                       (r.same_size_copy_us * 1e-6) / 1e9 /
+                                                       floors.copy_ceiling_gbps
+                                                 : 0.0);
       j.member("rel_err", r.rel_err);
       j.member("nan_elements", r.unwritten);
       j.member("deterministic", r.deterministic);

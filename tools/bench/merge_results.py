@@ -5,7 +5,8 @@
   merge_results.py bench.json [peers.json] --markdown   a markdown table for the README
 
 Per case (shape, dtype, layout): libmoejit's median us (L2 flushed) and L2-warm us, GB/s, % of the
-copy ceiling, ratio to the empty kernel, relative error, and the peers' us on the same shape. The
+copy ceiling, ratio to the empty kernel, a device-to-device copy of the same bytes (us, % of the
+ceiling), relative error, and the peers' us on the same shape. The
 peers ran in their own process (same method, their own inputs and copy ceiling); their us are
 comparable, their % uses peers.py's ceiling.
 """
@@ -40,7 +41,8 @@ def merge(bench, peers):
         key = shape_key(c)
         row = {name: c.get(name) for name in (
             "label", "T", "K", "H", "in_dtype", "out_dtype", "layout", "median_us", "l2_warm_us",
-            "gbps", "pct_ceiling", "ratio_empty", "rel_err", "correct", "error")
+            "gbps", "pct_ceiling", "ratio_empty", "same_size_copy_us", "pct_ceiling_same_size_copy",
+            "rel_err", "correct", "error")
             if name in c}
         ps = peer_shapes.get(key)
         if ps is not None:
@@ -92,10 +94,12 @@ def markdown(merged):
     peer_ceiling = ((merged.get("peers") or {}).get("copy_ceiling_gbps")) or ceiling
     out.append(f"{merged.get('device')} ({merged.get('date')}): copy ceiling {ceiling:.0f} GB/s, "
                f"empty kernel {merged.get('empty_kernel_us') or 0:.2f} us. Median us with the L2 "
-               f"flushed, (% of the copy ceiling); \"x empty\" is gather_map / empty kernel.")
+               f"flushed, (% of the copy ceiling); \"x empty\" is gather_map / empty kernel; "
+               f"\"same-size copy\": a device-to-device copy moving the same bytes, timed the "
+               f"same way (what a launch of that size leaves of the ceiling).")
     out.append("")
     header = ["case", "libmoejit token_major", "libmoejit gather_map", "libmoejit token_index",
-              "x empty", "L2-warm gather_map"] + [title for _, title, _ in PEERS]
+              "x empty", "L2-warm gather_map", "same-size copy"] + [title for _, title, _ in PEERS]
     out.append("| " + " | ".join(header) + " |")
     out.append("|" + " --- |" * len(header))
     rows = {}
@@ -115,6 +119,8 @@ def markdown(merged):
         g = by_layout.get("gather_map") or next(iter(by_layout.values()))
         cells.append(f"{g['ratio_empty']:.2f}x" if g.get("ratio_empty") else "")
         cells.append(fmt_us(g.get("l2_warm_us")))
+        cells.append(fmt_us(g.get("same_size_copy_us") or None,
+                            g.get("pct_ceiling_same_size_copy") or None))
         peers_us = g.get("peers_us") or {}
         minimal = None
         for name, _, _ in PEERS:
