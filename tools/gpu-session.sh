@@ -2,11 +2,13 @@
 # Everything that needs a GPU, in one go (GPU time is scarce): build with tests, the GPU tests,
 # the disk cache across processes, warming with moejit-precompile then serving in no-compile mode,
 # the installed-package check (examples, Python), and the benchmark against peers.
-#   tools/gpu-session.sh OUTDIR
+#   tools/gpu-session.sh OUTDIR          (NO_BENCH=1: everything but the benchmark)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 out=$(mkdir -p "${1:-./gpu-out}" && cd "${1:-./gpu-out}" && pwd)
-cfg=(-G Ninja -DCMAKE_BUILD_TYPE=Release)
+# Tests on explicitly: tools/bench/run-h200.sh configures the same build-gpu/ with them off, and a
+# reused build folder would otherwise keep that (and ctest would find nothing to run).
+cfg=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DMOEJIT_BUILD_TESTS=ON)
 [ -e .deps/include/xxhash.h ] && cfg+=("-DXXHASH_INCLUDE_DIR=$PWD/.deps/include")
 if ! { cmake -B build-gpu "${cfg[@]}" && cmake --build build-gpu; } >"$out/build.log" 2>&1; then
   tail -n 40 "$out/build.log"
@@ -16,8 +18,10 @@ demo=build-gpu/tools/demo/moejit-demo
 scratch=$(mktemp -d)
 
 echo "== GPU tests (ctest -L gpu)"
-timeout 420 ctest --test-dir build-gpu -L gpu --output-on-failure >"$out/gpu-tests.log" 2>&1
-grep -E "Test +#|tests passed|cases, |Failure" "$out/gpu-tests.log" | head -n 30
+failed=()
+timeout 420 ctest --test-dir build-gpu -L gpu --no-tests=error --output-on-failure \
+  >"$out/gpu-tests.log" 2>&1 || failed+=("GPU tests")
+grep -E "Test +#|tests passed|cases, |Failure|No tests" "$out/gpu-tests.log" | head -n 30
 
 echo "== disk cache: a second process on a warm cache loads its kernels from disk"
 for run in 1 2; do
@@ -35,9 +39,17 @@ for layout in gather_map token_major token_index; do
 done
 
 echo "== package: install, examples, Python"
-BUILD_DIR=build-gpu tools/gpu-check-package.sh >"$out/package.log" 2>&1
+BUILD_DIR=build-gpu tools/gpu-check-package.sh >"$out/package.log" 2>&1 || failed+=("package")
 sed -n '/==== summary/,$p' "$out/package.log"
 
-echo "== benchmark"
-tools/bench/run-h200.sh "$out/bench" 2>&1 | tail -n 60
+if [ -z "${NO_BENCH:-}" ]; then
+  echo "== benchmark"
+  tools/bench/run-h200.sh "$out/bench" 2>&1 | tail -n 60
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("benchmark")
+fi
 rm -rf "$scratch"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "== FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "== all steps passed"
