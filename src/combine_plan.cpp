@@ -71,8 +71,6 @@ size_t counts_bytes(int64_t tokens) {
 
 // Up to this many tokens a call is decode-sized: latency, not bandwidth, decides.
 constexpr int64_t kDecodeMaxTokens = 64;
-// Up to this many, the fixed layouts split each row still finer (see choose_geometry).
-constexpr int64_t kFewTokens = 8;
 
 // Thread geometry, from the H200 sweeps (tools/bench/NOTES.md): one vector slot per thread and
 // 128-thread blocks for bandwidth; short rows share a block between several tokens. Decode-sized
@@ -94,17 +92,6 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   if (decode && slots > 32) {
     s->tpt = s->token_index() ? 64 : 16;
     s->tpb = s->token_index() ? 1 : 2;
-    // Fixed layouts, at most 8 tokens: 8-byte vectors and one 32-thread group per block, so each
-    // thread's chain (K row loads, then a multiply-add and a conversion per element) is half as
-    // long; the grid is no larger (the idle second group per block goes). On the H200, three
-    // runs each, DeepSeek-V3 rows: token-major 4.86 -> 4.67 us at T=1 and 5.12 -> 4.83 at T=8,
-    // gather map level at T=1 and 5.47 -> 5.33 at T=8; at T=32 and T=64 it was 3-7% slower.
-    if (!s->token_index() && num_tokens <= kFewTokens && s->vec % 2 == 0 &&
-        s->vec * std::max(element_bytes(s->in_dtype), element_bytes(s->out_dtype)) == 16) {
-      s->vec /= 2;
-      s->tpt = 32;
-      s->tpb = 1;
-    }
   }
   // Token index with short lists (<= 4 rows per token on average): two slots per thread, so
   // each block's routing round trip (count and list, then rows and gates) carries twice the rows.
@@ -260,7 +247,7 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
   auto add = [&](const KernelSpec& s) {
     if (std::find(specs.begin(), specs.end(), s) == specs.end()) specs.push_back(s);
   };
-  for (int64_t tokens : {kAnyTokens, kDecodeMaxTokens, int64_t{1}}) {
+  for (int64_t tokens : {kAnyTokens, int64_t{1}}) {
     const KernelSpec s = spec_for_shape(layout, in_dtype, out_dtype, index_type, hidden,
                                         rows_per_token, alignment_bytes, tokens);
     add(s);

@@ -128,13 +128,12 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
   s.origin = "test";
   std::vector<KernelSpec> specs;
   expand_shape(s, all_layouts(), all_index_types(), &specs);
-  // token_major has no index: (1 + gather_map x 2) x {prefill, decode, few-token geometry}, plus
+  // token_major has no index: (1 + gather_map x 2) x {prefill, decode geometry}, plus
   // token_index x 2 index types x 2 geometries x {list path, single-launch module}.
-  ASSERT_EQ(specs.size(), 17u);
+  ASSERT_EQ(specs.size(), 14u);
   for (moejit_layout l : all_layouts())
     for (moejit_index_type t : all_index_types())
-      for (int64_t tokens :
-           {kAnyTokens, int64_t{1}, int64_t{8}, int64_t{9}, int64_t{64}, int64_t{4096}}) {
+      for (int64_t tokens : {kAnyTokens, int64_t{1}, int64_t{4096}}) {
         const KernelSpec want = spec_for_shape(l, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, t,
                                                7168, 8, 256, tokens);
         EXPECT_NE(std::find(specs.begin(), specs.end(), want), specs.end()) << want.describe();
@@ -144,7 +143,7 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
         }
       }
   expand_shape(s, all_layouts(), all_index_types(), &specs);  // no duplicates
-  EXPECT_EQ(specs.size(), 17u);
+  EXPECT_EQ(specs.size(), 14u);
 
   s.hidden = 0;
   EXPECT_NE(error_of([&] {
@@ -174,27 +173,25 @@ TEST(Manifest, ExactAndShapeLines) {
   d.dtype = MOEJIT_DTYPE_FLOAT32;
   std::vector<KernelSpec> specs;
   parse_manifest(text, "m.txt", d, &specs);
-  // Shape lines expand to every geometry: prefill, decode, then few tokens (fixed layouts; the
-  // token index has one decode geometry); for the token index each geometry's list-path module,
-  // then its single-launch module.
-  ASSERT_EQ(specs.size(), 12u);
+  // Shape lines expand to every geometry: prefill then decode; for the token index each
+  // geometry's list-path module, then its single-launch module.
+  ASSERT_EQ(specs.size(), 10u);
   EXPECT_EQ(specs[0], exact);
-  for (int i = 0; i < 3; ++i) {
-    const int64_t tokens = i == 0 ? kAnyTokens : i == 1 ? 64 : 1;
-    EXPECT_EQ(specs[1 + i],
-              spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
-                             MOEJIT_INDEX_INT32, 4096, 2, 256, tokens));
-    EXPECT_EQ(specs[4 + i],
-              spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
-                             MOEJIT_INDEX_INT64, 2048, 8, 256, tokens));
-  }
-  EXPECT_EQ(specs[7], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+  EXPECT_EQ(specs[1], spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
+                                     MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256));
+  EXPECT_EQ(specs[2], spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
+                                     MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256, 1));
+  EXPECT_EQ(specs[3], spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32,
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256));
-  EXPECT_EQ(specs[8], specs[7].with_scan_kernel());
-  EXPECT_EQ(specs[9], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+  EXPECT_EQ(specs[4], spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32,
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256, 1));
-  EXPECT_EQ(specs[10], specs[9].with_scan_kernel());
-  EXPECT_EQ(specs[11], exact_scan);  // an exact scan line round-trips
+  EXPECT_EQ(specs[5], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256));
+  EXPECT_EQ(specs[6], specs[5].with_scan_kernel());
+  EXPECT_EQ(specs[7], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256, 1));
+  EXPECT_EQ(specs[8], specs[7].with_scan_kernel());
+  EXPECT_EQ(specs[9], exact_scan);  // an exact scan line round-trips
 
   auto bad = [&](const std::string& line) {
     return error_of([&] {
@@ -331,16 +328,16 @@ TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
   std::istringstream in(text.out);
   for (std::string l; std::getline(in, l);)
     if (std::regex_match(l, line)) ++lines;
-  EXPECT_EQ(lines, 34u) << text.out;  // 17 specs x 2 targets
+  EXPECT_EQ(lines, 28u) << text.out;  // 14 specs x 2 targets
 
   const test::ToolRun js =
       run("--dry-run --json --model-config '" + configs("qwen3-30b-a3b.json") +
           "' --arch sm_90 --layout gather_map,token_index --cache-dir '" + cache + "'");
   ASSERT_EQ(js.rc, 0) << js.err;
   const nlohmann::json j = nlohmann::json::parse(js.out);
-  // 2 index types x (gather_map x 3 geometries + token_index x 2 geometries x {list, scan}).
-  EXPECT_EQ(j["total"], 14);
-  EXPECT_EQ(j["missing"], 14);
+  // 2 index types x (gather_map x 2 geometries + token_index x 2 geometries x {list, scan}).
+  EXPECT_EQ(j["total"], 12);
+  EXPECT_EQ(j["missing"], 12);
   EXPECT_EQ(j["cached"], 0);
   // The keys are the runtime's own: recompute them through KernelStore::request_for.
   Settings settings;
