@@ -69,7 +69,7 @@ build_c_example() {
 echo "moejit packaging check in $WORK (build: $BUILD_DIR)"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/GPU: /'
 
-if step build bash -c "cmake -S . -B '$BUILD_DIR' -G Ninja -DCMAKE_BUILD_TYPE=Release &&
+if step build bash -c "cmake -S . -B '$BUILD_DIR' -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOEJIT_BUILD_TESTS=ON &&
                        cmake --build '$BUILD_DIR' -j '$JOBS'" &&
    step install cmake --install "$BUILD_DIR" --prefix "$PREFIX"; then
   ls -l "$PREFIX"/lib/libmoejit.so* | sed 's/^/   /'
