@@ -175,7 +175,13 @@ template <int DT, int VEC>
 __device__ __forceinline__ Pack<typename Elem<DT>::storage, VEC> to_pack(const float (&v)[VEC]) {
   Pack<typename Elem<DT>::storage, VEC> r;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (DT != kFloat32 && VEC % 2 == 0) {
+  constexpr bool kPairs = DT != kFloat32 && VEC % 2 == 0;
+#else
+  constexpr bool kPairs = false;
+#endif
+  // One branch or the other, never both: a loop after an early return drew NVRTC's warning
+  // #128-D (loop is not reachable) in every 16-bit module.
+  if constexpr (kPairs) {
     unsigned* u = reinterpret_cast<unsigned*>(&r);
 #pragma unroll
     for (int e = 0; e < VEC; e += 2) {
@@ -185,11 +191,10 @@ __device__ __forceinline__ Pack<typename Elem<DT>::storage, VEC> to_pack(const f
       else
         asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(u[e / 2]) : "f"(v[e + 1]), "f"(v[e]));
     }
-    return r;
-  }
-#endif
+  } else {
 #pragma unroll
-  for (int e = 0; e < VEC; ++e) r.e[e] = Elem<DT>::from_float(v[e]);
+    for (int e = 0; e < VEC; ++e) r.e[e] = Elem<DT>::from_float(v[e]);
+  }
   return r;
 }
 
