@@ -105,7 +105,7 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   // H=4096 fp32, 1.9% at H=4096 bf16, 2.3% at H=2048 fp32; 3.4% slower at H=7168 bf16 (896 slots:
   // a partial chunk), hence the rule. Token-major measured level, and stays at one slot.
   if (s->layout == MOEJIT_LAYOUT_GATHER_MAP && !decode && s->top_k == 2 &&
-      s->tpt == kBlockThreads && slots % (4 * kBlockThreads) == 0)
+      slots % (4 * kBlockThreads) == 0)
     s->upt = 4;
 }
 

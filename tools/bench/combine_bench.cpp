@@ -73,6 +73,11 @@ moejit_combine_args args_for(const Shape& s, moejit_layout layout, const DeviceI
   return a;
 }
 
+// Timed runs per figure: settings.reps, else by size (200 below 64 MB of minimal bytes, else 100).
+int timed_runs(const Shape& s, const BenchSettings& settings) {
+  return settings.reps > 0 ? settings.reps : (s.minimal_bytes() < 64e6 ? 200 : 100);
+}
+
 // A device-to-device copy that moves the case's minimal bytes (half read, half written), timed
 // like the combine.
 double time_same_size_copy(const Shape& s, int reps, int warmup, Timer& timer) {
@@ -122,7 +127,7 @@ CaseResult run_layout(const HostInputs& in, const DeviceInputs& d, moejit_layout
     r.rel_err = check.rel_err;
     r.unwritten = check.unwritten;
 
-    r.reps = settings.reps > 0 ? settings.reps : (s.minimal_bytes() < 64e6 ? 200 : 100);
+    r.reps = timed_runs(s, settings);
     const auto enqueue = [&] { combine(args, stream); };
     r.median_us = timer.median_us(enqueue, settings.warmup, r.reps, CacheState::kFlushed);
     if (settings.l2_warm)
@@ -173,9 +178,16 @@ std::vector<CaseResult> run_case(const Shape& shape, const std::vector<moejit_la
   std::vector<CaseResult> results;
   for (moejit_layout layout : layouts)
     results.push_back(run_layout(in, d, layout, settings, floors, timer));
-  const int reps = settings.reps > 0 ? settings.reps : (shape.minimal_bytes() < 64e6 ? 200 : 100);
-  const double copy_us = time_same_size_copy(shape, reps, settings.warmup, timer);
-  for (CaseResult& r : results) r.same_size_copy_us = copy_us;
+  const double copy_us =
+      time_same_size_copy(shape, timed_runs(shape, settings), settings.warmup, timer);
+  const double copy_pct =
+      floors.copy_ceiling_gbps > 0
+          ? 100.0 * shape.minimal_bytes() / (copy_us * 1e-6) / 1e9 / floors.copy_ceiling_gbps
+          : 0.0;
+  for (CaseResult& r : results) {
+    r.same_size_copy_us = copy_us;
+    r.same_size_copy_pct_ceiling = copy_pct;
+  }
   return results;
 }
 

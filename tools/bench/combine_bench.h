@@ -39,6 +39,7 @@ struct CaseResult {
   // traffic, timed the same way: what the fixed costs of a launch of this size leave of the
   // ceiling. 0 when not measured.
   double same_size_copy_us = 0.0;
+  double same_size_copy_pct_ceiling = 0.0;
   double rel_err = 0.0;
   int64_t unwritten = 0;      // NaN elements after the checked run
   bool deterministic = true;  // output after the timed runs == output of the checked run

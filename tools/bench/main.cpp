@@ -290,11 +290,7 @@ void write_json(const std::string& path, const std::string& device, const Floors
       j.member("pct_ceiling", r.pct_ceiling);
       j.member("ratio_empty", r.ratio_empty);
       j.member("same_size_copy_us", r.same_size_copy_us);
-      j.member("pct_ceiling_same_size_copy", r.same_size_copy_us > 0 && floors.copy_ceiling_gbps > 0
-                                                 ? 100.0 * r.shape.minimal_bytes() /
-                                                       (r.same_size_copy_us * 1e-6) / 1e9 /
-                                                       floors.copy_ceiling_gbps
-                                                 : 0.0);
+      j.member("pct_ceiling_same_size_copy", r.same_size_copy_pct_ceiling);
       j.member("rel_err", r.rel_err);
       j.member("nan_elements", r.unwritten);
       j.member("deterministic", r.deterministic);
