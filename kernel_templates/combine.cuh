@@ -358,10 +358,11 @@ __device__ __forceinline__ void add_listed_rows_in_order(const CombineParams& p,
 // kScanBatch independent loads in flight, so the scan costs rows / (BLOCK * kScanBatch) round
 // trips. Lists come out in atomic arrival order, like the workspace lists of the list path: the
 // combine sorts them. Rows past LIST_CAP are not listed but counted (the combine then walks
-// token_idx).
-// An enum, not a constexpr variable: once no plain __global__ function was left in the module,
-// NVRTC emitted such variables as device symbols whose names carry a per-compile hash, and two
-// compiles of one program then gave different bytes (tests/cache/test_cache_store.cpp).
+// token_idx). Blocks of one token take scan_token_rows_ordered below (no atomics, no sort).
+//
+// kScanBatch is an enum, not a constexpr variable: once no plain __global__ function was left in
+// the module, NVRTC emitted such variables as device symbols whose names carry a per-compile hash,
+// and two compiles of one program then gave different bytes (tests/cache/test_cache_store.cpp).
 enum { kScanBatch = 8 };
 template <typename IdxT, int BLOCK, int TPB, int LIST_CAP>
 __device__ __forceinline__ void scan_token_rows(const CombineParams& p, long long first_tok,
@@ -389,6 +390,92 @@ __device__ __forceinline__ void scan_token_rows(const CombineParams& p, long lon
     }
   }
   __syncthreads();
+}
+
+// Token index, single launch, one token per block (TPB == 1, whole warps: every decode-sized and
+// wide-row call): the same scan without atomics or a sort. Warp w reads its own contiguous slab of
+// token_idx (32 entries per load instruction, kScanBatch loads in flight); each match learns its
+// rank among the warp's matches from a ballot and writes its row id there, so every warp's list is
+// in ascending row order, and the warps' lists one after another are the token's rows in
+// ascending order: the order the combine sums in. At decode the kernel is bound by one warp's
+// instruction chain (tools/bench/NOTES.md, version 8): 16 SASS instructions per entry instead of
+// the atomic scan's 38 (sm_90), and no register sort. Returns the token's row count; `list` then
+// holds its rows (the first LIST_CAP of them; more are counted, and the combine walks token_idx).
+// The host scans only calls with R <= 32 * BLOCK entries, so row ids fit an int.
+template <typename IdxT, int BLOCK, int LIST_CAP>
+__device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, long long tok,
+                                                       const int*& list) {
+  static_assert(BLOCK % 32 == 0, "whole warps");
+  enum { kWarps = BLOCK / 32 };
+  __shared__ int s_rows[kWarps][LIST_CAP];
+  const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  unsigned below;  // lanes below this one
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(below));
+  // A token id no IdxT can hold (past 2^31 with int32 indices) has no rows.
+  const IdxT want = static_cast<IdxT>(tok);
+  const bool nameable = static_cast<long long>(want) == tok;
+  const int rows = static_cast<int>(p.num_rows);
+  // Slabs of whole 32-entry groups: coalesced, aligned loads.
+  const int slab = (rows + 32 * kWarps - 1) / (32 * kWarps) * 32;
+  const int begin = warp * slab, end = min(begin + slab, rows);
+  // The list's shared-memory address, once: a generic pointer here made the compiler rebuild the
+  // address (CTA id included) for every store.
+  const unsigned warp_rows = static_cast<unsigned>(__cvta_generic_to_shared(s_rows[warp]));
+  int found = 0;  // warp-uniform
+#pragma unroll 1
+  for (int base = begin; base < end; base += 32 * kScanBatch) {
+    IdxT t[kScanBatch];
+#pragma unroll
+    for (int i = 0; i < kScanBatch; ++i) {
+      const int r = base + i * 32 + lane;
+      t[i] = r < end ? __ldg(token_idx + r) : IdxT(-1);
+    }
+#pragma unroll
+    for (int i = 0; i < kScanBatch; ++i) {
+      const bool match = nameable && t[i] == want;  // dropped ids (negative) never match
+      const unsigned m = __ballot_sync(0xffffffffu, match);
+      const int at = found + __popc(m & below);
+      if (match && at < LIST_CAP)
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(warp_rows + 4u * static_cast<unsigned>(at)),
+                     "r"(base + i * 32 + lane)
+                     : "memory");
+      found += __popc(m);
+    }
+  }
+  if constexpr (kWarps == 1) {
+    __syncwarp();
+    list = s_rows[0];
+    return found;
+  } else {
+    __shared__ int s_found[kWarps];
+    __shared__ __align__(16) int s_list[LIST_CAP];
+    if (lane == 0) s_found[warp] = found;
+    __syncthreads();
+    int start[kWarps], total = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      start[w] = total;
+      total += s_found[w];
+    }
+    // One list for the combine (the held rows are read from it as vectors): the token's first
+    // LIST_CAP rows, all of which some warp listed. (Past LIST_CAP rows the combine walks
+    // token_idx, but it still reads the held entries' gates: they must be real rows.)
+    const int k = static_cast<int>(threadIdx.x);
+    if (k < total && k < LIST_CAP) {
+      int from_warp = 0, from = k;
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w)
+        if (k >= start[w]) {
+          from_warp = w;
+          from = k - start[w];
+        }
+      s_list[k] = s_rows[from_warp][from];
+    }
+    __syncthreads();
+    list = s_list;
+    return total;
+  }
 }
 
 }  // namespace detail
@@ -448,6 +535,9 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   // token index, and rows whose last chunk is partial (H=2880 and H=3584 measured 1-2% slower
   // through L1 in both fixed layouts, in two runs; why is not known). See load_pack_if.
   constexpr bool kCachedRowLoads = !kTokenIndex && TPT >= 128 && kSlots % (TPT * UPT) == 0;
+  // Token index, single launch with one token per block: the scan lists rows in ascending order
+  // (detail::scan_token_rows_ordered), so the combine need not sort them.
+  constexpr bool kOrderedScan = SCAN && TPB == 1 && TPT % 32 == 0;
 
   const IdxT* __restrict__ indices = static_cast<const IdxT*>(p.indices);
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
@@ -469,10 +559,14 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   }
   const long long tok = group * TPB + sub;
   const int first_slot = chunk * (TPT * UPT) + lane;
-  // Token index: this token's rows (arrival order) and how many there are.
+  // Token index: this token's rows (in arrival order; ascending from the ordered scan) and how
+  // many there are.
   int count = TOP_K;
   const int* list = nullptr;
-  if constexpr (SCAN) {
+  if constexpr (kOrderedScan) {
+    count = detail::scan_token_rows_ordered<IdxT, TPT, LIST_CAP>(p, tok, list);
+    if (tok >= p.num_tokens) return;  // after the scan's barriers; none below
+  } else if constexpr (SCAN) {
     __shared__ int s_count[TPB];
     __shared__ int s_rows[TPB][LIST_CAP];
     detail::scan_token_rows<IdxT, TPT * TPB, TPB, LIST_CAP>(p, group * TPB, s_count, s_rows);
@@ -504,10 +598,12 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
       else
         row[k] = __ldg(list + k);
     }
+    if constexpr (!kOrderedScan) {
 #pragma unroll
-    for (int k = 0; k < kHeld; ++k)
-      if (k >= count) row[k] = 0x7fffffff;
-    sort_rows(row);
+      for (int k = 0; k < kHeld; ++k)
+        if (k >= count) row[k] = 0x7fffffff;
+      sort_rows(row);
+    }
 #pragma unroll
     for (int k = 0; k < kHeld; ++k) {
       if (k >= count) row[k] = -1;

@@ -7,7 +7,8 @@
 // base pointers, and, for the token-index layout, balanced or random routing. Outputs are poisoned
 // (all bits set: NaN in every dtype) before each call and checked everywhere: every element of
 // every row against the reference, every padding element and a guard region for untouched poison.
-// Every case runs twice and the two outputs must be bitwise equal.
+// Every case runs twice and the two outputs must be bitwise equal, and equal to an fp32 fma chain
+// over the rows in the documented order.
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -287,15 +288,19 @@ std::string run_case(const Case& c, moejit_runtime_t runtime, Scratch& s) {
   const uint8_t* expert = p.host[c.in].data() + c.expert_offset * in_b;
   const std::vector<uint8_t>& out = got[0];
   std::vector<double> ref(static_cast<size_t>(H)), mag(static_cast<size_t>(H));
+  std::vector<float> chain(static_cast<size_t>(H));
+  int chain_mismatches = 0;
   for (int64_t t = 0; t < T; ++t) {
     std::fill(ref.begin(), ref.end(), 0.0);
     std::fill(mag.begin(), mag.end(), 0.0);
+    std::fill(chain.begin(), chain.end(), 0.0f);
     for (const auto& [row, gi] : routing.per_token[t]) {
-      const double g = c.gates ? p.gates_host[gate_offset + gi] : 1.0;
+      const float g = c.gates ? p.gates_host[gate_offset + gi] : 1.0f;
       for (int64_t h = 0; h < H; ++h) {
-        const double x = decode(expert, c.in, static_cast<size_t>(row * e_stride + h));
-        ref[h] += g * x;
-        mag[h] += std::fabs(g * x);
+        const float x = decode(expert, c.in, static_cast<size_t>(row * e_stride + h));
+        ref[h] += static_cast<double>(g) * x;
+        mag[h] += std::fabs(static_cast<double>(g) * x);
+        chain[h] = std::fmaf(g, x, chain[h]);
       }
     }
     const size_t row_start = static_cast<size_t>(c.out_offset + t * o_stride);
@@ -308,6 +313,22 @@ std::string run_case(const Case& c, moejit_runtime_t runtime, Scratch& s) {
         magnitude += std::fabs(old);
       }
       const double value = decode(out.data(), c.out, row_start + h);
+      // The documented order, exactly: one fp32 fma per row in per_token order (k order; the
+      // token index: ascending rows), then scale * sum + old in one fma, rounded once to the
+      // output type. Any other summation order (say, a list left in atomic arrival order) shows
+      // up here in the last bits even where it stays within the tolerance below.
+      {
+        const float old = c.accumulate ? decode(init.data(), c.out, row_start + h) : 0.0f;
+        uint8_t want[4], have[4];
+        encode(want, c.out, 0, std::fmaf(chain[h], c.scale, old));
+        std::memcpy(have, &out[(row_start + h) * out_b], static_cast<size_t>(out_b));
+        if (std::memcmp(want, have, static_cast<size_t>(out_b)) != 0 && chain_mismatches++ == 0) {
+          std::ostringstream m;
+          m << "out[" << t << "][" << h << "] = " << value << " is not the fp32 fma chain in "
+            << "the documented order, " << decode(want, c.out, 0);
+          problem(m.str());
+        }
+      }
       const double tol =
           tolerance(c.out, magnitude, expected, static_cast<int>(routing.per_token[t].size()));
       if (!(std::fabs(value - expected) <= tol)) {

@@ -51,6 +51,17 @@ std::vector<Case> matrix() {
           const int widths = max_vec(in, out) == 8 ? 4 : 3;
           s.vec = std::min(max_vec(in, out) >> (n % widths), std::max(1, hidden));
           cases.push_back({s, archs[n % 3]});
+          if (layout == MOEJIT_LAYOUT_TOKEN_INDEX) {
+            // The single-launch module as well, in a prefill geometry (one token per block for
+            // rows of 128+ vectors: the ballot scan; several per block for short rows: the
+            // atomic scan and the sort) and in the decode geometry (64-thread groups).
+            cases.push_back({s.with_scan_kernel(), archs[(n + 1) % 3]});
+            KernelSpec d =
+                spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, static_cast<moejit_dtype>(in),
+                               static_cast<moejit_dtype>(out), static_cast<moejit_index_type>(idx),
+                               hidden, top_ks[n % 3], 1);
+            cases.push_back({d.with_scan_kernel(), archs[(n + 2) % 3]});
+          }
           ++n;
         }
   // Every spec also for the other two archs where it is cheap: the H=7168 gather-map bf16 case.
