@@ -543,13 +543,17 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
   const int sub = static_cast<int>(threadIdx.x) / TPT;
   const int lane = static_cast<int>(threadIdx.x) % TPT;
-  // Token-major: one 1-D grid, a token's chunks dispatched back to back, so the blocks running
-  // together read its K adjacent rows as one contiguous stretch (1-5% faster than chunk-major at
-  // every prefill shape on the H200). Gathered rows lie anywhere: there the 2-D grid (x the token
-  // group, y the chunk) measured level or better (up to 4% at top_k 1).
+  // Fixed layouts: one 1-D grid, a token's chunks dispatched back to back. Token-major: the blocks
+  // running together then read its K adjacent rows as one contiguous stretch (1-5% faster than
+  // chunk-major at every prefill shape on the H200). Gather map, against the 2-D grid (A B B A,
+  // twice): 0.5-1.2% faster at DeepSeek-V3, K=1, K=2 fp32, K=4 and K=8 H=4096, 0.1-0.16 us at
+  // decode T=1 and T=32; 0.1-0.8% slower at H=2048, H=3584 and K=2 bf16 (a row is one chunk there
+  // and both grids are the same blocks: code generation). Version 8 measured the opposite, before
+  // the map's 32-bit checks and the K <= 2 slot counts. The token index keeps the 2-D grid (x the
+  // token group, y the chunk).
   long long group;
   int chunk;
-  if constexpr (LAYOUT == kLayoutTokenMajor) {
+  if constexpr (!kTokenIndex) {
     constexpr unsigned kChunks = (kSlots + TPT * UPT - 1) / (TPT * UPT);
     group = blockIdx.x / kChunks;
     chunk = static_cast<int>(blockIdx.x % kChunks);

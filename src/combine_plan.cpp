@@ -324,8 +324,9 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
                     " token groups, more than one launch allows (2^31 - 1): split the batch");
   plan.combine_grid_x = static_cast<unsigned>(groups);
   plan.combine_grid_y = static_cast<unsigned>(s.chunks());
-  if (s.layout == MOEJIT_LAYOUT_TOKEN_MAJOR) {
-    // One 1-D grid, chunks of a token adjacent (the kernel splits blockIdx.x; see combine.cuh).
+  if (!s.token_index()) {
+    // Fixed layouts: one 1-D grid, chunks of a token adjacent (the kernel splits blockIdx.x; see
+    // combine.cuh). The token index keeps x = token group, y = chunk.
     const int64_t blocks = groups * s.chunks();
     if (blocks > INT32_MAX)
       throw Error(MOEJIT_ERROR_UNSUPPORTED,

@@ -36,28 +36,37 @@ TEST(KernelSpec, AlignedBf16UsesSixteenByteVectors) {
   EXPECT_EQ(plan.spec.tpt, 128);
   EXPECT_EQ(plan.spec.tpb, 1);
   EXPECT_EQ(plan.spec.chunks(), 7);
-  EXPECT_EQ(plan.combine_grid_x, 333u);
-  EXPECT_EQ(plan.combine_grid_y, 7u);
-}
-
-TEST(KernelSpec, TokenMajorUsesOneDimensionWithATokensChunksAdjacent) {
-  auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
-  a.layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
-  a.indices = nullptr;
-  a.num_tokens = 333;
-  a.num_rows = 0;
-  const CombinePlan plan = plan_combine(&a);
-  EXPECT_EQ(plan.spec.chunks(), 7);
+  // One 1-D grid, a token's 7 chunks adjacent (as for token-major).
   EXPECT_EQ(plan.combine_grid_x, 333u * 7u);
   EXPECT_EQ(plan.combine_grid_y, 1u);
-  // Past what one 1-D launch holds: a clear error, not a wrapped grid.
-  a.num_tokens = int64_t{1} << 30;
-  try {
-    plan_combine(&a);
-    ADD_FAILURE() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.status(), MOEJIT_ERROR_UNSUPPORTED);
-    EXPECT_NE(std::string(e.what()).find("split the batch"), std::string::npos) << e.what();
+}
+
+TEST(KernelSpec, FixedLayoutsUseOneDimensionWithATokensChunksAdjacent) {
+  for (moejit_layout layout : {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP}) {
+    SCOPED_TRACE(layout);
+    auto a =
+        gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
+    a.layout = layout;
+    a.num_tokens = 333;
+    if (layout == MOEJIT_LAYOUT_TOKEN_MAJOR) {
+      a.indices = nullptr;
+      a.num_rows = 0;
+    } else {
+      a.num_rows = 666;
+    }
+    const CombinePlan plan = plan_combine(&a);
+    EXPECT_EQ(plan.spec.chunks(), 7);
+    EXPECT_EQ(plan.combine_grid_x, 333u * 7u);
+    EXPECT_EQ(plan.combine_grid_y, 1u);
+    // Past what one 1-D launch holds: a clear error, not a wrapped grid.
+    a.num_tokens = int64_t{1} << 30;
+    try {
+      plan_combine(&a);
+      ADD_FAILURE() << "expected an error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), MOEJIT_ERROR_UNSUPPORTED);
+      EXPECT_NE(std::string(e.what()).find("split the batch"), std::string::npos) << e.what();
+    }
   }
 }
 
@@ -67,8 +76,8 @@ TEST(KernelSpec, DecodeSizedCallsSpreadATokenOverMoreBlocks) {
   EXPECT_EQ(plan.spec.tpt, 16);
   EXPECT_EQ(plan.spec.tpb, 2);
   EXPECT_EQ(plan.spec.chunks(), 56);
-  EXPECT_EQ(plan.combine_grid_x, 2u);  // two tokens per 32-thread block
-  EXPECT_EQ(plan.combine_grid_y, 56u);
+  EXPECT_EQ(plan.combine_grid_x, 2u * 56u);  // two tokens per 32-thread block, 56 chunks
+  EXPECT_EQ(plan.combine_grid_y, 1u);
   // The token index: one 64-thread group per block (its single-launch kernel scans token_idx
   // once per block, so fewer, larger blocks).
   const KernelSpec ti = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
