@@ -5,9 +5,15 @@
 // cartesian product would take an hour on a two-core CI machine).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cctype>
+#include <cstdio>
+#include <map>
 #include <mutex>
 #include <set>
+#include <sstream>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -101,6 +107,78 @@ TEST(KernelCompile, MatrixCoversEveryValue) {
   EXPECT_EQ(arch.size(), 3u);
 }
 
+// One kernel's entry in the compiler's resource report (ptxas -v, through NVRTC's log).
+struct KernelResources {
+  std::string function;
+  int registers = -1, stack_bytes = -1, spill_store_bytes = -1, spill_load_bytes = -1;
+};
+
+// Parses lines such as
+//   ptxas info    : Function properties for _ZN6moejit7combine...
+//   ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+//   ptxas info    : Used 55 registers, used 0 barriers
+std::vector<KernelResources> parse_resource_report(const std::string& log) {
+  std::vector<KernelResources> kernels;
+  std::istringstream lines(log);
+  std::string line;
+  const std::string properties = "Function properties for ";
+  while (std::getline(lines, line)) {
+    size_t at = line.find(properties);
+    if (at != std::string::npos) {
+      kernels.push_back(KernelResources{line.substr(at + properties.size())});
+      continue;
+    }
+    if (kernels.empty()) continue;
+    KernelResources& k = kernels.back();
+    if (line.find("bytes stack frame") != std::string::npos) {
+      const size_t dot = line.find('.');
+      std::sscanf(line.c_str() + (dot == std::string::npos ? 0 : dot + 1),
+                  " %d bytes stack frame, %d bytes spill stores, %d bytes spill loads",
+                  &k.stack_bytes, &k.spill_store_bytes, &k.spill_load_bytes);
+    } else if ((at = line.find("Used ")) != std::string::npos) {
+      std::sscanf(line.c_str() + at, "Used %d registers", &k.registers);
+    }
+  }
+  return kernels;
+}
+
+// "combine" from "_ZN6moejit7combineILi2E...": the template's name in a mangled kernel name.
+std::string template_name(const std::string& mangled) {
+  const std::string ns = "_ZN6moejit";
+  if (mangled.compare(0, ns.size(), ns) != 0) return mangled;
+  size_t length = 0, at = ns.size();
+  while (at < mangled.size() && std::isdigit(static_cast<unsigned char>(mangled[at])))
+    length = length * 10 + static_cast<size_t>(mangled[at++] - '0');
+  return mangled.substr(at, length);
+}
+
+TEST(KernelCompile, ResourceReportParses) {
+  const std::string log =
+      "ptxas info    : 0 bytes gmem\n"
+      "ptxas info    : Compiling entry function '_Z1fv' for 'sm_90'\n"
+      "ptxas info    : Function properties for _Z1fv\n"
+      "ptxas         .     8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n"
+      "ptxas info    : Used 55 registers, used 0 barriers\n"
+      "ptxas info    : Function properties for _Z1gv\n"
+      "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+      "ptxas info    : Used 16 registers, used 1 barriers, 380 bytes cmem[0]\n";
+  const std::vector<KernelResources> k = parse_resource_report(log);
+  ASSERT_EQ(k.size(), 2u);
+  EXPECT_EQ(k[0].function, "_Z1fv");
+  EXPECT_EQ(k[0].registers, 55);
+  EXPECT_EQ(k[0].stack_bytes, 8);
+  EXPECT_EQ(k[0].spill_store_bytes, 4);
+  EXPECT_EQ(k[0].spill_load_bytes, 12);
+  EXPECT_EQ(k[1].registers, 16);
+  EXPECT_EQ(k[1].stack_bytes, 0);
+  EXPECT_EQ(template_name("_ZN6moejit12combine_scanILi2ELi2EiLi7168EEEvNS_13CombineParamsE"),
+            "combine_scan");
+}
+
+// Also the compiler's resource report for every kernel of every variant (the issue's "check
+// registers and spills"): a spill or a stack frame puts local-memory traffic into the loop that
+// streams the rows, so either fails the test. The report is asked for in this test only (-v
+// changes no code, but it would change every cache key and grow every stored log).
 TEST(KernelCompile, EveryVariantCompilesForSm80Sm89Sm90) {
   MemoryStore memory;
   KernelStore& store = memory.store;
@@ -108,17 +186,38 @@ TEST(KernelCompile, EveryVariantCompilesForSm80Sm89Sm90) {
   std::atomic<size_t> next{0};
   std::mutex failures_mutex;
   std::vector<std::string> failures;
+  std::map<std::string, int> most_registers;  // per kernel template and layout
   auto worker = [&] {
     for (size_t i = next++; i < cases.size(); i = next++) {
       const Case& c = cases[i];
       try {
-        const CompiledModule m = compile(store.request_for(c.spec, Target{c.sm, false}));
+        CompileRequest request = store.request_for(c.spec, Target{c.sm, false});
+        request.options.push_back("--ptxas-options=-v");
+        const CompiledModule m = compile(request);
         if (m.image.size() < 1000 || m.lowered_names.size() != c.spec.name_expressions().size())
           throw Error(MOEJIT_ERROR_INTERNAL, "empty cubin or missing lowered names");
         // The templates compile cleanly: a warning here is a finding (and its text would be
         // stored in every cache entry).
         if (m.log.find("warning") != std::string::npos)
           throw Error(MOEJIT_ERROR_INTERNAL, "NVRTC warned:\n" + m.log);
+        const std::vector<KernelResources> report = parse_resource_report(m.log);
+        if (report.size() != m.lowered_names.size())
+          throw Error(MOEJIT_ERROR_INTERNAL,
+                      "resource report for " + std::to_string(report.size()) + " of " +
+                          std::to_string(m.lowered_names.size()) + " kernels:\n" + m.log);
+        for (const KernelResources& k : report) {
+          if (k.registers <= 0 || k.stack_bytes != 0 || k.spill_store_bytes != 0 ||
+              k.spill_load_bytes != 0)
+            throw Error(MOEJIT_ERROR_INTERNAL,
+                        k.function + ": " + std::to_string(k.registers) + " registers, " +
+                            std::to_string(k.stack_bytes) + " bytes stack, " +
+                            std::to_string(k.spill_store_bytes) + "/" +
+                            std::to_string(k.spill_load_bytes) + " bytes spilled");
+          const std::string kind = template_name(k.function) + " (" + layout_name(c.spec.layout) +
+                                   (c.spec.scan ? ", scan)" : ")");
+          std::lock_guard<std::mutex> lock(failures_mutex);
+          most_registers[kind] = std::max(most_registers[kind], k.registers);
+        }
       } catch (const std::exception& e) {
         std::lock_guard<std::mutex> lock(failures_mutex);
         failures.push_back(c.spec.describe() + " sm_" + std::to_string(c.sm) + ": " + e.what());
@@ -131,6 +230,8 @@ TEST(KernelCompile, EveryVariantCompilesForSm80Sm89Sm90) {
   for (auto& t : threads) t.join();
   for (const auto& f : failures) ADD_FAILURE() << f;
   EXPECT_GE(cases.size(), 45u);
+  for (const auto& [kind, registers] : most_registers)
+    std::printf("most registers: %-40s %d\n", kind.c_str(), registers);
 }
 
 TEST(KernelCompile, CompileErrorCarriesTheLog) {
