@@ -251,8 +251,12 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
     const KernelSpec s = spec_for_shape(layout, in_dtype, out_dtype, index_type, hidden,
                                         rows_per_token, alignment_bytes, tokens);
     add(s);
-    // Token index: small calls of either geometry take the single-launch kernel instead.
-    if (s.token_index()) add(s.with_scan_kernel());
+    // Token index: small calls of either geometry take the single-launch kernel instead; large
+    // ones launch the list helpers first.
+    if (s.token_index()) {
+      add(s.with_scan_kernel());
+      add(s.helpers_spec());
+    }
   }
   return specs;
 }
@@ -363,22 +367,25 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
             kScanMaxBytes;
     // Its own module: the list path is not compiled for a call that skips it.
     if (plan.token_scan) s.scan = true;
+    plan.list_helpers = !plan.token_scan;
   }
   return plan;
 }
 
-void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstream stream,
-                    Stats& stats) {
+void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels,
+                    const LoadedKernels* helpers, CUstream stream, Stats& stats) {
   if (plan.nothing_to_do) return;
+  if (plan.list_helpers && helpers == nullptr)
+    throw Error(MOEJIT_ERROR_INTERNAL, "launch_combine: the list helpers' module is missing");
   const DriverApi& d = driver();
   CombineParams params = plan.params;
   void* kernel_args[] = {&params};
   // Each kernel after the first of the token-index chain may start while its predecessor drains
   // (programmatic dependent launch): it waits in griddepcontrol.wait before touching memory, so
   // only the launch latency overlaps. Where unsupported, plain stream order.
-  auto launch = [&](int kernel, unsigned gx, unsigned gy, unsigned threads, bool dependent,
-                    const char* what) {
-    if (dependent && kernels.dependent_launch) {
+  auto launch = [&](const LoadedKernels& module, int kernel, unsigned gx, unsigned gy,
+                    unsigned threads, bool dependent, const char* what) {
+    if (dependent && module.dependent_launch) {
       CUlaunchAttribute attr{};
       attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
       attr.value.programmaticStreamSerializationAllowed = 1;
@@ -392,10 +399,9 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
       config.hStream = stream;
       config.attrs = &attr;
       config.numAttrs = 1;
-      check_cuda(d.cuLaunchKernelEx(&config, kernels.functions[kernel], kernel_args, nullptr),
-                 what);
+      check_cuda(d.cuLaunchKernelEx(&config, module.functions[kernel], kernel_args, nullptr), what);
     } else {
-      check_cuda(d.cuLaunchKernel(kernels.functions[kernel], gx, gy, 1, threads, 1, 1, 0, stream,
+      check_cuda(d.cuLaunchKernel(module.functions[kernel], gx, gy, 1, threads, 1, 1, 0, stream,
                                   kernel_args, nullptr),
                  what);
     }
@@ -403,18 +409,18 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
   };
   const unsigned threads = static_cast<unsigned>(plan.spec.block_threads());
   if (plan.token_scan) {
-    launch(kCombineKernel, plan.combine_grid_x, plan.combine_grid_y, threads, false,
+    launch(kernels, kCombineKernel, plan.combine_grid_x, plan.combine_grid_y, threads, false,
            "cuLaunchKernel(combine_scan)");
     return;
   }
-  const bool chained = plan.spec.token_index();
+  const bool chained = plan.list_helpers;
   if (chained) {
-    launch(kClearKernel, plan.clear_blocks, 1, kHelperThreads, false,
+    launch(*helpers, kClearKernel, plan.clear_blocks, 1, kHelperThreads, false,
            "cuLaunchKernel(token_index_clear)");
-    launch(kAssignKernel, plan.assign_blocks, 1, kHelperThreads, true,
+    launch(*helpers, kAssignKernel, plan.assign_blocks, 1, kHelperThreads, true,
            "cuLaunchKernelEx(token_index_assign)");
   }
-  launch(kCombineKernel, plan.combine_grid_x, plan.combine_grid_y, threads, chained,
+  launch(kernels, kCombineKernel, plan.combine_grid_x, plan.combine_grid_y, threads, chained,
          chained ? "cuLaunchKernelEx(combine)" : "cuLaunchKernel(combine)");
 }
 

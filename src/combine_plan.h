@@ -21,14 +21,16 @@ struct CombinePlan {
   KernelSpec spec;
   CombineParams params{};
   bool nothing_to_do = false;  // T == 0
-  // Combine grid (also the single-launch token-index kernel's). Gather map and token index: x the
-  // token groups (spec.tpb tokens each), y the chunks of spec.tpt * spec.upt vector slots per row.
-  // Token-major: 1-D, x = groups * chunks (a token's chunks adjacent), y = 1.
+  // Combine grid (also the single-launch token-index kernel's). Token index: x the token groups
+  // (spec.tpb tokens each), y the chunks of spec.tpt * spec.upt vector slots per row. Token-major
+  // and gather map: 1-D, x = groups * chunks (a token's chunks adjacent), y = 1.
   unsigned int combine_grid_x = 0;
   unsigned int combine_grid_y = 0;
   unsigned int clear_blocks = 0;  // token-index helpers (0 for other layouts)
   unsigned int assign_blocks = 0;
   bool token_scan = false;  // token index, few rows: the single-launch scan kernel
+  // Token index, list path: clear and assign run first, from the module of spec.helpers_spec().
+  bool list_helpers = false;
 };
 
 // Validates args (throws Error naming the argument, its value and what is allowed) and plans the
@@ -51,13 +53,14 @@ KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dt
 
 // Every specialization moe_combine() may use for this shape, whatever the batch size (decode and
 // prefill geometries, deduplicated; for the token index each geometry's list-path and
-// single-launch modules): what tools/precompile warms.
+// single-launch modules, and the list helpers' module): what tools/precompile warms.
 std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dtype,
                                         moejit_dtype out_dtype, moejit_index_type index_type,
                                         int hidden, int rows_per_token, size_t alignment_bytes);
 
-// Enqueues the plan's kernels on stream.
-void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstream stream,
-                    Stats& stats);
+// Enqueues the plan's kernels on stream. `helpers`: the module of plan.spec.helpers_spec(), needed
+// (non-null) when plan.list_helpers.
+void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels,
+                    const LoadedKernels* helpers, CUstream stream, Stats& stats);
 
 }  // namespace moejit

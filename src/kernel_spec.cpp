@@ -36,8 +36,19 @@ bool KernelSpec::token_index() const {
   return layout == MOEJIT_LAYOUT_TOKEN_INDEX;
 }
 
+KernelSpec KernelSpec::helpers_spec() const {
+  KernelSpec h;
+  h.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+  h.index_bytes = index_bytes;
+  h.helpers = true;
+  return h;
+}
+
 std::vector<std::string> KernelSpec::name_expressions() const {
   const char* idx = index_bytes == 8 ? "long long" : "int";
+  if (helpers)
+    return {"&moejit::token_index_clear<>",
+            std::string("&moejit::token_index_assign<") + idx + ">"};
   std::ostringstream combine;
   if (scan) {
     combine << "&moejit::combine_scan<" << in_dtype << ", " << out_dtype << ", " << idx << ", "
@@ -48,12 +59,7 @@ std::vector<std::string> KernelSpec::name_expressions() const {
   combine << "&moejit::combine<" << layout << ", " << in_dtype << ", " << out_dtype << ", " << idx
           << ", " << hidden << ", " << vec << ", " << top_k << ", " << tpt << ", " << tpb << ", "
           << upt << ", " << list_cap << ">";
-  std::vector<std::string> names{combine.str()};
-  if (token_index()) {
-    names.push_back("&moejit::token_index_clear<>");
-    names.push_back(std::string("&moejit::token_index_assign<") + idx + ">");
-  }
-  return names;
+  return {combine.str()};
 }
 
 std::string KernelSpec::source() const {
@@ -64,6 +70,11 @@ std::string KernelSpec::source() const {
 
 std::string KernelSpec::describe() const {
   std::ostringstream s;
+  if (helpers) {
+    s << "layout=" << layout_name(layout) << " idx=" << (index_bytes == 8 ? "int64" : "int32")
+      << " helpers=1";
+    return s.str();
+  }
   s << "layout=" << layout_name(layout) << " in=" << dtype_name(in_dtype)
     << " out=" << dtype_name(out_dtype) << " idx=" << (index_bytes == 8 ? "int64" : "int32")
     << " H=" << hidden << " vec=" << vec << " K=" << top_k << " tpt=" << tpt << " tpb=" << tpb
@@ -75,13 +86,14 @@ std::string KernelSpec::describe() const {
 bool KernelSpec::operator==(const KernelSpec& o) const {
   return layout == o.layout && in_dtype == o.in_dtype && out_dtype == o.out_dtype &&
          index_bytes == o.index_bytes && hidden == o.hidden && vec == o.vec && top_k == o.top_k &&
-         tpt == o.tpt && tpb == o.tpb && upt == o.upt && list_cap == o.list_cap && scan == o.scan;
+         tpt == o.tpt && tpb == o.tpb && upt == o.upt && list_cap == o.list_cap && scan == o.scan &&
+         helpers == o.helpers;
 }
 
 std::size_t KernelSpec::hash() const {
   std::size_t h = 1469598103934665603ull;
   for (int v : {layout, in_dtype, out_dtype, index_bytes, hidden, vec, top_k, tpt, tpb, upt,
-                list_cap, static_cast<int>(scan)})
+                list_cap, static_cast<int>(scan), static_cast<int>(helpers)})
     h = (h ^ static_cast<std::size_t>(static_cast<unsigned>(v))) * 1099511628211ull;
   return h;
 }

@@ -23,9 +23,14 @@ struct KernelSpec {
   int upt = 1;          // vector slots per thread (combine kernel)
   int list_cap = 0;     // token index: rows listed per token; 0 otherwise
   // Token index, small calls: this spec's module is the single-launch kernel alone (combine_scan),
-  // not the list path (combine + clear + assign). Two modules per geometry, so a call compiles
-  // only the kernels it launches (each is a large share of a token-index compile).
+  // not the list path's combine. Two modules per geometry, so a call compiles only the kernels it
+  // launches (each is a large share of a token-index compile).
   bool scan = false;
+  // Token index, list path: the module of the two helpers that build the per-token lists
+  // (token_index_clear, token_index_assign). They depend on the index type alone, so one module
+  // per index type and architecture serves every shape (in every list module they cost 13 ms of
+  // each compile). Such a spec has only layout, index_bytes and helpers set (helpers_spec()).
+  bool helpers = false;
 
   int block_threads() const { return tpt * tpb; }
   int slots() const { return (hidden + vec - 1) / vec; }
@@ -38,14 +43,17 @@ struct KernelSpec {
     s.scan = true;
     return s;
   }
+  // The list helpers' module for this spec's index type (token index, list path).
+  KernelSpec helpers_spec() const;
 
-  // Name expressions, in the order of the Kernel enum below: the combine (for a scan spec, the
-  // single-launch kernel), then the token-index list helpers when the module has the list path.
+  // Name expressions, in the order of the slot enums below: the combine (for a scan spec, the
+  // single-launch kernel), or for a helpers spec the clear and assign kernels.
   std::vector<std::string> name_expressions() const;
   // The generated translation unit.
   std::string source() const;
   // "layout=gather_map in=bf16 out=bf16 idx=int32 H=7168 vec=8 K=8 tpt=128 tpb=1 upt=1 cap=0": for
-  // logs, messages and the precompile manifest; a scan spec ends in " scan=1".
+  // logs, messages and the precompile manifest; a scan spec ends in " scan=1"; a helpers spec is
+  // "layout=token_index idx=int32 helpers=1".
   std::string describe() const;
 
   bool operator==(const KernelSpec& o) const;
@@ -56,10 +64,12 @@ struct KernelSpec {
 // Index of each kernel in name_expressions() / a loaded module's functions.
 enum KernelSlot {
   kCombineKernel = 0,  // the combine; in a scan spec's module, the single-launch kernel
-  kClearKernel = 1,    // token index, list path only
-  kAssignKernel = 2,   // token index, list path only
-  kMaxKernels = 3
 };
+enum HelperSlot {  // a helpers spec's module (token index, list path)
+  kClearKernel = 0,
+  kAssignKernel = 1,
+};
+enum { kMaxKernels = 2 };  // kernels in one module
 
 const char* dtype_name(int dtype);    // "fp32" | "fp16" | "bf16"
 const char* layout_name(int layout);  // "token_major" | "gather_map" | "token_index"

@@ -13,7 +13,9 @@ void Runtime::combine(const moejit_combine_args* args, CUstream stream) {
   const CombinePlan plan = plan_combine(args);
   if (plan.nothing_to_do) return;
   const LoadedKernels& kernels = modules_.get(plan.spec);
-  launch_combine(plan, kernels, stream, stats_);
+  const LoadedKernels* helpers =
+      plan.list_helpers ? &modules_.get(plan.spec.helpers_spec()) : nullptr;
+  launch_combine(plan, kernels, helpers, stream, stats_);
 }
 
 Runtime& default_runtime() {

@@ -129,8 +129,9 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
   std::vector<KernelSpec> specs;
   expand_shape(s, all_layouts(), all_index_types(), &specs);
   // token_major has no index: (1 + gather_map x 2) x {prefill, decode geometry}, plus
-  // token_index x 2 index types x 2 geometries x {list path, single-launch module}.
-  ASSERT_EQ(specs.size(), 14u);
+  // token_index x 2 index types x (2 geometries x {list path, single-launch module} + the list
+  // helpers' module).
+  ASSERT_EQ(specs.size(), 16u);
   for (moejit_layout l : all_layouts())
     for (moejit_index_type t : all_index_types())
       for (int64_t tokens : {kAnyTokens, int64_t{1}, int64_t{4096}}) {
@@ -140,10 +141,12 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
         if (want.token_index()) {
           EXPECT_NE(std::find(specs.begin(), specs.end(), want.with_scan_kernel()), specs.end())
               << want.describe();
+          EXPECT_NE(std::find(specs.begin(), specs.end(), want.helpers_spec()), specs.end())
+              << want.describe();
         }
       }
   expand_shape(s, all_layouts(), all_index_types(), &specs);  // no duplicates
-  EXPECT_EQ(specs.size(), 14u);
+  EXPECT_EQ(specs.size(), 16u);
 
   s.hidden = 0;
   EXPECT_NE(error_of([&] {
@@ -168,14 +171,15 @@ TEST(Manifest, ExactAndShapeLines) {
                            "  # from a log\n"
                            "hidden=4096 topk=2 dtype=bf16 layout=gather_map index_type=int32\n"
                            "hidden=2048 topk=8 layout=token_major,token_index index_type=int64\n" +
-                           exact_scan.describe() + "\n";
+                           exact_scan.describe() + "\n" + exact_scan.helpers_spec().describe() +
+                           "\n";
   ManifestDefaults d;
   d.dtype = MOEJIT_DTYPE_FLOAT32;
   std::vector<KernelSpec> specs;
   parse_manifest(text, "m.txt", d, &specs);
   // Shape lines expand to every geometry: prefill then decode; for the token index each
-  // geometry's list-path module, then its single-launch module.
-  ASSERT_EQ(specs.size(), 10u);
+  // geometry's list-path module, then its single-launch module, and once the list helpers.
+  ASSERT_EQ(specs.size(), 12u);
   EXPECT_EQ(specs[0], exact);
   EXPECT_EQ(specs[1], spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                      MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256));
@@ -188,10 +192,13 @@ TEST(Manifest, ExactAndShapeLines) {
   EXPECT_EQ(specs[5], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256));
   EXPECT_EQ(specs[6], specs[5].with_scan_kernel());
-  EXPECT_EQ(specs[7], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+  EXPECT_EQ(specs[7], specs[5].helpers_spec());
+  EXPECT_EQ(specs[7].describe(), "layout=token_index idx=int64 helpers=1");
+  EXPECT_EQ(specs[8], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256, 1));
-  EXPECT_EQ(specs[8], specs[7].with_scan_kernel());
-  EXPECT_EQ(specs[9], exact_scan);  // an exact scan line round-trips
+  EXPECT_EQ(specs[9], specs[8].with_scan_kernel());
+  EXPECT_EQ(specs[10], exact_scan);                 // an exact scan line round-trips
+  EXPECT_EQ(specs[11], exact_scan.helpers_spec());  // and a helpers line (int32)
 
   auto bad = [&](const std::string& line) {
     return error_of([&] {
@@ -215,6 +222,12 @@ TEST(Manifest, ExactAndShapeLines) {
           .find("single-launch module"),
       std::string::npos);
   EXPECT_NE(bad("hidden").find("expected key=value"), std::string::npos);
+  EXPECT_NE(bad("layout=gather_map idx=int32 helpers=1").find("only the token_index layout"),
+            std::string::npos);
+  EXPECT_NE(bad("layout=token_index idx=int32 helpers=1 H=64").find("a helpers line is exactly"),
+            std::string::npos);
+  EXPECT_NE(bad("layout=token_index idx=int16 helpers=1").find("unknown index type"),
+            std::string::npos);
 }
 
 TEST(Arch, ListsAllAndErrors) {
@@ -328,16 +341,17 @@ TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
   std::istringstream in(text.out);
   for (std::string l; std::getline(in, l);)
     if (std::regex_match(l, line)) ++lines;
-  EXPECT_EQ(lines, 28u) << text.out;  // 14 specs x 2 targets
+  EXPECT_EQ(lines, 32u) << text.out;  // 16 specs x 2 targets
 
   const test::ToolRun js =
       run("--dry-run --json --model-config '" + configs("qwen3-30b-a3b.json") +
           "' --arch sm_90 --layout gather_map,token_index --cache-dir '" + cache + "'");
   ASSERT_EQ(js.rc, 0) << js.err;
   const nlohmann::json j = nlohmann::json::parse(js.out);
-  // 2 index types x (gather_map x 2 geometries + token_index x 2 geometries x {list, scan}).
-  EXPECT_EQ(j["total"], 12);
-  EXPECT_EQ(j["missing"], 12);
+  // 2 index types x (gather_map x 2 geometries + token_index x 2 geometries x {list, scan} + the
+  // list helpers).
+  EXPECT_EQ(j["total"], 14);
+  EXPECT_EQ(j["missing"], 14);
   EXPECT_EQ(j["cached"], 0);
   // The keys are the runtime's own: recompute them through KernelStore::request_for.
   Settings settings;

@@ -70,6 +70,13 @@ std::vector<Case> matrix() {
           }
           ++n;
         }
+  // The token index's list helpers (one module per index type), for every arch.
+  for (int index_bytes : {4, 8})
+    for (int sm : archs) {
+      KernelSpec any;
+      any.index_bytes = index_bytes;
+      cases.push_back({any.helpers_spec(), sm});
+    }
   // Every spec also for the other two archs where it is cheap: the H=7168 gather-map bf16 case.
   KernelSpec big = spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                   MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256);
@@ -92,6 +99,7 @@ TEST(KernelCompile, MatrixCoversEveryValue) {
   std::set<int> layouts, ins, outs, idx, hid, vec, arch;
   std::set<std::pair<int, int>> pairs;
   for (const Case& c : matrix()) {
+    if (c.spec.helpers) continue;  // no shape
     layouts.insert(c.spec.layout);
     pairs.insert({c.spec.in_dtype, c.spec.out_dtype});
     idx.insert(c.spec.index_bytes);

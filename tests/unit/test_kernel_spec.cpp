@@ -167,12 +167,23 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
     EXPECT_EQ(t.list_cap, z.cap) << z.rows_per_token;
   }
   EXPECT_EQ(s.vec, 4);  // fp32 output limits the vector to 16 bytes of output
-  const auto names = s.name_expressions();
-  ASSERT_EQ(names.size(), 3u);
-  EXPECT_EQ(names[kCombineKernel],
-            "&moejit::combine<2, 1, 0, long long, 2048, 4, 8, 128, 1, 1, 16>");
+  EXPECT_EQ(
+      s.name_expressions(),
+      std::vector<std::string>{"&moejit::combine<2, 1, 0, long long, 2048, 4, 8, 128, 1, 1, 16>"});
+  // The list helpers: one module per index type, whatever the shape.
+  const KernelSpec h = s.helpers_spec();
+  const auto names = h.name_expressions();
+  ASSERT_EQ(names.size(), 2u);
   EXPECT_EQ(names[kClearKernel], "&moejit::token_index_clear<>");
   EXPECT_EQ(names[kAssignKernel], "&moejit::token_index_assign<long long>");
+  EXPECT_EQ(h.describe(), "layout=token_index idx=int64 helpers=1");
+  EXPECT_NE(h, s);
+  EXPECT_NE(h, s.with_scan_kernel());
+  EXPECT_EQ(h, spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
+                              MOEJIT_INDEX_INT64, 7168, 1, 256)
+                   .helpers_spec());
+  EXPECT_EQ(h.helpers_spec(), h);
+  EXPECT_NE(h.hash(), s.hash());
   // The single-launch kernel is a module of its own, a spec of its own (and a cache entry).
   const KernelSpec scan = s.with_scan_kernel();
   EXPECT_NE(scan, s);
@@ -185,7 +196,7 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   const KernelSpec tiny = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                          MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 8, 2, 256);
   EXPECT_EQ(tiny.tpt, 4);
-  EXPECT_EQ(tiny.name_expressions().size(), 3u);
+  EXPECT_EQ(tiny.name_expressions().size(), 1u);
   EXPECT_EQ(tiny.with_scan_kernel().name_expressions(),
             std::vector<std::string>{"&moejit::combine_scan<0, 0, int, 8, 4, 2, 4, 32, 1, 8>"});
   EXPECT_NE(s.source().find("#include \"combine.cuh\""), std::string::npos);
@@ -202,13 +213,17 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   EXPECT_TRUE(small.spec.scan);
   EXPECT_EQ(small.spec.name_expressions().size(), 1u);
   EXPECT_NE(small.spec.name_expressions()[kCombineKernel].find("combine_scan<"), std::string::npos);
-  // Past the single-launch limit: the list path (clear, assign, combine), the other module.
+  EXPECT_FALSE(small.list_helpers);
+  // Past the single-launch limit: the list path (clear and assign from the helpers' module, then
+  // the combine from the list module).
   a.num_tokens = 40;
   a.num_rows = 8000;
   const CombinePlan large = plan_combine(&a);
   EXPECT_FALSE(large.token_scan);
   EXPECT_FALSE(large.spec.scan);
-  EXPECT_EQ(large.spec.name_expressions().size(), 3u);
+  EXPECT_TRUE(large.list_helpers);
+  EXPECT_EQ(large.spec.name_expressions().size(), 1u);
+  EXPECT_EQ(large.spec.helpers_spec().describe(), "layout=token_index idx=int32 helpers=1");
   EXPECT_EQ(large.spec.with_scan_kernel().describe(), large.spec.describe() + " scan=1");
   // The grid is the list path's either way: x the token groups, y the chunks.
   EXPECT_EQ(small.combine_grid_x, 3u);

@@ -36,8 +36,8 @@ moejit::Settings settings_without_disk() {
 
 // The specializations compiled cold, in this order. The first is the DeepSeek-V3 shape, the most
 // likely first call of a real process; then one module of each other kind: the token index's
-// list path (combine + clear + assign) and its single-launch kernel (a decode-sized call), and a
-// short fp32 row.
+// list-path combine, its single-launch kernel (a decode-sized call), a short fp32 row, and the
+// token index's list helpers (compiled once per index type, whatever the shape).
 std::vector<moejit::KernelSpec> cold_specs() {
   return {
       moejit::spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
@@ -49,6 +49,9 @@ std::vector<moejit::KernelSpec> cold_specs() {
           .with_scan_kernel(),
       moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
                              MOEJIT_INDEX_INT32, 128, 2, 256),
+      moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
+                             MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256)
+          .helpers_spec(),
   };
 }
 

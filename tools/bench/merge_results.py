@@ -140,6 +140,8 @@ def markdown(merged):
             def kind(spec):
                 layout = spec.split()[0].split("=")[1]
                 if layout == "token_index":
+                    if "helpers=1" in spec:
+                        return "token-index list helpers (one module per index type)"
                     return "token-index single launch" if "scan=1" in spec else "token-index lists"
                 return layout.replace("_", "-")
             cache = jit.get("compute_cache")

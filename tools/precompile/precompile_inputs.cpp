@@ -110,6 +110,19 @@ int parse_int(const std::string& text, const std::string& where) {
   throw InputError(where + " = \"" + text + "\": expected an integer");
 }
 
+// The token index's list helpers module: "layout=token_index idx=int32 helpers=1".
+KernelSpec helpers_spec(std::map<std::string, std::string>& kv, const std::string& where) {
+  if (kv.size() != 3 || kv.count("layout") == 0 || kv.count("idx") == 0 || kv["helpers"] != "1")
+    throw InputError(where +
+                     ": a helpers line is exactly layout=token_index idx=int32|int64 helpers=1");
+  if (parse_layout(kv["layout"], where + ": layout") != MOEJIT_LAYOUT_TOKEN_INDEX)
+    throw InputError(where + ": layout = " + kv["layout"] +
+                     ": only the token_index layout has a helpers module");
+  KernelSpec s;
+  s.index_bytes = parse_index_type(kv["idx"], where + ": idx") == MOEJIT_INDEX_INT64 ? 8 : 4;
+  return s.helpers_spec();
+}
+
 // One exact KernelSpec from describe()'s key=value fields.
 KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string& where) {
   static const char* keys[] = {"layout", "in",  "out", "idx", "H",  "vec",
@@ -334,6 +347,10 @@ void parse_manifest(const std::string& text, const std::string& path,
         throw InputError(where + ": \"" + word + "\": expected key=value");
       if (!kv.emplace(word.substr(0, eq), word.substr(eq + 1)).second)
         throw InputError(where + ": key " + word.substr(0, eq) + " appears twice");
+    }
+    if (kv.count("helpers") != 0) {
+      add_unique(helpers_spec(kv, where), specs);
+      continue;
     }
     if (kv.count("H") || kv.count("tpt") || kv.count("vec") || kv.count("in")) {
       add_unique(exact_spec(kv, where), specs);
