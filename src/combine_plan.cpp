@@ -361,21 +361,21 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
     plan.assign_blocks = helper_blocks(a.num_rows);
     const double blocks = static_cast<double>(groups) * s.chunks();
     const int64_t rows_per_thread = (a.num_rows + s.block_threads() - 1) / s.block_threads();
-    plan.token_scan =
+    const bool token_scan =
         rows_per_thread <= kScanMaxRowsPerThread &&
         blocks * static_cast<double>(a.num_rows) * (a.index_type == MOEJIT_INDEX_INT64 ? 8 : 4) <=
             kScanMaxBytes;
     // Its own module: the list path is not compiled for a call that skips it.
-    if (plan.token_scan) s.scan = true;
-    plan.list_helpers = !plan.token_scan;
+    if (token_scan) s.scan = true;
   }
   return plan;
 }
 
-void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels,
-                    const LoadedKernels* helpers, CUstream stream, Stats& stats) {
+void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstream stream,
+                    Stats& stats) {
   if (plan.nothing_to_do) return;
-  if (plan.list_helpers && helpers == nullptr)
+  const bool chained = plan.list_helpers();
+  if (chained && kernels.helpers == nullptr)
     throw Error(MOEJIT_ERROR_INTERNAL, "launch_combine: the list helpers' module is missing");
   const DriverApi& d = driver();
   CombineParams params = plan.params;
@@ -408,16 +408,15 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels,
     stats.launches.fetch_add(1, std::memory_order_relaxed);
   };
   const unsigned threads = static_cast<unsigned>(plan.spec.block_threads());
-  if (plan.token_scan) {
+  if (plan.token_scan()) {
     launch(kernels, kCombineKernel, plan.combine_grid_x, plan.combine_grid_y, threads, false,
            "cuLaunchKernel(combine_scan)");
     return;
   }
-  const bool chained = plan.list_helpers;
   if (chained) {
-    launch(*helpers, kClearKernel, plan.clear_blocks, 1, kHelperThreads, false,
+    launch(*kernels.helpers, kClearKernel, plan.clear_blocks, 1, kHelperThreads, false,
            "cuLaunchKernel(token_index_clear)");
-    launch(*helpers, kAssignKernel, plan.assign_blocks, 1, kHelperThreads, true,
+    launch(*kernels.helpers, kAssignKernel, plan.assign_blocks, 1, kHelperThreads, true,
            "cuLaunchKernelEx(token_index_assign)");
   }
   launch(kernels, kCombineKernel, plan.combine_grid_x, plan.combine_grid_y, threads, chained,

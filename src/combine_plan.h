@@ -28,9 +28,10 @@ struct CombinePlan {
   unsigned int combine_grid_y = 0;
   unsigned int clear_blocks = 0;  // token-index helpers (0 for other layouts)
   unsigned int assign_blocks = 0;
-  bool token_scan = false;  // token index, few rows: the single-launch scan kernel
+  // Token index, few rows: the single-launch scan kernel (spec.scan).
+  bool token_scan() const { return spec.scan; }
   // Token index, list path: clear and assign run first, from the module of spec.helpers_spec().
-  bool list_helpers = false;
+  bool list_helpers() const { return spec.needs_list_helpers(); }
 };
 
 // Validates args (throws Error naming the argument, its value and what is allowed) and plans the
@@ -58,9 +59,9 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
                                         moejit_dtype out_dtype, moejit_index_type index_type,
                                         int hidden, int rows_per_token, size_t alignment_bytes);
 
-// Enqueues the plan's kernels on stream. `helpers`: the module of plan.spec.helpers_spec(), needed
-// (non-null) when plan.list_helpers.
-void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels,
-                    const LoadedKernels* helpers, CUstream stream, Stats& stats);
+// Enqueues the plan's kernels on stream: `kernels` is the module of plan.spec (ModuleCache::get;
+// for the list path it carries the helpers' module).
+void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstream stream,
+                    Stats& stats);
 
 }  // namespace moejit

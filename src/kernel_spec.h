@@ -34,7 +34,8 @@ struct KernelSpec {
 
   int block_threads() const { return tpt * tpb; }
   int slots() const { return (hidden + vec - 1) / vec; }
-  int chunks() const { return (slots() + tpt * upt - 1) / (tpt * upt); }
+  // Chunks of tpt * upt slots per row (0 for a helpers spec, which has no geometry).
+  int chunks() const { return tpt * upt > 0 ? (slots() + tpt * upt - 1) / (tpt * upt) : 0; }
   bool token_index() const;
   // The same geometry with the single-launch kernel as its module (token index only: every
   // token-index geometry has one).
@@ -45,6 +46,8 @@ struct KernelSpec {
   }
   // The list helpers' module for this spec's index type (token index, list path).
   KernelSpec helpers_spec() const;
+  // A token-index list-path combine: its calls launch the helpers of helpers_spec() first.
+  bool needs_list_helpers() const { return token_index() && !scan && !helpers; }
 
   // Name expressions, in the order of the slot enums below: the combine (for a scan spec, the
   // single-launch kernel), or for a helpers spec the clear and assign kernels.

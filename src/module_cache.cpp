@@ -79,6 +79,9 @@ void ModuleCache::load(const KernelSpec& spec, CUcontext context, Entry& entry) 
   std::shared_ptr<const CompiledModule> module = store_.obtain(spec, target, &source);
 
   LoadedKernels k;
+  // The list helpers first: a failure there leaves nothing of this entry loaded. Their entry is
+  // another key (its own lock) and never needs this one, so the nested get cannot deadlock.
+  if (spec.needs_list_helpers()) k.helpers = &get(spec.helpers_spec());
   // The store validated the image (a disk entry is checked before it gets here): a truncated or
   // foreign binary never reaches cuModuleLoadData. If the driver still refuses an entry that came
   // from the disk cache, it is a miss: forget it, rebuild, and try once more.

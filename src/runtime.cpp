@@ -12,10 +12,7 @@ Runtime::Runtime(const Settings& settings) : store_(settings, stats_), modules_(
 void Runtime::combine(const moejit_combine_args* args, CUstream stream) {
   const CombinePlan plan = plan_combine(args);
   if (plan.nothing_to_do) return;
-  const LoadedKernels& kernels = modules_.get(plan.spec);
-  const LoadedKernels* helpers =
-      plan.list_helpers ? &modules_.get(plan.spec.helpers_spec()) : nullptr;
-  launch_combine(plan, kernels, helpers, stream, stats_);
+  launch_combine(plan, modules_.get(plan.spec), stream, stats_);
 }
 
 Runtime& default_runtime() {

@@ -503,27 +503,34 @@ TEST_F(CombineGpu, EightThreadsOnDifferentShapesConcurrently) {
   moejit_runtime_destroy(rt);
 }
 
+// A warm call is one module-cache lookup and its launches, nothing else. The token-index list
+// path (600 tokens x 8 rows: past the single launch's limit) launches clear, assign and combine,
+// and finds the helpers' module through the combine's entry: still one lookup per call.
 TEST_F(CombineGpu, WarmCallsOnlyLaunch) {
   moejit_runtime_t rt = memory_only_runtime();
   Scratch s;
   cudaStreamCreate(&s.stream);
-  const Case c{MOEJIT_LAYOUT_GATHER_MAP,
-               MOEJIT_DTYPE_BFLOAT16,
-               MOEJIT_DTYPE_BFLOAT16,
-               MOEJIT_INDEX_INT32,
-               4096,
-               64,
-               2,
-               21};
-  ASSERT_EQ(run_case(c, rt, s), "");
-  moejit_stats before, after;
-  before.struct_size = after.struct_size = sizeof(moejit_stats);
-  moejit_runtime_get_stats(rt, &before);
-  ASSERT_EQ(run_case(c, rt, s), "");
-  moejit_runtime_get_stats(rt, &after);
-  EXPECT_EQ(after.compiles, before.compiles);
-  EXPECT_EQ(after.memory_hits, before.memory_hits + 2);
-  EXPECT_EQ(after.launches, before.launches + 2);
+  const struct {
+    Case c;
+    unsigned launches_per_call;
+  } setups[] = {{{MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                  MOEJIT_INDEX_INT32, 4096, 64, 2, 21},
+                 1},
+                {{MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                  MOEJIT_INDEX_INT32, 1024, 600, 8, 22},
+                 3}};
+  for (const auto& setup : setups) {
+    SCOPED_TRACE(layout_str(setup.c.layout));
+    ASSERT_EQ(run_case(setup.c, rt, s), "");  // compiles and loads; two calls
+    moejit_stats before, after;
+    before.struct_size = after.struct_size = sizeof(moejit_stats);
+    moejit_runtime_get_stats(rt, &before);
+    ASSERT_EQ(run_case(setup.c, rt, s), "");  // two warm calls
+    moejit_runtime_get_stats(rt, &after);
+    EXPECT_EQ(after.compiles, before.compiles);
+    EXPECT_EQ(after.memory_hits, before.memory_hits + 2);
+    EXPECT_EQ(after.launches, before.launches + 2 * setup.launches_per_call);
+  }
   moejit_runtime_destroy(rt);
 }
 

@@ -36,6 +36,8 @@ TEST(KernelSpec, AlignedBf16UsesSixteenByteVectors) {
   EXPECT_EQ(plan.spec.tpt, 128);
   EXPECT_EQ(plan.spec.tpb, 1);
   EXPECT_EQ(plan.spec.chunks(), 7);
+  EXPECT_FALSE(plan.list_helpers());  // fixed layouts: one launch
+  EXPECT_FALSE(plan.token_scan());
   // One 1-D grid, a token's 7 chunks adjacent (as for token-major).
   EXPECT_EQ(plan.combine_grid_x, 333u * 7u);
   EXPECT_EQ(plan.combine_grid_y, 1u);
@@ -184,6 +186,11 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
                    .helpers_spec());
   EXPECT_EQ(h.helpers_spec(), h);
   EXPECT_NE(h.hash(), s.hash());
+  // Only a list-path combine launches the helpers (ModuleCache loads them with it).
+  EXPECT_TRUE(s.needs_list_helpers());
+  EXPECT_FALSE(s.with_scan_kernel().needs_list_helpers());
+  EXPECT_FALSE(h.needs_list_helpers());
+  EXPECT_EQ(h.chunks(), 0);  // no geometry: no division by zero
   // The single-launch kernel is a module of its own, a spec of its own (and a cache entry).
   const KernelSpec scan = s.with_scan_kernel();
   EXPECT_NE(scan, s);
@@ -209,19 +216,19 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   a.workspace_bytes = size_t{1} << 30;
   // 3 tokens, 6 rows: one launch, whose module holds that kernel alone.
   const CombinePlan small = plan_combine(&a);
-  EXPECT_TRUE(small.token_scan);
+  EXPECT_TRUE(small.token_scan());
   EXPECT_TRUE(small.spec.scan);
   EXPECT_EQ(small.spec.name_expressions().size(), 1u);
   EXPECT_NE(small.spec.name_expressions()[kCombineKernel].find("combine_scan<"), std::string::npos);
-  EXPECT_FALSE(small.list_helpers);
+  EXPECT_FALSE(small.list_helpers());
   // Past the single-launch limit: the list path (clear and assign from the helpers' module, then
   // the combine from the list module).
   a.num_tokens = 40;
   a.num_rows = 8000;
   const CombinePlan large = plan_combine(&a);
-  EXPECT_FALSE(large.token_scan);
+  EXPECT_FALSE(large.token_scan());
   EXPECT_FALSE(large.spec.scan);
-  EXPECT_TRUE(large.list_helpers);
+  EXPECT_TRUE(large.list_helpers());
   EXPECT_EQ(large.spec.name_expressions().size(), 1u);
   EXPECT_EQ(large.spec.helpers_spec().describe(), "layout=token_index idx=int32 helpers=1");
   EXPECT_EQ(large.spec.with_scan_kernel().describe(), large.spec.describe() + " scan=1");
@@ -235,18 +242,18 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   a.hidden_dim = 128;
   a.expert_dtype = a.out_dtype = MOEJIT_DTYPE_FLOAT32;
   const CombinePlan mid = plan_combine(&a);
-  EXPECT_TRUE(mid.token_scan);
+  EXPECT_TRUE(mid.token_scan());
   EXPECT_EQ(mid.spec.tpb, 4);
   EXPECT_EQ(mid.combine_grid_x, 384u);
   // Past 32 entries per thread: the list path (4097 rows, 33 per thread).
   a.num_rows = 4097;
-  EXPECT_FALSE(plan_combine(&a).token_scan);
+  EXPECT_FALSE(plan_combine(&a).token_scan());
   // Within 32 per thread but too much re-reading in all (4096 tokens x 3 chunks x 16 KB).
   a.num_tokens = 4096;
   a.num_rows = 4096;
   a.hidden_dim = 5120;
   a.expert_dtype = a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
-  EXPECT_FALSE(plan_combine(&a).token_scan);
+  EXPECT_FALSE(plan_combine(&a).token_scan());
   // Both are among the specs the precompile tool warms for their shapes.
   const auto warmed_small =
       specs_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
