@@ -393,21 +393,29 @@ __device__ __forceinline__ void scan_token_rows(const CombineParams& p, long lon
 }
 
 // Token index, single launch, one token per block (TPB == 1, whole warps: every decode-sized and
-// wide-row call): the same scan without atomics or a sort. Warp w reads its own contiguous slab of
-// token_idx (32 entries per load instruction, kScanBatch loads in flight); each match learns its
-// rank among the warp's matches from a ballot and writes its row id there, so every warp's list is
-// in ascending row order, and the warps' lists one after another are the token's rows in
-// ascending order: the order the combine sums in. At decode the kernel is bound by one warp's
-// instruction chain (tools/bench/NOTES.md, version 8): 16 SASS instructions per entry instead of
-// the atomic scan's 38 (sm_90), and no register sort. Returns the token's row count; `list` then
-// holds its rows (the first LIST_CAP of them; more are counted, and the combine walks token_idx).
-// The host scans only calls with R <= 32 * BLOCK entries, so row ids fit an int.
+// wide-row call): the same scan without atomics or a sort. A warp reads 32 entries of token_idx
+// per load instruction; each match learns its rank among the warp's matches from a ballot and
+// writes its row id there, so a warp's list is in ascending row order: the order the combine sums
+// in. At decode the kernel is bound by one warp's instruction chain (tools/bench/NOTES.md, version
+// 8): 16 SASS instructions per 32 entries instead of the atomic scan's 38 (sm_90), and no sort.
+//  - Small calls (rows <= 32 per warp of the block: T = 1 and 8 at K = 8, T = 16 at K = 4): every
+//    warp reads all of token_idx, one load per 32 entries, and keeps its own list: no block
+//    barrier, no merge, no unused loads of a full batch (T = 1: 562 -> 504 instructions per warp,
+//    Nsight Compute, with the row addresses of combine_tokens). On the H200, A B B A x 3 in one
+//    build, us: T = 1 5.90 -> 5.55, T = 8 6.32 -> 6.07, T = 16 K = 4 H = 2880 5.47 -> 5.22, larger
+//    calls level. At 128 rows (T = 64 K = 2) reading all of token_idx (a full batch per warp)
+//    measured 0.15 us slower than the slabs below, hence the limit.
+//  - Otherwise warp w reads its own contiguous slab (kScanBatch loads in flight) and the warps'
+//    lists, one after another, are the token's rows in ascending order (merged in shared memory).
+// Returns the token's row count; `list` then holds its rows (the first LIST_CAP of them; more are
+// counted, and the combine walks token_idx). The host scans only calls with R <= 32 * BLOCK
+// entries, so row ids fit an int.
 template <typename IdxT, int BLOCK, int LIST_CAP>
 __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, long long tok,
                                                        const int*& list) {
   static_assert(BLOCK % 32 == 0, "whole warps");
   enum { kWarps = BLOCK / 32 };
-  __shared__ int s_rows[kWarps][LIST_CAP];
+  __shared__ __align__(16) int s_rows[kWarps][LIST_CAP];
   const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   unsigned below;  // lanes below this one
@@ -416,13 +424,37 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
   const IdxT want = static_cast<IdxT>(tok);
   const bool nameable = static_cast<long long>(want) == tok;
   const int rows = static_cast<int>(p.num_rows);
-  // Slabs of whole 32-entry groups: coalesced, aligned loads.
-  const int slab = (rows + 32 * kWarps - 1) / (32 * kWarps) * 32;
-  const int begin = warp * slab, end = min(begin + slab, rows);
   // The list's shared-memory address, once: a generic pointer here made the compiler rebuild the
   // address (CTA id included) for every store.
   const unsigned warp_rows = static_cast<unsigned>(__cvta_generic_to_shared(s_rows[warp]));
   int found = 0;  // warp-uniform
+  // Appends row r (this lane's entry t) to the warp's list if it belongs to the token.
+  auto append = [&](IdxT t, int r) {
+    const bool match = nameable && t == want;  // dropped ids (negative) never match
+    const unsigned m = __ballot_sync(0xffffffffu, match);
+    const int at = found + __popc(m & below);
+    if (match && at < LIST_CAP)
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(warp_rows + 4u * static_cast<unsigned>(at)),
+                   "r"(r)
+                   : "memory");
+    found += __popc(m);
+  };
+  if (rows <= 32 * kWarps) {  // block-uniform
+    IdxT t[kWarps];
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) {
+      const int r = i * 32 + lane;
+      t[i] = r < rows ? __ldg(token_idx + r) : IdxT(-1);
+    }
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) append(t[i], i * 32 + lane);
+    __syncwarp();
+    list = s_rows[warp];
+    return found;
+  }
+  // Slabs of whole 32-entry groups: coalesced, aligned loads.
+  const int slab = (rows + 32 * kWarps - 1) / (32 * kWarps) * 32;
+  const int begin = warp * slab, end = min(begin + slab, rows);
 #pragma unroll 1
   for (int base = begin; base < end; base += 32 * kScanBatch) {
     IdxT t[kScanBatch];
@@ -432,16 +464,7 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
       t[i] = r < end ? __ldg(token_idx + r) : IdxT(-1);
     }
 #pragma unroll
-    for (int i = 0; i < kScanBatch; ++i) {
-      const bool match = nameable && t[i] == want;  // dropped ids (negative) never match
-      const unsigned m = __ballot_sync(0xffffffffu, match);
-      const int at = found + __popc(m & below);
-      if (match && at < LIST_CAP)
-        asm volatile("st.shared.u32 [%0], %1;" ::"r"(warp_rows + 4u * static_cast<unsigned>(at)),
-                     "r"(base + i * 32 + lane)
-                     : "memory");
-      found += __popc(m);
-    }
+    for (int i = 0; i < kScanBatch; ++i) append(t[i], base + i * 32 + lane);
   }
   if constexpr (kWarps == 1) {
     __syncwarp();
@@ -666,26 +689,36 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
 #pragma unroll
       for (int i = 0; i < kRowsPerBatch; ++i) {
         const int j = b + i, k = j < kHeld ? j : 0;
-        if constexpr (LAYOUT == kLayoutGatherMap) {
+        if constexpr (LAYOUT != kLayoutTokenMajor) {
           // The row's address from this thread's first slot: one unsigned 32 x 64-bit product
-          // with the stride in bytes (row[k] is a valid row id, 0 where the entry is dropped).
-          present[i] = j < kHeld && mapped[k];
+          // with the stride in bytes, from a valid row id (0 where the entry is dropped or
+          // absent). The token index used a signed 64-bit row index before (more instructions
+          // in the single launch's decode chain; measured together with its small-call scan).
+          unsigned rid;
+          if constexpr (LAYOUT == kLayoutGatherMap) {
+            present[i] = j < kHeld && mapped[k];
+            rid = static_cast<unsigned>(row[k]);
+          } else {
+            present[i] = j < kHeld && row[k] >= 0;  // -1: past the count, or dropped
+            rid = present[i] ? static_cast<unsigned>(row[k]) : 0u;
+          }
           const char* at = reinterpret_cast<const char*>(expert + first_slot * VEC) +
-                           static_cast<unsigned long long>(static_cast<unsigned>(row[k])) *
+                           static_cast<unsigned long long>(rid) *
                                static_cast<unsigned long long>(p.expert_stride * sizeof(S));
           detail::load_slots_at<S, VEC, HIDDEN, UPT, TPT, kCachedRowLoads>(
               present[i], reinterpret_cast<const S*>(at), first_slot, v[i]);
         } else {
-          const long long r = LAYOUT == kLayoutTokenMajor ? tok * TOP_K + j : row[k];
-          present[i] = j < kHeld && j < count && (LAYOUT == kLayoutTokenMajor || row[k] >= 0);
+          present[i] = j < kHeld;
           detail::load_row_slots<S, VEC, HIDDEN, UPT, TPT, kCachedRowLoads>(
-              present[i], expert + (present[i] ? r : 0) * p.expert_stride, first_slot, v[i]);
+              present[i], expert + (tok * TOP_K + j) * p.expert_stride, first_slot, v[i]);
         }
       }
       // Fixed layouts add every row of the batch without a branch: an absent (dropped) row was
       // loaded as zeros and gets weight 0 (its gate may be anything). Fewer instructions in the
-      // one-warp chain that bounds decode. The token index keeps the branch: most of its held
-      // slots are usually empty.
+      // one-warp chain that bounds decode. The token index keeps the branch: many of its held
+      // slots are empty. (Branch-free adds in the single launch took 504 -> 445 instructions per
+      // warp at T = 1, but the compiler then reused load registers and interleaved loads with
+      // adds: 5.64 -> 6.28 us on the H200.)
 #pragma unroll
       for (int i = 0; i < kRowsPerBatch; ++i) {
         const float w = present[i] ? gate[b + i < kHeld ? b + i : 0] : 0.0f;
