@@ -165,7 +165,8 @@ def markdown(merged):
         if jit.get("host_calls"):
             out.append(f"Host time per call ({jit['host_case']}): moe_combine "
                        f"{jit['moe_combine_host_us']:.2f} us vs bare cuLaunchKernel "
-                       f"{jit['bare_launch_host_us']:.2f} us (+{jit['host_overhead_us']:.2f} us); "
+                       f"{jit['bare_launch_host_us']:.2f} us ({jit['host_overhead_us']:+.2f} us; "
+                       f"median of alternating batches); "
                        f"first call on a fresh runtime {jit['first_call_ms']:.1f} ms.")
     return "\n".join(out) + "\n"
 
