@@ -311,4 +311,26 @@ TEST(KernelSpec, GatherMapWithTwoRowsTakesFourSlotsPerThreadWhereWholeChunksTile
 }
 
 }  // namespace
+TEST(KernelSpec, EightRowsPerTokenKeepTheDecodeGeometryUpToMidSizeCalls) {
+  auto spec = [](moejit_layout layout, int hidden, int top_k, int64_t tokens) {
+    return spec_for_shape(layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32,
+                          hidden, top_k, 256, tokens);
+  };
+  for (moejit_layout layout : {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP}) {
+    const KernelSpec decode = spec(layout, 7168, 8, 1);
+    EXPECT_EQ(decode.tpt, 16);
+    EXPECT_EQ(decode.tpb, 2);
+    EXPECT_EQ(spec(layout, 7168, 8, 1024), decode);  // the same specialization: nothing to add
+    EXPECT_EQ(spec(layout, 7168, 8, 2048), decode);  // 2048 x 896 slots <= 2^21
+    EXPECT_EQ(spec(layout, 7168, 8, 2340).tpt, 16);
+    EXPECT_EQ(spec(layout, 7168, 8, 2341).tpt, 128);  // past 2^21 token slots
+    EXPECT_EQ(spec(layout, 7168, 8, kAnyTokens).tpt, 128);
+    EXPECT_EQ(spec(layout, 4096, 8, 4096).tpt, 16);   // 4096 x 512 = 2^21
+    EXPECT_EQ(spec(layout, 7168, 4, 1024).tpt, 128);  // fewer rows per token: bandwidth blocks
+    EXPECT_EQ(spec(layout, 7168, 16, 1024).tpt, 16);
+  }
+  // The token index keeps its own geometries.
+  EXPECT_EQ(spec(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, 1024).tpt, 128);
+}
+
 }  // namespace moejit
