@@ -501,8 +501,6 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
   }
 }
 
-}  // namespace detail
-
 // ---- the combine -----------------------------------------------------------------------------
 
 // Sorts a few row ids ascending in registers (odd-even transposition: compile-time indices only,
@@ -520,10 +518,8 @@ __device__ __forceinline__ void sort_rows(int (&r)[N]) {
     }
 }
 
-namespace detail {
-
-// One block per work item (a group of TPB tokens x a chunk of TPT * UPT vector slots) on a 2-D
-// grid: x the token group, y the chunk. Each thread reads its token's routing, issues the loads
+// One block per work item (a group of TPB tokens x a chunk of TPT * UPT vector slots; the grid is
+// described in combine_tokens). Each thread reads its token's routing, issues the loads
 // of a whole batch of rows (up to kBatch 16-byte vectors) before the first use, sums in fp32 in a
 // fixed order and stores once. Measured on the H200 against a persistent grid that prefetched the
 // next item's routing: this form was 1-14% faster at every prefill shape (fewer registers, the
