@@ -793,6 +793,79 @@ __global__ void __launch_bounds__(TPT* TPB) combine_scan(const CombineParams p) 
                          LIST_CAP, true>(p);
 }
 
+// ---- token-index layout, one token: one launch, no scan --------------------------------------
+// A call with one token (single-sequence decode) needs no search: every row whose token_idx entry
+// is 0 belongs to it, and every other row is dropped. So the row, its gate and its token_idx entry
+// are loaded together, a batch of rows at a time, and the entry only decides whether the row is
+// added: one round trip to memory before the adds, where the single launch's scan needs two (the
+// entries, then the rows they name). Rows are added in ascending order with the same fp32 fma
+// chain as every other path: bitwise the same result. The host takes it for num_rows <=
+// kOneTokenMaxRows (src/combine_plan.cpp): a dropped row is still read, so many of them would cost
+// bandwidth the scan does not spend.
+// TOP_K: rows per batch (the rows the call has, rounded up to 1, 2, 4 or 8); the grid is the token
+// index's: x the token groups (one, whose other tokens leave at once), y the chunks.
+template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT, int TPB,
+          int UPT>
+__global__ void __launch_bounds__(TPT* TPB) combine_one_token(const CombineParams p) {
+  typedef typename detail::Elem<IN_DT>::storage S;
+  typedef typename detail::Elem<OUT_DT>::storage OutS;
+  constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;
+  constexpr int kMostPerBatch = detail::kBatch / UPT > 0 ? detail::kBatch / UPT : 1;
+  constexpr int kRowsPerBatch = TOP_K < kMostPerBatch ? TOP_K : kMostPerBatch;
+  const int sub = static_cast<int>(threadIdx.x) / TPT;
+  const int lane = static_cast<int>(threadIdx.x) % TPT;
+  if (blockIdx.x * TPB + sub != 0) return;  // token 0 is the only one; no barrier below
+  const int first_slot = static_cast<int>(blockIdx.y) * (TPT * UPT) + lane;
+  const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
+  const S* __restrict__ expert = static_cast<const S*>(p.expert);
+  const char* slot0 = reinterpret_cast<const char*>(expert + first_slot * VEC);
+  const unsigned long long row_bytes = static_cast<unsigned long long>(p.expert_stride) * sizeof(S);
+  const int rows = static_cast<int>(p.num_rows);  // <= kOneTokenMaxRows (host)
+
+  float sum[UPT][VEC];
+#pragma unroll
+  for (int u = 0; u < UPT; ++u)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) sum[u][e] = 0.0f;
+#pragma unroll 1
+  for (int base = 0; base < rows; base += kRowsPerBatch) {
+    IdxT t[kRowsPerBatch];
+    float w[kRowsPerBatch];
+    detail::Pack<S, VEC> v[kRowsPerBatch][UPT];
+#pragma unroll
+    for (int i = 0; i < kRowsPerBatch; ++i) {
+      const int r = base + i;
+      const bool exists = r < rows;
+      t[i] = exists ? __ldg(token_idx + r) : IdxT(-1);
+      // Row r's address from this thread's first slot (row 0 past the end: never loaded).
+      const unsigned rid = exists ? static_cast<unsigned>(r) : 0u;
+      detail::load_slots_at<S, VEC, HIDDEN, UPT, TPT>(
+          exists, reinterpret_cast<const S*>(slot0 + rid * row_bytes), first_slot, v[i]);
+    }
+    // Gates from one base under one uniform branch (as the fixed layouts read theirs).
+    if (p.gates != nullptr) {
+#pragma unroll
+      for (int i = 0; i < kRowsPerBatch; ++i)
+        w[i] = base + i < rows ? __ldg(p.gates + base + i) : 0.0f;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRowsPerBatch; ++i) w[i] = 1.0f;
+    }
+    // A dropped row (any entry but 0) is skipped, not weighted by zero: its data and its gate
+    // may be anything (NaN * 0 is NaN).
+#pragma unroll
+    for (int i = 0; i < kRowsPerBatch; ++i)
+      if (t[i] == IdxT(0)) detail::add_row_slots<IN_DT, VEC, UPT>(w[i], v[i], sum);
+  }
+  OutS* out_row = static_cast<OutS*>(p.out);
+#pragma unroll
+  for (int u = 0; u < UPT; ++u) {
+    const int sl = first_slot + u * TPT;
+    if (sl < kSlots)
+      detail::store_slot<OUT_DT, VEC, HIDDEN>(out_row, sl, sum[u], p.scale, p.accumulate != 0);
+  }
+}
+
 // ---- token-index layout: building the per-token row lists ------------------------------------
 // Two small steps before the combine: per-token lists of row ids in arrival order. The combine
 // sorts each list in registers, so the summation order never depends on the atomics.

@@ -27,6 +27,10 @@ constexpr int64_t kMaxRows = INT32_MAX;  // token-index lists store row ids as i
 // (64 MB) 32.8 vs 22.9.
 constexpr int64_t kScanMaxRowsPerThread = 32;
 constexpr double kScanMaxBytes = 32.0 * (1 << 20);
+// Token index, one token (single-sequence decode): combine_one_token loads every row with its
+// token_idx entry instead of scanning first (one round trip instead of two). It reads the dropped
+// rows too, so only calls with few rows take it; more go through the scan.
+constexpr int64_t kOneTokenMaxRows = 64;
 
 int element_bytes(int dtype) {
   return dtype == MOEJIT_DTYPE_FLOAT32 ? 4 : 2;
@@ -260,10 +264,11 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
                                         rows_per_token, alignment_bytes, tokens);
     add(s);
     // Token index: small calls of either geometry take the single-launch kernel instead; large
-    // ones launch the list helpers first.
+    // ones launch the list helpers first; one-token calls take their own kernel.
     if (s.token_index()) {
       add(s.with_scan_kernel());
       add(s.helpers_spec());
+      if (tokens == 1) add(s.with_one_token_kernel());
     }
   }
   return specs;
@@ -373,8 +378,12 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
         rows_per_thread <= kScanMaxRowsPerThread &&
         blocks * static_cast<double>(a.num_rows) * (a.index_type == MOEJIT_INDEX_INT64 ? 8 : 4) <=
             kScanMaxBytes;
-    // Its own module: the list path is not compiled for a call that skips it.
-    if (token_scan) s.scan = true;
+    // Their own modules: the list path is not compiled for a call that skips it.
+    if (a.num_tokens == 1 && a.num_rows <= kOneTokenMaxRows)
+      s = s.with_one_token_kernel();
+    else if (token_scan)
+      s.scan = true;
+    p.list_capacity = s.list_cap;
   }
   return plan;
 }
@@ -416,9 +425,9 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
     stats.launches.fetch_add(1, std::memory_order_relaxed);
   };
   const unsigned threads = static_cast<unsigned>(plan.spec.block_threads());
-  if (plan.token_scan()) {
+  if (plan.token_scan() || plan.one_token()) {
     launch(kernels, kCombineKernel, plan.combine_grid_x, plan.combine_grid_y, threads, false,
-           "cuLaunchKernel(combine_scan)");
+           plan.one_token() ? "cuLaunchKernel(combine_one_token)" : "cuLaunchKernel(combine_scan)");
     return;
   }
   if (chained) {

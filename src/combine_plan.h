@@ -30,6 +30,8 @@ struct CombinePlan {
   unsigned int assign_blocks = 0;
   // Token index, few rows: the single-launch scan kernel (spec.scan).
   bool token_scan() const { return spec.scan; }
+  // Token index, one token and few rows: combine_one_token alone (spec.one_token).
+  bool one_token() const { return spec.one_token; }
   // Token index, list path: clear and assign run first, from the module of spec.helpers_spec().
   bool list_helpers() const { return spec.needs_list_helpers(); }
 };
@@ -54,7 +56,8 @@ KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dt
 
 // Every specialization moe_combine() may use for this shape, whatever the batch size (decode and
 // prefill geometries, deduplicated; for the token index each geometry's list-path and
-// single-launch modules, and the list helpers' module): what tools/precompile warms.
+// single-launch modules, the one-token module, and the list helpers' module): what
+// tools/precompile warms.
 std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dtype,
                                         moejit_dtype out_dtype, moejit_index_type index_type,
                                         int hidden, int rows_per_token, size_t alignment_bytes);

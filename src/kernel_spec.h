@@ -26,6 +26,9 @@ struct KernelSpec {
   // not the list path's combine. Two modules per geometry, so a call compiles only the kernels it
   // launches (each is a large share of a token-index compile).
   bool scan = false;
+  // Token index, one-token calls: the module is combine_one_token alone (no scan, no lists: every
+  // row whose entry is 0 is the token's). top_k is then the rows per batch; list_cap is 0.
+  bool one_token = false;
   // Token index, list path: the module of the two helpers that build the per-token lists
   // (token_index_clear, token_index_assign). They depend on the index type alone, so one module
   // per index type and architecture serves every shape (in every list module they cost 13 ms of
@@ -44,18 +47,27 @@ struct KernelSpec {
     s.scan = true;
     return s;
   }
+  // The one-token kernel's spec for this geometry (token index only): no list.
+  KernelSpec with_one_token_kernel() const {
+    KernelSpec s = *this;
+    s.one_token = true;
+    s.list_cap = 0;
+    return s;
+  }
   // The list helpers' module for this spec's index type (token index, list path).
   KernelSpec helpers_spec() const;
   // A token-index list-path combine: its calls launch the helpers of helpers_spec() first.
-  bool needs_list_helpers() const { return token_index() && !scan && !helpers; }
+  bool needs_list_helpers() const { return token_index() && !scan && !one_token && !helpers; }
 
   // Name expressions, in the order of the slot enums below: the combine (for a scan spec, the
-  // single-launch kernel), or for a helpers spec the clear and assign kernels.
+  // single-launch kernel; for a one-token spec, combine_one_token), or for a helpers spec the
+  // clear and assign kernels.
   std::vector<std::string> name_expressions() const;
   // The generated translation unit.
   std::string source() const;
   // "layout=gather_map in=bf16 out=bf16 idx=int32 H=7168 vec=8 K=8 tpt=128 tpb=1 upt=1 cap=0": for
-  // logs, messages and the precompile manifest; a scan spec ends in " scan=1"; a helpers spec is
+  // logs, messages and the precompile manifest; a scan spec ends in " scan=1", a one-token spec
+  // in " one_token=1"; a helpers spec is
   // "layout=token_index idx=int32 helpers=1".
   std::string describe() const;
 

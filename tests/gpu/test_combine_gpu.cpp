@@ -713,6 +713,77 @@ TEST_F(CombineGpu, DroppedSlotsIgnoreNonFiniteGates) {
   moejit_runtime_destroy(rt);
 }
 
+// One token: combine_one_token loads every row together with its token_idx entry and adds only
+// those whose entry is 0. A dropped row (-1, or a token past T) is loaded too, so its data and its
+// gate are NaN here: neither may reach the output. 65 rows take the scan instead (the same
+// answer). The matrix checks the one-token kernel bit for bit against the fp32 chain.
+TEST_F(CombineGpu, OneTokenSkipsDroppedRowsWhateverTheyHold) {
+  moejit_runtime_t rt = memory_only_runtime();
+  const int64_t H = 7168;
+  for (const int64_t R :
+       {int64_t{1}, int64_t{5}, int64_t{8}, int64_t{13}, int64_t{64}, int64_t{65}}) {
+    SCOPED_TRACE("R=" + std::to_string(R));
+    Rng rng(static_cast<uint64_t>(R) * 977);
+    std::vector<int32_t> token_idx(static_cast<size_t>(R));
+    std::vector<float> gates(token_idx.size());
+    std::vector<uint16_t> rows(static_cast<size_t>(R * H));
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t roll = rng.below(3);
+      // Row 0 always counts (so R = 1 adds something); else a third dropped, a third past T.
+      token_idx[r] = r == 0 || roll == 2 ? 0 : roll == 0 ? -1 : static_cast<int32_t>(1 + r);
+      const bool kept = token_idx[r] == 0;
+      gates[r] = kept ? rng.uniform(0.0f, 1.0f) : (roll == 0 ? NAN : INFINITY);
+      for (int64_t h = 0; h < H; ++h)
+        encode(&rows[r * H], MOEJIT_DTYPE_BFLOAT16, h, kept ? rng.uniform(-1, 1) : NAN);
+    }
+    void *d_idx, *d_gates, *d_rows, *d_out, *d_ws;
+    CUDA_OK(cudaMalloc(&d_idx, token_idx.size() * 4));
+    CUDA_OK(cudaMalloc(&d_gates, gates.size() * 4));
+    CUDA_OK(cudaMalloc(&d_rows, rows.size() * 2));
+    CUDA_OK(cudaMalloc(&d_out, H * 2));
+    CUDA_OK(cudaMemcpy(d_idx, token_idx.data(), token_idx.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_gates, gates.data(), gates.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_rows, rows.data(), rows.size() * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(d_out, 0xFF, H * 2));
+    moejit_combine_args a;
+    moejit_combine_args_init(&a);
+    a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+    a.num_tokens = 1;
+    a.num_rows = R;
+    a.hidden_dim = H;
+    a.expert_hidden = d_rows;
+    a.expert_dtype = a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+    a.gates = static_cast<const float*>(d_gates);
+    a.indices = d_idx;
+    a.index_type = MOEJIT_INDEX_INT32;
+    a.out = d_out;
+    size_t ws = 0;
+    ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
+    CUDA_OK(cudaMalloc(&d_ws, ws));
+    a.workspace = d_ws;
+    a.workspace_bytes = ws;
+    ASSERT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS)
+        << moejit_last_error_message();
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint16_t> out(static_cast<size_t>(H));
+    CUDA_OK(cudaMemcpy(out.data(), d_out, H * 2, cudaMemcpyDeviceToHost));
+    int64_t bad = 0;
+    for (int64_t h = 0; h < H; ++h) {
+      double ref = 0;
+      for (int64_t r = 0; r < R; ++r)
+        if (token_idx[r] == 0)
+          ref +=
+              gates[r] * decode(rows.data(), MOEJIT_DTYPE_BFLOAT16, static_cast<size_t>(r * H + h));
+      const double got = decode(out.data(), MOEJIT_DTYPE_BFLOAT16, static_cast<size_t>(h));
+      if (!(std::fabs(got - ref) <= std::fabs(ref) / 128 + 1e-6) && ++bad <= 5)
+        ADD_FAILURE() << "h " << h << ": " << got << " vs " << ref;
+    }
+    EXPECT_EQ(bad, 0);
+    for (void* p : {d_idx, d_gates, d_rows, d_out, d_ws}) cudaFree(p);
+  }
+  moejit_runtime_destroy(rt);
+}
+
 // R * H past 2^31 elements (and the expert buffer past 4 GiB): every address is 64-bit.
 TEST_F(CombineGpu, AddressesPastTwoToThe31) {
   const Pools& p = pools();

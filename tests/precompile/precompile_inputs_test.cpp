@@ -129,9 +129,9 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
   std::vector<KernelSpec> specs;
   expand_shape(s, all_layouts(), all_index_types(), &specs);
   // token_major has no index: (1 + gather_map x 2) x {prefill, decode geometry}, plus
-  // token_index x 2 index types x (2 geometries x {list path, single-launch module} + the list
-  // helpers' module).
-  ASSERT_EQ(specs.size(), 16u);
+  // token_index x 2 index types x (2 geometries x {list path, single-launch module} + the
+  // one-token module + the list helpers' module).
+  ASSERT_EQ(specs.size(), 18u);
   for (moejit_layout l : all_layouts())
     for (moejit_index_type t : all_index_types())
       for (int64_t tokens : {kAnyTokens, int64_t{1}, int64_t{4096}}) {
@@ -143,10 +143,15 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
               << want.describe();
           EXPECT_NE(std::find(specs.begin(), specs.end(), want.helpers_spec()), specs.end())
               << want.describe();
+          if (tokens == 1) {
+            EXPECT_NE(std::find(specs.begin(), specs.end(), want.with_one_token_kernel()),
+                      specs.end())
+                << want.describe();
+          }
         }
       }
   expand_shape(s, all_layouts(), all_index_types(), &specs);  // no duplicates
-  EXPECT_EQ(specs.size(), 16u);
+  EXPECT_EQ(specs.size(), 18u);
 
   s.hidden = 0;
   EXPECT_NE(error_of([&] {
@@ -167,19 +172,24 @@ TEST(Manifest, ExactAndShapeLines) {
       spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
                      MOEJIT_INDEX_INT32, 7168, 8, 256, 1)
           .with_scan_kernel();
+  const KernelSpec exact_one_token =
+      spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                     MOEJIT_INDEX_INT64, 2880, 4, 256, 1)
+          .with_one_token_kernel();
   const std::string text = "# warm list\n\n" + exact.describe() +
                            "  # from a log\n"
                            "hidden=4096 topk=2 dtype=bf16 layout=gather_map index_type=int32\n"
                            "hidden=2048 topk=8 layout=token_major,token_index index_type=int64\n" +
                            exact_scan.describe() + "\n" + exact_scan.helpers_spec().describe() +
-                           "\n";
+                           "\n" + exact_one_token.describe() + "\n";
   ManifestDefaults d;
   d.dtype = MOEJIT_DTYPE_FLOAT32;
   std::vector<KernelSpec> specs;
   parse_manifest(text, "m.txt", d, &specs);
   // Shape lines expand to every geometry: prefill then decode; for the token index each
-  // geometry's list-path module, then its single-launch module, and once the list helpers.
-  ASSERT_EQ(specs.size(), 12u);
+  // geometry's list-path module, then its single-launch module, and once the list helpers; the
+  // decode geometry's one-token module.
+  ASSERT_EQ(specs.size(), 14u);
   EXPECT_EQ(specs[0], exact);
   EXPECT_EQ(specs[1], spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                      MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256));
@@ -197,8 +207,10 @@ TEST(Manifest, ExactAndShapeLines) {
   EXPECT_EQ(specs[8], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256, 1));
   EXPECT_EQ(specs[9], specs[8].with_scan_kernel());
-  EXPECT_EQ(specs[10], exact_scan);                 // an exact scan line round-trips
-  EXPECT_EQ(specs[11], exact_scan.helpers_spec());  // and a helpers line (int32)
+  EXPECT_EQ(specs[10], specs[8].with_one_token_kernel());
+  EXPECT_EQ(specs[11], exact_scan);                 // an exact scan line round-trips
+  EXPECT_EQ(specs[12], exact_scan.helpers_spec());  // and a helpers line (int32)
+  EXPECT_EQ(specs[13], exact_one_token);            // and a one-token line
 
   auto bad = [&](const std::string& line) {
     return error_of([&] {
@@ -221,6 +233,18 @@ TEST(Manifest, ExactAndShapeLines) {
           "scan=1")
           .find("single-launch module"),
       std::string::npos);
+  const std::string one_token = exact_one_token.describe();
+  EXPECT_NE(one_token.find(" cap=0 one_token=1"), std::string::npos) << one_token;
+  EXPECT_NE(bad(std::regex_replace(one_token, std::regex("cap=0"), "cap=8"))
+                .find("a one-token module keeps no list"),
+            std::string::npos);
+  EXPECT_NE(bad(std::regex_replace(one_token, std::regex("token_index"), "gather_map"))
+                .find("only the token_index layout has a one-token module"),
+            std::string::npos);
+  EXPECT_NE(bad(one_token + " scan=1").find("or one_token=1"), std::string::npos);
+  EXPECT_NE(bad(std::regex_replace(one_token, std::regex("one_token=1"), "one_token=2"))
+                .find("one_token = 2"),
+            std::string::npos);
   EXPECT_NE(bad("hidden").find("expected key=value"), std::string::npos);
   EXPECT_NE(bad("layout=gather_map idx=int32 helpers=1").find("only the token_index layout"),
             std::string::npos);
@@ -341,7 +365,7 @@ TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
   std::istringstream in(text.out);
   for (std::string l; std::getline(in, l);)
     if (std::regex_match(l, line)) ++lines;
-  EXPECT_EQ(lines, 32u) << text.out;  // 16 specs x 2 targets
+  EXPECT_EQ(lines, 36u) << text.out;  // 18 specs x 2 targets
 
   const test::ToolRun js =
       run("--dry-run --json --model-config '" + configs("qwen3-30b-a3b.json") +
@@ -349,9 +373,9 @@ TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
   ASSERT_EQ(js.rc, 0) << js.err;
   const nlohmann::json j = nlohmann::json::parse(js.out);
   // 2 index types x (gather_map x 2 geometries + token_index x 2 geometries x {list, scan} + the
-  // list helpers).
-  EXPECT_EQ(j["total"], 14);
-  EXPECT_EQ(j["missing"], 14);
+  // one-token module + the list helpers).
+  EXPECT_EQ(j["total"], 16);
+  EXPECT_EQ(j["missing"], 16);
   EXPECT_EQ(j["cached"], 0);
   // The keys are the runtime's own: recompute them through KernelStore::request_for.
   Settings settings;

@@ -67,6 +67,8 @@ std::vector<Case> matrix() {
                                static_cast<moejit_dtype>(out), static_cast<moejit_index_type>(idx),
                                hidden, top_ks[n % 3], 1);
             cases.push_back({d.with_scan_kernel(), archs[(n + 2) % 3]});
+            // And the one-token kernel (decode geometry).
+            cases.push_back({d.with_one_token_kernel(), archs[n % 3]});
           }
           ++n;
         }

@@ -206,7 +206,61 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_EQ(tiny.name_expressions().size(), 1u);
   EXPECT_EQ(tiny.with_scan_kernel().name_expressions(),
             std::vector<std::string>{"&moejit::combine_scan<0, 0, int, 8, 4, 2, 4, 32, 1, 8>"});
+  // The one-token kernel: a module of its own too, without a list.
+  const KernelSpec one = s.with_one_token_kernel();
+  EXPECT_NE(one, s);
+  EXPECT_NE(one, scan);
+  EXPECT_NE(one.hash(), s.hash());
+  EXPECT_EQ(one.list_cap, 0);
+  EXPECT_FALSE(one.needs_list_helpers());
+  EXPECT_EQ(one.describe(),
+            "layout=token_index in=fp16 out=fp32 idx=int64 H=2048 vec=4 K=8 tpt=128 tpb=1 upt=1 "
+            "cap=0 one_token=1");
+  EXPECT_EQ(one.name_expressions(),
+            std::vector<std::string>{
+                "&moejit::combine_one_token<1, 0, long long, 2048, 4, 8, 128, 1, 1>"});
   EXPECT_NE(s.source().find("#include \"combine.cuh\""), std::string::npos);
+}
+
+// One token (single-sequence decode) with few rows: combine_one_token, which loads rows and
+// token_idx together instead of scanning first. More rows, or more tokens: the scan.
+TEST(KernelSpec, OneTokenCallsPlanTheOneTokenModule) {
+  auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
+  a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+  a.workspace = reinterpret_cast<void*>(0x300000);
+  a.workspace_bytes = size_t{1} << 30;
+  a.num_tokens = 1;
+  for (int64_t rows : {int64_t{0}, int64_t{1}, int64_t{8}, int64_t{64}}) {
+    a.num_rows = rows;
+    const CombinePlan plan = plan_combine(&a);
+    EXPECT_TRUE(plan.one_token()) << rows;
+    EXPECT_FALSE(plan.token_scan()) << rows;
+    EXPECT_FALSE(plan.list_helpers()) << rows;
+    EXPECT_EQ(plan.spec.list_cap, 0) << rows;
+    EXPECT_EQ(plan.params.list_capacity, 0) << rows;
+    EXPECT_NE(plan.spec.name_expressions()[kCombineKernel].find("combine_one_token<"),
+              std::string::npos);
+    // The decode geometry: 7168 bf16 = 896 vectors, 64-thread blocks -> 14 chunks.
+    EXPECT_EQ(plan.spec.tpt, 64) << rows;
+    EXPECT_EQ(plan.combine_grid_x, 1u);
+    EXPECT_EQ(plan.combine_grid_y, 14u);
+    // What the precompile tool warms for the shape (rows per token = rows at T = 1).
+    const auto warmed =
+        specs_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                        MOEJIT_INDEX_INT32, 7168, static_cast<int>(rows), 256);
+    EXPECT_NE(std::find(warmed.begin(), warmed.end(), plan.spec), warmed.end()) << rows;
+  }
+  a.num_rows = 65;  // past kOneTokenMaxRows: the scan
+  EXPECT_FALSE(plan_combine(&a).one_token());
+  EXPECT_TRUE(plan_combine(&a).token_scan());
+  a.num_tokens = 2;
+  a.num_rows = 8;
+  EXPECT_FALSE(plan_combine(&a).one_token());
+  EXPECT_TRUE(plan_combine(&a).token_scan());
+  // The fixed layouts never take it.
+  a.layout = MOEJIT_LAYOUT_GATHER_MAP;
+  a.num_tokens = 1;
+  EXPECT_FALSE(plan_combine(&a).one_token());
 }
 
 TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {

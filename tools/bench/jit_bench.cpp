@@ -37,8 +37,9 @@ moejit::Settings settings_without_disk() {
 
 // The specializations compiled cold, in this order. The first is the DeepSeek-V3 shape, the most
 // likely first call of a real process; then one module of each other kind: the token index's
-// list-path combine, its single-launch kernel (a decode-sized call), a short fp32 row, and the
-// token index's list helpers (compiled once per index type, whatever the shape).
+// list-path combine, its single-launch kernel (a decode-sized call), a short fp32 row, the
+// token index's list helpers (compiled once per index type, whatever the shape) and its one-token
+// kernel (single-sequence decode).
 std::vector<moejit::KernelSpec> cold_specs() {
   return {
       moejit::spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
@@ -53,6 +54,9 @@ std::vector<moejit::KernelSpec> cold_specs() {
       moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
                              MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256)
           .helpers_spec(),
+      moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
+                             MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256, 1)
+          .with_one_token_kernel(),
   };
 }
 

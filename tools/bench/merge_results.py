@@ -142,6 +142,8 @@ def markdown(merged):
                 if layout == "token_index":
                     if "helpers=1" in spec:
                         return "token-index list helpers (one module per index type)"
+                    if "one_token=1" in spec:
+                        return "token-index one token"
                     return "token-index single launch" if "scan=1" in spec else "token-index lists"
                 return layout.replace("_", "-")
             cache = jit.get("compute_cache")

@@ -133,10 +133,12 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
                        ": exact spec lines need all of layout in out idx H vec K tpt tpb "
                        "upt cap (the KernelSpec::describe() format); \"" +
                        k + "\" is missing");
-  if (kv.size() != (kv.count("scan") != 0 ? 12u : 11u))
+  const size_t flags = kv.count("scan") + kv.count("one_token");
+  if (flags > 1 || kv.size() != 11u + flags)
     throw InputError(where +
                      ": exact spec lines take only layout in out idx H vec K tpt tpb upt cap "
-                     "(and scan=1 for a token-index single-launch module)");
+                     "(and scan=1 for a token-index single-launch module, or one_token=1 for a "
+                     "token-index one-token module)");
   KernelSpec s;
   s.layout = parse_layout(kv["layout"], where + ": layout");
   s.in_dtype = parse_dtype(kv["in"], where + ": in");
@@ -150,6 +152,8 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
   s.upt = parse_int(kv["upt"], where + ": upt");
   s.list_cap = parse_int(kv["cap"], where + ": cap");
   const int scan = kv.count("scan") != 0 ? parse_int(kv["scan"], where + ": scan") : 0;
+  const int one_token =
+      kv.count("one_token") != 0 ? parse_int(kv["one_token"], where + ": one_token") : 0;
 
   // Only what would make NVRTC fail or the kernel nonsensical is refused; a consistent spec that
   // the runtime happens not to pick merely costs one compile.
@@ -158,6 +162,7 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
   auto fail = [&](const std::string& field, int value, const std::string& expected) {
     throw InputError(where + ": " + field + " = " + std::to_string(value) + ": " + expected);
   };
+  if (one_token != 0 && one_token != 1) fail("one_token", one_token, "expected 0 or 1");
   if (s.layout == MOEJIT_LAYOUT_TOKEN_MAJOR && s.index_bytes != 4)
     fail("idx bytes", s.index_bytes, "the token_major layout has no index; write idx=int32");
   if (s.hidden < 1 || s.hidden > MOEJIT_MAX_HIDDEN_DIM)
@@ -167,7 +172,10 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
   if (s.layout == MOEJIT_LAYOUT_TOKEN_INDEX) {
     if (s.top_k != 1 && s.top_k != 2 && s.top_k != 4 && s.top_k != 8)
       fail("K", s.top_k, "the token_index layout takes K 1, 2, 4 or 8 (rows held per token)");
-    if (s.list_cap != 8 && s.list_cap != 16 && s.list_cap != 32 && s.list_cap != 64)
+    if (one_token == 1 && s.list_cap != 0)
+      fail("cap", s.list_cap, "a one-token module keeps no list; write cap=0");
+    if (one_token != 1 && s.list_cap != 8 && s.list_cap != 16 && s.list_cap != 32 &&
+        s.list_cap != 64)
       fail("cap", s.list_cap, "the token_index layout takes cap 8, 16, 32 or 64");
   } else {
     if (s.top_k < 1 || s.top_k > MOEJIT_MAX_TOP_K)
@@ -181,6 +189,9 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
   if (scan == 1 && !s.token_index())
     fail("scan", scan, "only the token_index layout has a single-launch module");
   s.scan = scan == 1;
+  if (one_token == 1 && !s.token_index())
+    fail("one_token", one_token, "only the token_index layout has a one-token module");
+  s.one_token = one_token == 1;
   return s;
 }
 
