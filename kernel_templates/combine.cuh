@@ -605,66 +605,6 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
     }
   }
 
-  // Routing of the held rows: row ids (R < 2^31; token index: -1 when dropped or absent) and
-  // gates. Gather map: `mapped` says whether the entry names a row; row[] is 0 where it does not,
-  // so the row's address needs no select (see the batch below).
-  int row[kHeld];
-  bool mapped[kHeld];
-  float gate[kHeld];
-  if constexpr (kTokenIndex) {
-    // The entries are read together with the count, not after it (entries past the count are
-    // stale but inside the list): one round trip before the rows, as for a gather map.
-#pragma unroll
-    for (int k = 0; k < kHeld; ++k) {
-      if constexpr (SCAN)
-        row[k] = list[k];  // shared memory
-      else
-        row[k] = __ldg(list + k);
-    }
-    if constexpr (!kOrderedScan) {
-#pragma unroll
-      for (int k = 0; k < kHeld; ++k)
-        if (k >= count) row[k] = 0x7fffffff;
-      sort_rows(row);
-    }
-#pragma unroll
-    for (int k = 0; k < kHeld; ++k) {
-      if (k >= count) row[k] = -1;
-      gate[k] = p.gates != nullptr && row[k] >= 0 ? __ldg(p.gates + row[k]) : 1.0f;
-    }
-  } else {
-    // At decode sizes the kernel is bound by one warp's instruction chain: every instruction
-    // between the map load and the row loads counts. (Together with the row address below, these
-    // cut the gather map's chain to the first row load from 141 to 71 instructions; on the H200
-    // level to 2% at T = 1, 32 and 64 against Triton in the same harness, prefill level.)
-#pragma unroll
-    for (int k = 0; k < kHeld; ++k) {
-      if constexpr (LAYOUT == kLayoutTokenMajor) {
-        row[k] = 0;  // unused: the row is tok * TOP_K + k
-      } else if constexpr (sizeof(IdxT) == 4) {
-        // Out of range (negative included, by the unsigned compare): dropped. An int32 map is
-        // checked in 32 bits (num_rows < 2^31 for this layout; the 64-bit compare cost 1-2%).
-        const unsigned m = static_cast<unsigned>(__ldg(indices + tok * TOP_K + k));
-        mapped[k] = m < static_cast<unsigned>(p.num_rows);
-        row[k] = mapped[k] ? static_cast<int>(m) : 0;
-      } else {
-        const long long m = static_cast<long long>(__ldg(indices + tok * TOP_K + k));
-        mapped[k] =
-            static_cast<unsigned long long>(m) < static_cast<unsigned long long>(p.num_rows);
-        row[k] = mapped[k] ? static_cast<int>(m) : 0;
-      }
-    }
-    // Gates from one base address under one (uniform) branch: a null check per gate made the
-    // compiler build each gate's address separately.
-    if (p.gates != nullptr) {
-      const float* __restrict__ g = p.gates + tok * TOP_K;
-#pragma unroll
-      for (int k = 0; k < kHeld; ++k) gate[k] = __ldg(g + k);
-    } else {
-#pragma unroll
-      for (int k = 0; k < kHeld; ++k) gate[k] = 1.0f;
-    }
-  }
   float sum[UPT][VEC];
 #pragma unroll
   for (int u = 0; u < UPT; ++u)
@@ -672,56 +612,126 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
     for (int e = 0; e < VEC; ++e) sum[u][e] = 0.0f;
 
   // Token index: every row of the token is among the held (sorted) ones. Otherwise (a skewed
-  // routing) the slow paths below add them, in the same order.
-  const bool held_all = !kTokenIndex || count <= kHeld;
-
-  // The held rows, routing from registers, a batch at a time: every load of a batch is issued
-  // before its first add. (One batch for the fixed layouts.)
-  if (held_all) {
+  // routing) the slow paths below add them, in the same order. The ordered scan's list (ascending,
+  // in shared memory) needs no slow path up to LIST_CAP rows: its rows are held in rounds of kHeld
+  // list entries, each round the held path below (a whole batch of loads per round trip, where the
+  // in-order slow path loaded two rows per round trip and selected each next row). Locally that
+  // took the single-launch module's compile from 144 to 131 ms (DeepSeek-V3 decode geometry) and
+  // from 143 to 123 ms (K = 2, prefill geometry); on the H200, A B B A x 2 against the slow-path
+  // form, T = 8-256 within -1.2% / +1.5%.
+  const bool held_all = !kTokenIndex || count <= (kOrderedScan ? LIST_CAP : kHeld);
+  int held_from = 0;  // list position of this round's first held row
+  do {                // one round, except for the ordered scan's longer lists
+    // Routing of the held rows: row ids (R < 2^31; token index: -1 when dropped or absent) and
+    // gates. Gather map: `mapped` says whether the entry names a row; row[] is 0 where it does not,
+    // so the row's address needs no select (see the batch below).
+    int row[kHeld];
+    bool mapped[kHeld];
+    float gate[kHeld];
+    if constexpr (kTokenIndex) {
+      // The entries are read together with the count, not after it (entries past the count are
+      // stale but inside the list): one round trip before the rows, as for a gather map.
 #pragma unroll
-    for (int b = 0; b < kHeld; b += kRowsPerBatch) {
-      detail::Pack<S, VEC> v[kRowsPerBatch][UPT];
-      bool present[kRowsPerBatch];
+      for (int k = 0; k < kHeld; ++k) {
+        if constexpr (SCAN)
+          row[k] = list[held_from + k];  // shared memory
+        else
+          row[k] = __ldg(list + k);
+      }
+      if constexpr (!kOrderedScan) {
 #pragma unroll
-      for (int i = 0; i < kRowsPerBatch; ++i) {
-        const int j = b + i, k = j < kHeld ? j : 0;
-        if constexpr (LAYOUT != kLayoutTokenMajor) {
-          // The row's address from this thread's first slot: one unsigned 32 x 64-bit product
-          // with the stride in bytes, from a valid row id (0 where the entry is dropped or
-          // absent). The token index used a signed 64-bit row index before (more instructions
-          // in the single launch's decode chain; measured together with its small-call scan).
-          unsigned rid;
-          if constexpr (LAYOUT == kLayoutGatherMap) {
-            present[i] = j < kHeld && mapped[k];
-            rid = static_cast<unsigned>(row[k]);
-          } else {
-            present[i] = j < kHeld && row[k] >= 0;  // -1: past the count, or dropped
-            rid = present[i] ? static_cast<unsigned>(row[k]) : 0u;
-          }
-          const char* at = reinterpret_cast<const char*>(expert + first_slot * VEC) +
-                           static_cast<unsigned long long>(rid) *
-                               static_cast<unsigned long long>(p.expert_stride * sizeof(S));
-          detail::load_slots_at<S, VEC, HIDDEN, UPT, TPT, kCachedRowLoads>(
-              present[i], reinterpret_cast<const S*>(at), first_slot, v[i]);
+        for (int k = 0; k < kHeld; ++k)
+          if (k >= count) row[k] = 0x7fffffff;
+        sort_rows(row);
+      }
+#pragma unroll
+      for (int k = 0; k < kHeld; ++k) {
+        if (held_from + k >= count) row[k] = -1;
+        gate[k] = p.gates != nullptr && row[k] >= 0 ? __ldg(p.gates + row[k]) : 1.0f;
+      }
+    } else {
+      // At decode sizes the kernel is bound by one warp's instruction chain: every instruction
+      // between the map load and the row loads counts. (Together with the row address below, these
+      // cut the gather map's chain to the first row load from 141 to 71 instructions; on the H200
+      // level to 2% at T = 1, 32 and 64 against Triton in the same harness, prefill level.)
+#pragma unroll
+      for (int k = 0; k < kHeld; ++k) {
+        if constexpr (LAYOUT == kLayoutTokenMajor) {
+          row[k] = 0;  // unused: the row is tok * TOP_K + k
+        } else if constexpr (sizeof(IdxT) == 4) {
+          // Out of range (negative included, by the unsigned compare): dropped. An int32 map is
+          // checked in 32 bits (num_rows < 2^31 for this layout; the 64-bit compare cost 1-2%).
+          const unsigned m = static_cast<unsigned>(__ldg(indices + tok * TOP_K + k));
+          mapped[k] = m < static_cast<unsigned>(p.num_rows);
+          row[k] = mapped[k] ? static_cast<int>(m) : 0;
         } else {
-          present[i] = j < kHeld;
-          detail::load_row_slots<S, VEC, HIDDEN, UPT, TPT, kCachedRowLoads>(
-              present[i], expert + (tok * TOP_K + j) * p.expert_stride, first_slot, v[i]);
+          const long long m = static_cast<long long>(__ldg(indices + tok * TOP_K + k));
+          mapped[k] =
+              static_cast<unsigned long long>(m) < static_cast<unsigned long long>(p.num_rows);
+          row[k] = mapped[k] ? static_cast<int>(m) : 0;
         }
       }
-      // Fixed layouts add every row of the batch without a branch: an absent (dropped) row was
-      // loaded as zeros and gets weight 0 (its gate may be anything). Fewer instructions in the
-      // one-warp chain that bounds decode. The token index keeps the branch: many of its held
-      // slots are empty. (Branch-free adds in the single launch took 504 -> 445 instructions per
-      // warp at T = 1, but the compiler then reused load registers and interleaved loads with
-      // adds: 5.64 -> 6.28 us on the H200.)
+      // Gates from one base address under one (uniform) branch: a null check per gate made the
+      // compiler build each gate's address separately.
+      if (p.gates != nullptr) {
+        const float* __restrict__ g = p.gates + tok * TOP_K;
 #pragma unroll
-      for (int i = 0; i < kRowsPerBatch; ++i) {
-        const float w = present[i] ? gate[b + i < kHeld ? b + i : 0] : 0.0f;
-        if (!kTokenIndex || present[i]) detail::add_row_slots<IN_DT, VEC, UPT>(w, v[i], sum);
+        for (int k = 0; k < kHeld; ++k) gate[k] = __ldg(g + k);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kHeld; ++k) gate[k] = 1.0f;
       }
     }
-  }
+
+    // The held rows, routing from registers, a batch at a time: every load of a batch is issued
+    // before its first add. (One batch for the fixed layouts.)
+    if (held_all) {
+#pragma unroll
+      for (int b = 0; b < kHeld; b += kRowsPerBatch) {
+        detail::Pack<S, VEC> v[kRowsPerBatch][UPT];
+        bool present[kRowsPerBatch];
+#pragma unroll
+        for (int i = 0; i < kRowsPerBatch; ++i) {
+          const int j = b + i, k = j < kHeld ? j : 0;
+          if constexpr (LAYOUT != kLayoutTokenMajor) {
+            // The row's address from this thread's first slot: one unsigned 32 x 64-bit product
+            // with the stride in bytes, from a valid row id (0 where the entry is dropped or
+            // absent). The token index used a signed 64-bit row index before (more instructions
+            // in the single launch's decode chain; measured together with its small-call scan).
+            unsigned rid;
+            if constexpr (LAYOUT == kLayoutGatherMap) {
+              present[i] = j < kHeld && mapped[k];
+              rid = static_cast<unsigned>(row[k]);
+            } else {
+              present[i] = j < kHeld && row[k] >= 0;  // -1: past the count, or dropped
+              rid = present[i] ? static_cast<unsigned>(row[k]) : 0u;
+            }
+            const char* at = reinterpret_cast<const char*>(expert + first_slot * VEC) +
+                             static_cast<unsigned long long>(rid) *
+                                 static_cast<unsigned long long>(p.expert_stride * sizeof(S));
+            detail::load_slots_at<S, VEC, HIDDEN, UPT, TPT, kCachedRowLoads>(
+                present[i], reinterpret_cast<const S*>(at), first_slot, v[i]);
+          } else {
+            present[i] = j < kHeld;
+            detail::load_row_slots<S, VEC, HIDDEN, UPT, TPT, kCachedRowLoads>(
+                present[i], expert + (tok * TOP_K + j) * p.expert_stride, first_slot, v[i]);
+          }
+        }
+        // Fixed layouts add every row of the batch without a branch: an absent (dropped) row was
+        // loaded as zeros and gets weight 0 (its gate may be anything). Fewer instructions in the
+        // one-warp chain that bounds decode. The token index keeps the branch: many of its held
+        // slots are empty. (Branch-free adds in the single launch took 504 -> 445 instructions per
+        // warp at T = 1, but the compiler then reused load registers and interleaved loads with
+        // adds: 5.64 -> 6.28 us on the H200.)
+#pragma unroll
+        for (int i = 0; i < kRowsPerBatch; ++i) {
+          const float w = present[i] ? gate[b + i < kHeld ? b + i : 0] : 0.0f;
+          if (!kTokenIndex || present[i]) detail::add_row_slots<IN_DT, VEC, UPT>(w, v[i], sum);
+        }
+      }
+    }
+    held_from += kHeld;
+  } while (kOrderedScan && held_all && held_from < count);
   // Fixed layouts with top_k > kRowsPerBatch: later rows two at a time, routing from memory. A
   // loop that is not unrolled, so the rare large top_k costs no registers on the common path.
   if constexpr (!kTokenIndex) {
@@ -756,7 +766,7 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   }
   if constexpr (kTokenIndex) {
     if (!held_all) {
-      if (count <= LIST_CAP)
+      if (!kOrderedScan && count <= LIST_CAP)  // the ordered scan: past LIST_CAP only
         detail::add_listed_rows_in_order<IN_DT, VEC, HIDDEN, UPT, TPT>(p, list, count, first_slot,
                                                                        sum);
       else
