@@ -236,6 +236,20 @@ __device__ __forceinline__ void store_slot(typename Elem<OUT_DT>::storage* __res
   }
 }
 
+// Stores a thread's UPT slots (first_slot + u * TPT) of one output row: the one write of every
+// combine kernel.
+template <int OUT_DT, int VEC, int HIDDEN, int UPT, int TPT>
+__device__ __forceinline__ void store_row_slots(typename Elem<OUT_DT>::storage* __restrict__ row,
+                                                int first_slot, const float (&sum)[UPT][VEC],
+                                                const CombineParams& p) {
+  constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;
+#pragma unroll
+  for (int u = 0; u < UPT; ++u) {
+    const int sl = first_slot + u * TPT;
+    if (sl < kSlots) store_slot<OUT_DT, VEC, HIDDEN>(row, sl, sum[u], p.scale, p.accumulate != 0);
+  }
+}
+
 // Programmatic dependent launch (sm_90+): the token-index chain's kernels are launched so that
 // each may start while its predecessor drains. A dependent kernel calls wait_for_predecessor()
 // before touching memory (it returns once the previous kernel finished and its writes are
@@ -773,13 +787,8 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
         detail::add_rows_by_walk<IN_DT, VEC, HIDDEN, UPT, TPT, IdxT>(p, tok, first_slot, sum);
     }
   }
-#pragma unroll
-  for (int u = 0; u < UPT; ++u) {
-    const int sl = first_slot + u * TPT;
-    if (sl >= kSlots) continue;
-    OutS* out_row = static_cast<OutS*>(p.out) + tok * p.out_stride;
-    detail::store_slot<OUT_DT, VEC, HIDDEN>(out_row, sl, sum[u], p.scale, p.accumulate != 0);
-  }
+  detail::store_row_slots<OUT_DT, VEC, HIDDEN, UPT, TPT>(
+      static_cast<OutS*>(p.out) + tok * p.out_stride, first_slot, sum, p);
 }
 
 }  // namespace detail
@@ -819,7 +828,6 @@ template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, 
 __global__ void __launch_bounds__(TPT* TPB) combine_one_token(const CombineParams p) {
   typedef typename detail::Elem<IN_DT>::storage S;
   typedef typename detail::Elem<OUT_DT>::storage OutS;
-  constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;
   constexpr int kMostPerBatch = detail::kBatch / UPT > 0 ? detail::kBatch / UPT : 1;
   constexpr int kRowsPerBatch = TOP_K < kMostPerBatch ? TOP_K : kMostPerBatch;
   const int sub = static_cast<int>(threadIdx.x) / TPT;
@@ -867,13 +875,8 @@ __global__ void __launch_bounds__(TPT* TPB) combine_one_token(const CombineParam
     for (int i = 0; i < kRowsPerBatch; ++i)
       if (t[i] == IdxT(0)) detail::add_row_slots<IN_DT, VEC, UPT>(w[i], v[i], sum);
   }
-  OutS* out_row = static_cast<OutS*>(p.out);
-#pragma unroll
-  for (int u = 0; u < UPT; ++u) {
-    const int sl = first_slot + u * TPT;
-    if (sl < kSlots)
-      detail::store_slot<OUT_DT, VEC, HIDDEN>(out_row, sl, sum[u], p.scale, p.accumulate != 0);
-  }
+  detail::store_row_slots<OUT_DT, VEC, HIDDEN, UPT, TPT>(static_cast<OutS*>(p.out), first_slot, sum,
+                                                         p);  // token 0's row
 }
 
 // ---- token-index layout: building the per-token row lists ------------------------------------

@@ -329,7 +329,6 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   p.num_rows = a.num_rows;
   p.scale = a.scale;
   p.accumulate = a.accumulate;
-  p.list_capacity = s.list_cap;
 
   // Grid x: token groups (at most 2^31 - 1). Grid y: chunks per row, at most 65536 / 4 (hidden
   // <= MOEJIT_MAX_HIDDEN_DIM, >= 4 slots per chunk), under the 65535 limit.
@@ -383,8 +382,8 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
       s = s.with_one_token_kernel();
     else if (token_scan)
       s.scan = true;
-    p.list_capacity = s.list_cap;
   }
+  p.list_capacity = s.list_cap;  // of the module chosen (0: no list)
   return plan;
 }
 

@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <sstream>
+#include <utility>
 
 #include "error.h"
 
@@ -31,6 +32,16 @@ std::string join(const std::vector<std::string>& items) {
   return s;
 }
 
+// NVRTC's (major, minor), asked once.
+std::pair<int, int> nvrtc_major_minor() {
+  static const std::pair<int, int> version = [] {
+    int major = 0, minor = 0;
+    check_nvrtc(nvrtcVersion(&major, &minor), "nvrtcVersion");
+    return std::make_pair(major, minor);
+  }();
+  return version;
+}
+
 }  // namespace
 
 std::string Target::name() const {
@@ -38,11 +49,8 @@ std::string Target::name() const {
 }
 
 const std::string& nvrtc_version() {
-  static const std::string version = [] {
-    int major = 0, minor = 0;
-    check_nvrtc(nvrtcVersion(&major, &minor), "nvrtcVersion");
-    return std::to_string(major) + "." + std::to_string(minor);
-  }();
+  static const std::string version =
+      std::to_string(nvrtc_major_minor().first) + "." + std::to_string(nvrtc_major_minor().second);
   return version;
 }
 
@@ -65,12 +73,7 @@ std::vector<std::string> compile_options(const Target& target) {
   // device-side launch), which the templates never use (they include no toolkit header). The
   // same cubin, bit for bit, 3-5 ms sooner per compile (2-5%; NVRTC 13.0, sm_90). Learned from
   // the option's release note and the FLAMEGPU2 issue that tracked it (#1187).
-  static const bool minimal = [] {
-    int major = 0, minor = 0;
-    return nvrtcVersion(&major, &minor) == NVRTC_SUCCESS &&
-           (major > 12 || (major == 12 && minor >= 4));
-  }();
-  if (minimal) options.push_back("-minimal");
+  if (nvrtc_major_minor() >= std::make_pair(12, 4)) options.push_back("-minimal");
   return options;
 }
 
