@@ -275,6 +275,8 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   EXPECT_EQ(small.spec.name_expressions().size(), 1u);
   EXPECT_NE(small.spec.name_expressions()[kCombineKernel].find("combine_scan<"), std::string::npos);
   EXPECT_FALSE(small.list_helpers());
+  EXPECT_EQ(small.params.list_capacity, small.spec.list_cap);  // the scan lists in shared memory
+  EXPECT_EQ(small.params.list_capacity, 8);
   // Past the single-launch limit: the list path (clear and assign from the helpers' module, then
   // the combine from the list module).
   a.num_tokens = 40;
@@ -283,6 +285,7 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   EXPECT_FALSE(large.token_scan());
   EXPECT_FALSE(large.spec.scan);
   EXPECT_TRUE(large.list_helpers());
+  EXPECT_EQ(large.params.list_capacity, 64);  // 200 rows per token: the workspace lists' stride
   EXPECT_EQ(large.spec.name_expressions().size(), 1u);
   EXPECT_EQ(large.spec.helpers_spec().describe(), "layout=token_index idx=int32 helpers=1");
   EXPECT_EQ(large.spec.with_scan_kernel().describe(), large.spec.describe() + " scan=1");
