@@ -793,9 +793,26 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
 
 }  // namespace detail
 
+// Fixed layouts in 128-thread blocks with one slot per thread (the bandwidth geometry at K >= 4):
+// the launch bounds promise eight blocks per SM, which lets ptxas use up to 64 registers. Without
+// that promise it fitted these kernels into 32 registers (full occupancy) by issuing a batch's row
+// loads two, then one at a time (nvdisasm: 2 + 1 + 1 ... LDG.128 between the adds at K = 8)
+// instead of all eight back to back. On the H200, A B B A x 2 against that form: gather map
+// 0.9-1.2% faster at K8 H7168 (bf16, fp16), K8 H2048 and K4 H2880, token-major 0.45-0.7%; K8 H4096,
+// K8 H3584 and K4 H6144 level (+-0.2%). Two or four slots per thread (K <= 2) already had their
+// loads back to back; the bound there measured level (fp32) to 0.6% slower (gather map K2 bf16), so
+// they, the decode geometries and the token index keep ptxas's own choice (0: no promise).
+template <int LAYOUT, int TPT, int TPB, int UPT>
+struct CombineMinBlocks {
+  enum {
+    value = LAYOUT != kLayoutTokenIndex && UPT == 1 && TPT * TPB >= 128 ? 1024 / (TPT * TPB) : 0
+  };
+};
+
 template <int LAYOUT, int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT,
           int TPB, int UPT, int LIST_CAP>
-__global__ void __launch_bounds__(TPT* TPB) combine(const CombineParams p) {
+__global__ void __launch_bounds__(TPT* TPB, (CombineMinBlocks<LAYOUT, TPT, TPB, UPT>::value))
+    combine(const CombineParams p) {
   detail::combine_tokens<LAYOUT, IN_DT, OUT_DT, IdxT, HIDDEN, VEC, TOP_K, TPT, TPB, UPT, LIST_CAP,
                          false>(p);
 }
