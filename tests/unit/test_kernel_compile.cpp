@@ -244,6 +244,42 @@ TEST(KernelCompile, EveryVariantCompilesForSm80Sm89Sm90) {
     std::printf("most registers: %-40s %d\n", kind.c_str(), registers);
 }
 
+// The fixed layouts' 128-thread blocks with one slot per thread promise ptxas eight blocks per SM
+// (combine.cuh, CombineMinBlocks): without it ptxas fitted them into 32 registers by issuing a
+// batch's row loads one or two at a time. Every other block keeps ptxas's own choice (the bound
+// measured slower for the four-slot K=2 gather map; the token index and the decode geometries are
+// tuned without it). Read from the PTX, where the promise is the .minnctapersm directive.
+TEST(KernelCompile, OnlyOneSlotBandwidthBlocksPromiseEightBlocksPerSm) {
+  MemoryStore memory;
+  struct Expect {
+    KernelSpec spec;
+    bool promise;
+  };
+  auto shape = [](moejit_layout layout, moejit_dtype dtype, int hidden, int top_k, int64_t tokens) {
+    return spec_for_shape(layout, dtype, dtype, MOEJIT_INDEX_INT32, hidden, top_k, 256, tokens);
+  };
+  const Expect cases[] = {
+      {shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, 7168, 8, kAnyTokens), true},
+      {shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_BFLOAT16, 4096, 2, kAnyTokens), true},
+      {shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, 128, 2, kAnyTokens), true},
+      {shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, 4096, 2, kAnyTokens), false},
+      {shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, 5120, 1, kAnyTokens), false},
+      {shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, 7168, 8, 1), false},
+      {shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, 7168, 8, kAnyTokens), false},
+  };
+  for (const Expect& c : cases) {
+    SCOPED_TRACE(c.spec.describe());
+    // The geometry each case stands for (a change in choose_geometry must revisit this test).
+    const bool one_slot_128 = c.spec.tpt * c.spec.tpb == 128 && c.spec.upt == 1;
+    EXPECT_EQ(one_slot_128 && !c.spec.token_index(), c.promise);
+    const CompiledModule m = compile(memory.store.request_for(c.spec, Target{90, true}));
+    const bool promised = m.image.find(".minnctapersm 8") != std::string::npos;
+    EXPECT_EQ(promised, c.promise);
+    EXPECT_EQ(m.image.find(".minnctapersm"),
+              promised ? m.image.find(".minnctapersm 8") : std::string::npos);
+  }
+}
+
 TEST(KernelCompile, CompileErrorCarriesTheLog) {
   MemoryStore memory;
   KernelStore& store = memory.store;
