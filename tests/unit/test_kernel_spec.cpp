@@ -74,7 +74,21 @@ TEST(KernelSpec, FixedLayoutsUseOneDimensionWithATokensChunksAdjacent) {
 
 TEST(KernelSpec, DecodeSizedCallsSpreadATokenOverMoreBlocks) {
   auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
-  const CombinePlan plan = plan_combine(&a);  // 3 tokens
+  // One or two rows per token: the 128-thread blocks, decode or not (their loads are back to back).
+  for (int k : {1, 2}) {
+    a.top_k = k;
+    a.num_rows = 3 * k;
+    const CombinePlan few = plan_combine(&a);  // 3 tokens
+    EXPECT_EQ(few.spec.tpt, 128) << k;
+    EXPECT_EQ(few.spec.tpb, 1) << k;
+    EXPECT_EQ(few.spec.upt, 1) << k;  // two (K=1) or four (K=2) slots only past decode
+    a.layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
+    EXPECT_EQ(plan_combine(&a).spec.tpt, 128) << k;
+    a.layout = MOEJIT_LAYOUT_GATHER_MAP;
+  }
+  a.top_k = 8;
+  a.num_rows = 24;
+  const CombinePlan plan = plan_combine(&a);  // 3 tokens, 8 rows each
   EXPECT_EQ(plan.spec.tpt, 16);
   EXPECT_EQ(plan.spec.tpb, 2);
   EXPECT_EQ(plan.spec.chunks(), 56);
@@ -88,9 +102,9 @@ TEST(KernelSpec, DecodeSizedCallsSpreadATokenOverMoreBlocks) {
   EXPECT_EQ(ti.tpb, 1);
   EXPECT_EQ(ti.with_scan_kernel().name_expressions(),
             std::vector<std::string>{"&moejit::combine_scan<2, 2, int, 7168, 8, 8, 64, 1, 1, 16>"});
-  // Past 64 tokens: the bandwidth geometry.
-  a.num_tokens = 65;
-  a.num_rows = 130;
+  // Past the mid-size limit (2^21 token slots): the bandwidth geometry.
+  a.num_tokens = 2341;
+  a.num_rows = 2341 * 8;
   EXPECT_EQ(plan_combine(&a).spec.tpt, 128);
 }
 
