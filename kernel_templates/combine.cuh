@@ -801,7 +801,7 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
 // 0.9-1.2% faster at K8 H7168 (bf16, fp16), K8 H2048 and K4 H2880, token-major 0.45-0.7%; K8 H4096,
 // K8 H3584 and K4 H6144 level (+-0.2%). Two or four slots per thread (K <= 2) already had their
 // loads back to back; the bound there measured level (fp32) to 0.6% slower (gather map K2 bf16), so
-// they, the decode geometries and the token index keep ptxas's own choice (0: no promise).
+// they, the 16x2 decode blocks and the token index keep ptxas's own choice (0: no promise).
 template <int LAYOUT, int TPT, int TPB, int UPT>
 struct CombineMinBlocks {
   enum {

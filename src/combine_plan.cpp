@@ -78,10 +78,12 @@ constexpr int64_t kDecodeMaxTokens = 64;
 
 // Thread geometry, from the H200 sweeps (tools/bench/NOTES.md): one vector slot per thread and
 // 128-thread blocks for bandwidth; short rows share a block between several tokens. Decode-sized
-// calls spread each token's row over more, smaller blocks: 16-slot token groups, two per 32-thread
-// block (DeepSeek-V3's 7168-wide bf16 row becomes 56 blocks); for the token index one 64-thread
-// group per block (its single-launch kernel scans token_idx once per block: fewer, larger blocks
-// measured 2-7% faster than 16x2 at T = 1, 32 and 64, and best overall against 32x1 and 128x1).
+// calls with more than two rows per token spread each token's row over more, smaller blocks:
+// 16-slot token groups, two per 32-thread block (DeepSeek-V3's 7168-wide bf16 row becomes 56
+// blocks; with one or two rows per token the 128-thread blocks stay, see below); for the token
+// index one 64-thread group per block (its single-launch kernel scans token_idx once per block:
+// fewer, larger blocks measured 2-7% faster than 16x2 at T = 1, 32 and 64, and best overall
+// against 32x1 and 128x1).
 void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   const int slots = s->slots();
   s->upt = 1;
