@@ -107,7 +107,7 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   // those blocks hold a batch's loads back to back (combine.cuh, CombineMinBlocks), A B B A x 3 on
   // the H200 against 16x2 at H=4096 bf16: gather map T=64 K=2 5.83 -> 5.54 us, T=32 5.46 -> 5.31;
   // token-major 5.47 -> 5.26, 5.17 -> 5.02. With K=8 16x2 stays (level to 0.15 us behind 128x1 at
-  // T = 1-64, 6-7% ahead at T = 256-2048: the decode spec serves mid-size calls too).
+  // T = 1-64, 1-7% ahead at T = 256-2048: the decode spec serves mid-size calls too).
   const bool few_rows = !s->token_index() && s->top_k <= 2;
   if ((decode || mid_k8) && slots > 32 && !few_rows) {
     s->tpt = s->token_index() ? 64 : 16;
