@@ -49,8 +49,10 @@ std::string Target::name() const {
 }
 
 const std::string& nvrtc_version() {
-  static const std::string version =
-      std::to_string(nvrtc_major_minor().first) + "." + std::to_string(nvrtc_major_minor().second);
+  static const std::string version = [] {
+    const std::pair<int, int> v = nvrtc_major_minor();
+    return std::to_string(v.first) + "." + std::to_string(v.second);
+  }();
   return version;
 }
 

@@ -73,6 +73,13 @@ moejit_combine_args args_for(const Shape& s, moejit_layout layout, const DeviceI
   return a;
 }
 
+// Percent of the copy ceiling that moving the case's minimal bytes in `us` reaches (0 without a
+// ceiling): the combine's figure and its same-size copy's.
+double pct_of_ceiling(const Shape& s, double us, const Floors& floors) {
+  const double gbps = s.minimal_bytes() / (us * 1e-6) / 1e9;
+  return floors.copy_ceiling_gbps > 0 ? 100.0 * gbps / floors.copy_ceiling_gbps : 0.0;
+}
+
 // Timed runs per figure: settings.reps, else by size (200 below 64 MB of minimal bytes, else 100).
 int timed_runs(const Shape& s, const BenchSettings& settings) {
   return settings.reps > 0 ? settings.reps : (s.minimal_bytes() < 64e6 ? 200 : 100);
@@ -144,7 +151,7 @@ CaseResult run_layout(const HostInputs& in, const DeviceInputs& d, moejit_layout
   }
 
   r.gbps = s.minimal_bytes() / (r.median_us * 1e-6) / 1e9;
-  r.pct_ceiling = floors.copy_ceiling_gbps > 0 ? 100.0 * r.gbps / floors.copy_ceiling_gbps : 0.0;
+  r.pct_ceiling = pct_of_ceiling(s, r.median_us, floors);
   r.ratio_empty = floors.empty_kernel_us > 0 ? r.median_us / floors.empty_kernel_us : 0.0;
   r.correct = r.unwritten == 0 && r.rel_err <= error_bound(s.out_dtype) && r.deterministic;
   return r;
@@ -180,10 +187,7 @@ std::vector<CaseResult> run_case(const Shape& shape, const std::vector<moejit_la
     results.push_back(run_layout(in, d, layout, settings, floors, timer));
   const double copy_us =
       time_same_size_copy(shape, timed_runs(shape, settings), settings.warmup, timer);
-  const double copy_pct =
-      floors.copy_ceiling_gbps > 0
-          ? 100.0 * shape.minimal_bytes() / (copy_us * 1e-6) / 1e9 / floors.copy_ceiling_gbps
-          : 0.0;
+  const double copy_pct = pct_of_ceiling(shape, copy_us, floors);
   for (CaseResult& r : results) {
     r.same_size_copy_us = copy_us;
     r.same_size_copy_pct_ceiling = copy_pct;

@@ -2,7 +2,6 @@
 
 #include <stdlib.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -161,10 +160,6 @@ void host_us_per_call(cudaStream_t stream, int batches, int per_batch, EnqueueA 
     timed_batch(first);
     timed_batch(1 - first);
   }
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-  };
   *a_us = median(times[0]);
   *b_us = median(times[1]);
 }
