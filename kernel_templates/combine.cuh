@@ -916,10 +916,15 @@ template <typename IdxT>
 __global__ void token_index_assign(const CombineParams p) {
   const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
   detail::allow_dependents();
+  const long long first = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  // The first row's entry is loaded before the wait: token_idx is the caller's input, complete
+  // before token_index_clear (a plain launch) began, so its round trip overlaps the clear.
+  IdxT entry = first < p.num_rows ? __ldg(token_idx + first) : IdxT(-1);
   detail::wait_for_predecessor();  // the counts are token_index_clear's
-  for (long long r = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; r < p.num_rows;
-       r += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const long long t = static_cast<long long>(__ldg(token_idx + r));
+  for (long long r = first; r < p.num_rows; r += stride) {
+    if (r != first) entry = __ldg(token_idx + r);
+    const long long t = static_cast<long long>(entry);
     if (t < 0 || t >= p.num_tokens) continue;  // dropped (-1) or out of range
     const int arrival = atomicAdd(p.token_counts + t, 1);
     if (arrival < p.list_capacity)

@@ -465,6 +465,32 @@ TEST_F(CombineGpu, TokenIndexWithAHotToken) {
   moejit_runtime_destroy(rt);
 }
 
+// More rows than token_index_assign has threads (at most 4096 blocks of 256): each thread loads its
+// first token_idx entry before waiting for the clear, and every later one in its grid-stride loop.
+// 140000 tokens x 8 rows = 1,120,000 rows.
+TEST_F(CombineGpu, TokenIndexListsPastOneGridOfRows) {
+  std::vector<Case> cases;
+  uint64_t seed = 7000;
+  for (moejit_index_type idx : {MOEJIT_INDEX_INT32, MOEJIT_INDEX_INT64})
+    for (bool random : {false, true}) {
+      const int64_t hidden = 8, tokens = 140000, top_k = 8;
+      Case c{MOEJIT_LAYOUT_TOKEN_INDEX,
+             MOEJIT_DTYPE_BFLOAT16,
+             MOEJIT_DTYPE_FLOAT32,
+             idx,
+             hidden,
+             tokens,
+             top_k,
+             seed++};
+      c.random_routing = random;
+      cases.push_back(c);
+    }
+  moejit_runtime_t rt = memory_only_runtime();
+  const auto failures = run_cases(cases, rt, 2);
+  for (const auto& f : failures) ADD_FAILURE() << f;
+  moejit_runtime_destroy(rt);
+}
+
 TEST_F(CombineGpu, EightThreadsOnDifferentShapesConcurrently) {
   const Case shapes[8] = {
       {MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32,
