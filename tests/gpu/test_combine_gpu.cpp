@@ -399,6 +399,14 @@ std::vector<std::string> run_cases(const std::vector<Case>& cases, moejit_runtim
   return failures;
 }
 
+// Runs cases on a fresh memory-only runtime and reports every failure.
+void expect_cases_pass(const std::vector<Case>& cases, int threads) {
+  moejit_runtime_t rt = memory_only_runtime();
+  const auto failures = run_cases(cases, rt, threads);
+  for (const auto& f : failures) ADD_FAILURE() << f;
+  moejit_runtime_destroy(rt);
+}
+
 unsigned worker_count() {
   return std::min(16u, std::max(2u, std::thread::hardware_concurrency()));
 }
@@ -459,10 +467,7 @@ TEST_F(CombineGpu, TokenIndexWithAHotToken) {
         c.hot_token = true;
         cases.push_back(c);
       }
-  moejit_runtime_t rt = memory_only_runtime();
-  const auto failures = run_cases(cases, rt, 4);
-  for (const auto& f : failures) ADD_FAILURE() << f;
-  moejit_runtime_destroy(rt);
+  expect_cases_pass(cases, 4);
 }
 
 // More rows than token_index_assign has threads (at most 4096 blocks of 256): each thread loads its
@@ -473,22 +478,11 @@ TEST_F(CombineGpu, TokenIndexListsPastOneGridOfRows) {
   uint64_t seed = 7000;
   for (moejit_index_type idx : {MOEJIT_INDEX_INT32, MOEJIT_INDEX_INT64})
     for (bool random : {false, true}) {
-      const int64_t hidden = 8, tokens = 140000, top_k = 8;
-      Case c{MOEJIT_LAYOUT_TOKEN_INDEX,
-             MOEJIT_DTYPE_BFLOAT16,
-             MOEJIT_DTYPE_FLOAT32,
-             idx,
-             hidden,
-             tokens,
-             top_k,
-             seed++};
-      c.random_routing = random;
-      cases.push_back(c);
+      cases.push_back(Case{MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_FLOAT32,
+                           idx, 8, 140000, 8, seed++});
+      cases.back().random_routing = random;
     }
-  moejit_runtime_t rt = memory_only_runtime();
-  const auto failures = run_cases(cases, rt, 2);
-  for (const auto& f : failures) ADD_FAILURE() << f;
-  moejit_runtime_destroy(rt);
+  expect_cases_pass(cases, 2);
 }
 
 TEST_F(CombineGpu, EightThreadsOnDifferentShapesConcurrently) {
