@@ -25,8 +25,9 @@
 //   LIST_CAP  token-index layout: rows per token kept in its list (0 otherwise)
 // `combine_scan` (token index, one launch) takes the same parameters but LAYOUT.
 //
-// Grid: one block per work item, a group of TPB tokens x a chunk of TPT * UPT vector slots (2-D:
-// x the token group, y the chunk; token-major: 1-D, group-major, chunks adjacent).
+// Grid: one block per work item, a group of TPB tokens x a chunk of TPT * UPT vector slots (1-D,
+// group-major, a token's chunks adjacent: the fixed layouts and the token index's list path with
+// TOP_K >= 2; otherwise 2-D: x the token group, y the chunk).
 // All addresses are computed in 64 bits: R * H passes 2^31 at realistic prefill sizes.
 //
 // No toolkit header is included: fp16/bf16 conversions use PTX or bit operations, so NVRTC needs
@@ -582,11 +583,16 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   // twice): 0.5-1.2% faster at DeepSeek-V3, K=1, K=2 fp32, K=4 and K=8 H=4096, 0.1-0.16 us at
   // decode T=1 and T=32; 0.1-0.8% slower at H=2048, H=3584 and K=2 bf16 (a row is one chunk there
   // and both grids are the same blocks: code generation). Version 8 measured the opposite, before
-  // the map's 32-bit checks and the K <= 2 slot counts. The token index keeps the 2-D grid (x the
-  // token group, y the chunk).
+  // the map's 32-bit checks and the K <= 2 slot counts. The token index's list path takes the 1-D
+  // grid too where it holds two or more rows per token (A B B A x 2: K2 bf16 60.15 -> 59.13 us, K2
+  // fp32 109.87 -> 109.04, K4 H2880 39.04 -> 38.59, K8 H3584 75.98 -> 75.22, K8 H4096 83.90 ->
+  // 83.36, the other prefill shapes level to 0.3% faster) but not with one (K1 H5120 30.63 ->
+  // 31.42). Its single launch and one-token kernel keep the 2-D grid (x the token group, y the
+  // chunk). The host applies the same rule (KernelSpec::one_dim_grid).
+  constexpr bool kOneDimGrid = !SCAN && (!kTokenIndex || TOP_K >= 2);
   long long group;
   int chunk;
-  if constexpr (!kTokenIndex) {
+  if constexpr (kOneDimGrid) {
     constexpr unsigned kChunks = (kSlots + TPT * UPT - 1) / (TPT * UPT);
     group = blockIdx.x / kChunks;
     chunk = static_cast<int>(blockIdx.x % kChunks);

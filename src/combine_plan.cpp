@@ -346,20 +346,6 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
                 "num_tokens = " + std::to_string(a.num_tokens) + " needs " +
                     std::to_string(groups) +
                     " token groups, more than one launch allows (2^31 - 1): split the batch");
-  plan.combine_grid_x = static_cast<unsigned>(groups);
-  plan.combine_grid_y = static_cast<unsigned>(s.chunks());
-  if (!s.token_index()) {
-    // Fixed layouts: one 1-D grid, chunks of a token adjacent (the kernel splits blockIdx.x; see
-    // combine.cuh). The token index keeps x = token group, y = chunk.
-    const int64_t blocks = groups * s.chunks();
-    if (blocks > INT32_MAX)
-      throw Error(MOEJIT_ERROR_UNSUPPORTED,
-                  "num_tokens = " + std::to_string(a.num_tokens) + " with hidden_dim = " +
-                      std::to_string(a.hidden_dim) + " needs " + std::to_string(blocks) +
-                      " blocks, more than one launch allows (2^31 - 1): split the batch");
-    plan.combine_grid_x = static_cast<unsigned>(blocks);
-    plan.combine_grid_y = 1;
-  }
 
   if (s.token_index()) {
     const size_t needed = workspace_bytes(a);
@@ -392,6 +378,21 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
       s.scan = true;
   }
   p.list_capacity = s.list_cap;  // of the module chosen (0: no list)
+
+  // The grid of the module chosen: x the token groups and y the chunks, or one 1-D grid with a
+  // token's chunks adjacent (the kernel splits blockIdx.x; see combine.cuh, kOneDimGrid).
+  plan.combine_grid_x = static_cast<unsigned>(groups);
+  plan.combine_grid_y = static_cast<unsigned>(s.chunks());
+  if (s.one_dim_grid()) {
+    const int64_t blocks = groups * s.chunks();
+    if (blocks > INT32_MAX)
+      throw Error(MOEJIT_ERROR_UNSUPPORTED,
+                  "num_tokens = " + std::to_string(a.num_tokens) + " with hidden_dim = " +
+                      std::to_string(a.hidden_dim) + " needs " + std::to_string(blocks) +
+                      " blocks, more than one launch allows (2^31 - 1): split the batch");
+    plan.combine_grid_x = static_cast<unsigned>(blocks);
+    plan.combine_grid_y = 1;
+  }
   return plan;
 }
 

@@ -21,9 +21,10 @@ struct CombinePlan {
   KernelSpec spec;
   CombineParams params{};
   bool nothing_to_do = false;  // T == 0
-  // Combine grid (also the single-launch token-index kernel's). Token index: x the token groups
-  // (spec.tpb tokens each), y the chunks of spec.tpt * spec.upt vector slots per row. Token-major
-  // and gather map: 1-D, x = groups * chunks (a token's chunks adjacent), y = 1.
+  // Combine grid (also the single-launch and one-token kernels'). Where spec.one_dim_grid() (the
+  // fixed layouts, the token index's list path with two or more rows held): 1-D, x = groups *
+  // chunks (a token's chunks adjacent), y = 1. Otherwise x the token groups (spec.tpb tokens
+  // each), y the chunks of spec.tpt * spec.upt vector slots per row.
   unsigned int combine_grid_x = 0;
   unsigned int combine_grid_y = 0;
   unsigned int clear_blocks = 0;  // token-index helpers (0 for other layouts)

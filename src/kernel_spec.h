@@ -58,6 +58,12 @@ struct KernelSpec {
   KernelSpec helpers_spec() const;
   // A token-index list-path combine: its calls launch the helpers of helpers_spec() first.
   bool needs_list_helpers() const { return token_index() && !scan && !one_token && !helpers; }
+  // The combine runs on a 1-D grid (x = token groups * chunks, a token's chunks adjacent) rather
+  // than x = token groups, y = chunks: the fixed layouts, and the token index's list path with two
+  // or more rows per token held. combine.cuh (kOneDimGrid) applies the same rule.
+  bool one_dim_grid() const {
+    return !helpers && !scan && !one_token && (!token_index() || top_k >= 2);
+  }
 
   // Name expressions, in the order of the slot enums below: the combine (for a scan spec, the
   // single-launch kernel; for a one-token spec, combine_one_token), or for a helpers spec the

@@ -303,9 +303,13 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   EXPECT_EQ(large.spec.name_expressions().size(), 1u);
   EXPECT_EQ(large.spec.helpers_spec().describe(), "layout=token_index idx=int32 helpers=1");
   EXPECT_EQ(large.spec.with_scan_kernel().describe(), large.spec.describe() + " scan=1");
-  // The grid is the list path's either way: x the token groups, y the chunks.
+  // The single launch: x the token groups, y the chunks. The list path with more than one row per
+  // token: one 1-D grid, a token's 14 chunks adjacent.
   EXPECT_EQ(small.combine_grid_x, 3u);
   EXPECT_EQ(small.combine_grid_y, 14u);
+  EXPECT_TRUE(large.spec.one_dim_grid());
+  EXPECT_EQ(large.combine_grid_x, 40u * 14u);
+  EXPECT_EQ(large.combine_grid_y, 1u);
   // Prefill geometry: 1536 tokens of 2 rows, 128-wide fp32 (4 tokens per 128-thread block): each
   // thread checks 24 entries, all blocks together read 384 x 12 KB -> one launch.
   a.num_tokens = 1536;
@@ -324,7 +328,13 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   a.num_rows = 4096;
   a.hidden_dim = 5120;
   a.expert_dtype = a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
-  EXPECT_FALSE(plan_combine(&a).token_scan());
+  const CombinePlan one_row = plan_combine(&a);
+  EXPECT_FALSE(one_row.token_scan());
+  // One row per token held: the list path keeps x the token groups, y the chunks (640 vectors in
+  // chunks of 128 threads x 2 slots).
+  EXPECT_FALSE(one_row.spec.one_dim_grid());
+  EXPECT_EQ(one_row.combine_grid_x, 4096u);
+  EXPECT_EQ(one_row.combine_grid_y, 3u);
   // Both are among the specs the precompile tool warms for their shapes.
   const auto warmed_small =
       specs_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
