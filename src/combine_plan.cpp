@@ -116,6 +116,13 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   // Token index with short lists (<= 4 rows per token on average): two slots per thread, so
   // each block's routing round trip (count and list, then rows and gates) carries twice the rows.
   if (s->token_index() && !decode && s->list_cap <= 8 && slots >= 2 * s->tpt) s->upt = 2;
+  // Token index, prefill: 64-thread blocks where a row fills 128 threads, as at decode (twice the
+  // blocks, half the work each). Swept with the list path on the 1-D grid, H200, A B B A x 2, all
+  // shapes, us: K1 H5120 31.07 -> 30.43 (a 640-slot row in five 128-slot chunks, not 2.5 of 256),
+  // K2 bf16 60.21 -> 59.95, K2 fp32 109.36 -> 108.95, K4 H2880 and K8 H3584 0.25% faster, the other
+  // shapes level; 64 x 2 blocks measured the same, 256 x 1 up to 11% slower. With eight rows per
+  // token (one slot per thread) prefill and decode calls now share one specialization.
+  if (s->token_index() && !decode && s->tpt == kBlockThreads) s->tpt = 64;
   // Fixed layouts with one row per token: two slots per thread as well (one 16-byte load in
   // flight per thread is too few). On the H200, two runs: 0.4-5% faster at K=1 for H = 2048-7168
   // bf16 in both layouts, level for fp32; four slots no better.

@@ -129,9 +129,9 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
   std::vector<KernelSpec> specs;
   expand_shape(s, all_layouts(), all_index_types(), &specs);
   // token_major has no index: (1 + gather_map x 2) x {prefill, decode geometry}, plus
-  // token_index x 2 index types x (2 geometries x {list path, single-launch module} + the
-  // one-token module + the list helpers' module).
-  ASSERT_EQ(specs.size(), 18u);
+  // token_index x 2 index types x ({list path, single-launch module} + the one-token module + the
+  // list helpers' module): with 8 rows per token its prefill and decode geometries are one.
+  ASSERT_EQ(specs.size(), 14u);
   for (moejit_layout l : all_layouts())
     for (moejit_index_type t : all_index_types())
       for (int64_t tokens : {kAnyTokens, int64_t{1}, int64_t{4096}}) {
@@ -151,7 +151,7 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
         }
       }
   expand_shape(s, all_layouts(), all_index_types(), &specs);  // no duplicates
-  EXPECT_EQ(specs.size(), 18u);
+  EXPECT_EQ(specs.size(), 14u);
 
   s.hidden = 0;
   EXPECT_NE(error_of([&] {
@@ -179,7 +179,7 @@ TEST(Manifest, ExactAndShapeLines) {
   const std::string text = "# warm list\n\n" + exact.describe() +
                            "  # from a log\n"
                            "hidden=4096 topk=2 dtype=bf16 layout=gather_map index_type=int32\n"
-                           "hidden=2048 topk=8 layout=token_major,token_index index_type=int64\n" +
+                           "hidden=2048 topk=4 layout=token_major,token_index index_type=int64\n" +
                            exact_scan.describe() + "\n" + exact_scan.helpers_spec().describe() +
                            "\n" + exact_one_token.describe() + "\n";
   ManifestDefaults d;
@@ -188,7 +188,8 @@ TEST(Manifest, ExactAndShapeLines) {
   parse_manifest(text, "m.txt", d, &specs);
   // Shape lines expand to every geometry: prefill then decode; for the token index each
   // geometry's list-path module, then its single-launch module, and once the list helpers; the
-  // decode geometry's one-token module.
+  // decode geometry's one-token module. (Four rows per token: with eight the token index's two
+  // geometries are one specialization, see Expand.MatchesWhatMoeCombineRequests.)
   ASSERT_EQ(specs.size(), 14u);
   EXPECT_EQ(specs[0], exact);
   EXPECT_EQ(specs[1], spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
@@ -196,16 +197,16 @@ TEST(Manifest, ExactAndShapeLines) {
   EXPECT_EQ(specs[2], spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                      MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256, 1));
   EXPECT_EQ(specs[3], spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32,
-                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256));
+                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256));
   EXPECT_EQ(specs[4], spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32,
-                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256, 1));
+                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 1));
   EXPECT_EQ(specs[5], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
-                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256));
+                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256));
   EXPECT_EQ(specs[6], specs[5].with_scan_kernel());
   EXPECT_EQ(specs[7], specs[5].helpers_spec());
   EXPECT_EQ(specs[7].describe(), "layout=token_index idx=int64 helpers=1");
   EXPECT_EQ(specs[8], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
-                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256, 1));
+                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 1));
   EXPECT_EQ(specs[9], specs[8].with_scan_kernel());
   EXPECT_EQ(specs[10], specs[8].with_one_token_kernel());
   EXPECT_EQ(specs[11], exact_scan);                 // an exact scan line round-trips
@@ -365,17 +366,17 @@ TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
   std::istringstream in(text.out);
   for (std::string l; std::getline(in, l);)
     if (std::regex_match(l, line)) ++lines;
-  EXPECT_EQ(lines, 36u) << text.out;  // 18 specs x 2 targets
+  EXPECT_EQ(lines, 28u) << text.out;  // 14 specs x 2 targets
 
   const test::ToolRun js =
       run("--dry-run --json --model-config '" + configs("qwen3-30b-a3b.json") +
           "' --arch sm_90 --layout gather_map,token_index --cache-dir '" + cache + "'");
   ASSERT_EQ(js.rc, 0) << js.err;
   const nlohmann::json j = nlohmann::json::parse(js.out);
-  // 2 index types x (gather_map x 2 geometries + token_index x 2 geometries x {list, scan} + the
-  // one-token module + the list helpers).
-  EXPECT_EQ(j["total"], 16);
-  EXPECT_EQ(j["missing"], 16);
+  // 2 index types x (gather_map x 2 geometries + token_index {list, scan} (with 8 rows per token
+  // its two geometries are one) + the one-token module + the list helpers).
+  EXPECT_EQ(j["total"], 12);
+  EXPECT_EQ(j["missing"], 12);
   EXPECT_EQ(j["cached"], 0);
   // The keys are the runtime's own: recompute them through KernelStore::request_for.
   Settings settings;

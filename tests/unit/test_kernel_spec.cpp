@@ -185,7 +185,7 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_EQ(s.vec, 4);  // fp32 output limits the vector to 16 bytes of output
   EXPECT_EQ(
       s.name_expressions(),
-      std::vector<std::string>{"&moejit::combine<2, 1, 0, long long, 2048, 4, 8, 128, 1, 1, 16>"});
+      std::vector<std::string>{"&moejit::combine<2, 1, 0, long long, 2048, 4, 8, 64, 1, 1, 16>"});
   // The list helpers: one module per index type, whatever the shape.
   const KernelSpec h = s.helpers_spec();
   const auto names = h.name_expressions();
@@ -210,9 +210,9 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_NE(scan, s);
   EXPECT_NE(scan.hash(), s.hash());
   EXPECT_EQ(scan.describe(), s.describe() + " scan=1");
-  EXPECT_EQ(scan.name_expressions(),
-            std::vector<std::string>{
-                "&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 128, 1, 1, 16>"});
+  EXPECT_EQ(
+      scan.name_expressions(),
+      std::vector<std::string>{"&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 64, 1, 1, 16>"});
   // Rows shorter than a warp (several tokens per block) have one too.
   const KernelSpec tiny = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                          MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 8, 2, 256);
@@ -228,11 +228,11 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_EQ(one.list_cap, 0);
   EXPECT_FALSE(one.needs_list_helpers());
   EXPECT_EQ(one.describe(),
-            "layout=token_index in=fp16 out=fp32 idx=int64 H=2048 vec=4 K=8 tpt=128 tpb=1 upt=1 "
+            "layout=token_index in=fp16 out=fp32 idx=int64 H=2048 vec=4 K=8 tpt=64 tpb=1 upt=1 "
             "cap=0 one_token=1");
   EXPECT_EQ(one.name_expressions(),
             std::vector<std::string>{
-                "&moejit::combine_one_token<1, 0, long long, 2048, 4, 8, 128, 1, 1>"});
+                "&moejit::combine_one_token<1, 0, long long, 2048, 4, 8, 64, 1, 1>"});
   EXPECT_NE(s.source().find("#include \"combine.cuh\""), std::string::npos);
 }
 
@@ -331,10 +331,12 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   const CombinePlan one_row = plan_combine(&a);
   EXPECT_FALSE(one_row.token_scan());
   // One row per token held: the list path keeps x the token groups, y the chunks (640 vectors in
-  // chunks of 128 threads x 2 slots).
+  // chunks of 64 threads x 2 slots).
   EXPECT_FALSE(one_row.spec.one_dim_grid());
+  EXPECT_EQ(one_row.spec.tpt, 64);
+  EXPECT_EQ(one_row.spec.upt, 2);
   EXPECT_EQ(one_row.combine_grid_x, 4096u);
-  EXPECT_EQ(one_row.combine_grid_y, 3u);
+  EXPECT_EQ(one_row.combine_grid_y, 5u);
   // Both are among the specs the precompile tool warms for their shapes.
   const auto warmed_small =
       specs_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
@@ -410,8 +412,23 @@ TEST(KernelSpec, EightRowsPerTokenKeepTheDecodeGeometryUpToMidSizeCalls) {
     EXPECT_EQ(spec(layout, 7168, 4, 1024).tpt, 128);  // fewer rows per token: bandwidth blocks
     EXPECT_EQ(spec(layout, 7168, 16, 1024).tpt, 16);
   }
-  // The token index keeps its own geometries.
-  EXPECT_EQ(spec(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, 1024).tpt, 128);
+  // The token index keeps its own geometries: 64-thread blocks at every size. With eight rows per
+  // token (one slot per thread: its lists are too long for two) decode and prefill calls then share
+  // one specialization.
+  const KernelSpec ti_decode = spec(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, 1);
+  EXPECT_EQ(ti_decode.tpt, 64);
+  EXPECT_EQ(ti_decode.tpb, 1);
+  EXPECT_EQ(spec(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, 1024), ti_decode);
+  EXPECT_EQ(spec(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, kAnyTokens), ti_decode);
+  // With two rows per token prefill calls hold two slots per thread, decode calls one.
+  const KernelSpec ti_k2 = spec(MOEJIT_LAYOUT_TOKEN_INDEX, 4096, 2, kAnyTokens);
+  EXPECT_EQ(ti_k2.tpt, 64);
+  EXPECT_EQ(ti_k2.upt, 2);
+  EXPECT_EQ(spec(MOEJIT_LAYOUT_TOKEN_INDEX, 4096, 2, 64).upt, 1);
+  // Rows narrower than 128 vectors keep several tokens per 128-thread block.
+  const KernelSpec ti_narrow = spec(MOEJIT_LAYOUT_TOKEN_INDEX, 256, 8, kAnyTokens);
+  EXPECT_EQ(ti_narrow.tpt, 32);
+  EXPECT_EQ(ti_narrow.tpb, 4);
 }
 
 }  // namespace moejit
