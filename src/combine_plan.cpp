@@ -83,7 +83,7 @@ constexpr int64_t kDecodeMaxTokens = 64;
 // blocks; with one or two rows per token the 128-thread blocks stay, see below); for the token
 // index one 64-thread group per block (its single-launch kernel scans token_idx once per block:
 // fewer, larger blocks measured 2-7% faster than 16x2 at T = 1, 32 and 64, and best overall
-// against 32x1 and 128x1).
+// against 32x1 and 128x1), and at larger calls too (see below).
 void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   const int slots = s->slots();
   s->upt = 1;
