@@ -116,13 +116,15 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   // Token index with short lists (<= 4 rows per token on average): two slots per thread, so
   // each block's routing round trip (count and list, then rows and gates) carries twice the rows.
   if (s->token_index() && !decode && s->list_cap <= 8 && slots >= 2 * s->tpt) s->upt = 2;
-  // Token index, prefill: 64-thread blocks where a row fills 128 threads, as at decode (twice the
-  // blocks, half the work each). Swept with the list path on the 1-D grid, H200, A B B A x 2, all
-  // shapes, us: K1 H5120 31.07 -> 30.43 (a 640-slot row in five 128-slot chunks, not 2.5 of 256),
-  // K2 bf16 60.21 -> 59.95, K2 fp32 109.36 -> 108.95, K4 H2880 and K8 H3584 0.25% faster, the other
-  // shapes level; 64 x 2 blocks measured the same, 256 x 1 up to 11% slower. With eight rows per
-  // token (one slot per thread) prefill and decode calls now share one specialization.
-  if (s->token_index() && !decode && s->tpt == kBlockThreads) s->tpt = 64;
+  // Token index, list path at prefill: 64-thread blocks where a row fills 128 threads, as at decode
+  // (twice the blocks, half the work each). Swept on the 1-D grid, H200, A B B A x 2, all shapes,
+  // us: K1 H5120 31.07 -> 30.43 (a 640-slot row in five 128-slot chunks, not 2.5 of 256), K2 bf16
+  // 60.21 -> 59.95, K2 fp32 109.36 -> 108.95, K4 H2880 and K8 H3584 0.25% faster, the other shapes
+  // level; 64 x 2 blocks measured the same, 256 x 1 up to 11% slower. With eight rows per token
+  // (one slot per thread) prefill and decode calls then share one list module. The single launch
+  // keeps 128 threads: every block scans all of token_idx, and with twice the blocks mid-size
+  // calls were 4-9% slower (T = 65-256 at K = 8, T = 512-1024 at K = 2, T = 256 at K = 4).
+  if (s->token_index() && !s->scan && !decode && s->tpt == kBlockThreads) s->tpt = 64;
   // Fixed layouts with one row per token: two slots per thread as well (one 16-byte load in
   // flight per thread is too few). On the H200, two runs: 0.4-5% faster at K=1 for H = 2048-7168
   // bf16 in both layouts, level for fp32; four slots no better.
@@ -267,6 +269,13 @@ KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dt
                    num_tokens);
 }
 
+KernelSpec single_launch_spec(const KernelSpec& list_spec, int64_t num_tokens) {
+  KernelSpec s = list_spec;
+  s.scan = true;
+  choose_geometry(&s, num_tokens);
+  return s;
+}
+
 std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dtype,
                                         moejit_dtype out_dtype, moejit_index_type index_type,
                                         int hidden, int rows_per_token, size_t alignment_bytes) {
@@ -278,10 +287,10 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
     const KernelSpec s = spec_for_shape(layout, in_dtype, out_dtype, index_type, hidden,
                                         rows_per_token, alignment_bytes, tokens);
     add(s);
-    // Token index: small calls of either geometry take the single-launch kernel instead; large
+    // Token index: small calls of either batch size take the single-launch kernel instead; large
     // ones launch the list helpers first; one-token calls take their own kernel.
     if (s.token_index()) {
-      add(s.with_scan_kernel());
+      add(single_launch_spec(s, tokens));
       add(s.helpers_spec());
       if (tokens == 1) add(s.with_one_token_kernel());
     }
@@ -345,15 +354,6 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   p.scale = a.scale;
   p.accumulate = a.accumulate;
 
-  // Grid x: token groups (at most 2^31 - 1). Grid y: chunks per row, at most 65536 / 4 (hidden
-  // <= MOEJIT_MAX_HIDDEN_DIM, >= 4 slots per chunk), under the 65535 limit.
-  const int64_t groups = (a.num_tokens + s.tpb - 1) / s.tpb;
-  if (groups > INT32_MAX)
-    throw Error(MOEJIT_ERROR_UNSUPPORTED,
-                "num_tokens = " + std::to_string(a.num_tokens) + " needs " +
-                    std::to_string(groups) +
-                    " token groups, more than one launch allows (2^31 - 1): split the batch");
-
   if (s.token_index()) {
     const size_t needed = workspace_bytes(a);
     if (a.workspace == nullptr || a.workspace_bytes < needed)
@@ -372,8 +372,12 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
     };
     plan.clear_blocks = helper_blocks(a.num_tokens);
     plan.assign_blocks = helper_blocks(a.num_rows);
-    const double blocks = static_cast<double>(groups) * s.chunks();
-    const int64_t rows_per_thread = (a.num_rows + s.block_threads() - 1) / s.block_threads();
+    // The single launch in its own geometry: every one of its blocks reads all of token_idx.
+    const KernelSpec single = single_launch_spec(s, a.num_tokens);
+    const double blocks =
+        static_cast<double>((a.num_tokens + single.tpb - 1) / single.tpb) * single.chunks();
+    const int64_t rows_per_thread =
+        (a.num_rows + single.block_threads() - 1) / single.block_threads();
     const bool token_scan =
         rows_per_thread <= kScanMaxRowsPerThread &&
         blocks * static_cast<double>(a.num_rows) * (a.index_type == MOEJIT_INDEX_INT64 ? 8 : 4) <=
@@ -382,9 +386,18 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
     if (a.num_tokens == 1 && a.num_rows <= kOneTokenMaxRows)
       s = s.with_one_token_kernel();
     else if (token_scan)
-      s.scan = true;
+      s = single;
   }
   p.list_capacity = s.list_cap;  // of the module chosen (0: no list)
+
+  // Grid x: token groups (at most 2^31 - 1). Grid y: chunks per row, at most 65536 / 4 (hidden
+  // <= MOEJIT_MAX_HIDDEN_DIM, >= 4 slots per chunk), under the 65535 limit.
+  const int64_t groups = (a.num_tokens + s.tpb - 1) / s.tpb;
+  if (groups > INT32_MAX)
+    throw Error(MOEJIT_ERROR_UNSUPPORTED,
+                "num_tokens = " + std::to_string(a.num_tokens) + " needs " +
+                    std::to_string(groups) +
+                    " token groups, more than one launch allows (2^31 - 1): split the batch");
 
   // The grid of the module chosen: x the token groups and y the chunks, or one 1-D grid with a
   // token's chunks adjacent (the kernel splits blockIdx.x; see combine.cuh, kOneDimGrid).

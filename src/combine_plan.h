@@ -55,8 +55,14 @@ KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dt
                           moejit_index_type index_type, int hidden, int rows_per_token,
                           size_t alignment_bytes, int64_t num_tokens = kAnyTokens);
 
+// Token index: the single-launch module's spec for calls of num_tokens tokens whose list-path spec
+// is `list_spec` (spec_for_shape with the same num_tokens). Its thread geometry is its own: at
+// prefill its blocks keep 128 threads where the list path's have 64 (every block scans all of
+// token_idx, so fewer blocks scan less).
+KernelSpec single_launch_spec(const KernelSpec& list_spec, int64_t num_tokens);
+
 // Every specialization moe_combine() may use for this shape, whatever the batch size (decode and
-// prefill geometries, deduplicated; for the token index each geometry's list-path and
+// prefill geometries, deduplicated; for the token index each batch size's list-path and
 // single-launch modules, the one-token module, and the list helpers' module): what
 // tools/precompile warms.
 std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dtype,

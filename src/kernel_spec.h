@@ -23,8 +23,9 @@ struct KernelSpec {
   int upt = 1;          // vector slots per thread (combine kernel)
   int list_cap = 0;     // token index: rows listed per token; 0 otherwise
   // Token index, small calls: this spec's module is the single-launch kernel alone (combine_scan),
-  // not the list path's combine. Two modules per geometry, so a call compiles only the kernels it
-  // launches (each is a large share of a token-index compile).
+  // not the list path's combine. Two modules per shape and batch size, so a call compiles only the
+  // kernels it launches (each is a large share of a token-index compile); their geometries may
+  // differ (single_launch_spec in combine_plan.h).
   bool scan = false;
   // Token index, one-token calls: the module is combine_one_token alone (no scan, no lists: every
   // row whose entry is 0 is the token's). top_k is then the rows per batch; list_cap is 0.
@@ -40,13 +41,6 @@ struct KernelSpec {
   // Chunks of tpt * upt slots per row (0 for a helpers spec, which has no geometry).
   int chunks() const { return tpt * upt > 0 ? (slots() + tpt * upt - 1) / (tpt * upt) : 0; }
   bool token_index() const;
-  // The same geometry with the single-launch kernel as its module (token index only: every
-  // token-index geometry has one).
-  KernelSpec with_scan_kernel() const {
-    KernelSpec s = *this;
-    s.scan = true;
-    return s;
-  }
   // The one-token kernel's spec for this geometry (token index only): no list.
   KernelSpec with_one_token_kernel() const {
     KernelSpec s = *this;

@@ -129,9 +129,10 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
   std::vector<KernelSpec> specs;
   expand_shape(s, all_layouts(), all_index_types(), &specs);
   // token_major has no index: (1 + gather_map x 2) x {prefill, decode geometry}, plus
-  // token_index x 2 index types x ({list path, single-launch module} + the one-token module + the
-  // list helpers' module): with 8 rows per token its prefill and decode geometries are one.
-  ASSERT_EQ(specs.size(), 14u);
+  // token_index x 2 index types x (the list path's module + 2 single-launch modules (prefill and
+  // decode geometries) + the one-token module + the list helpers' module): with 8 rows per token
+  // its list path has one geometry for both.
+  ASSERT_EQ(specs.size(), 16u);
   for (moejit_layout l : all_layouts())
     for (moejit_index_type t : all_index_types())
       for (int64_t tokens : {kAnyTokens, int64_t{1}, int64_t{4096}}) {
@@ -139,7 +140,8 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
                                                7168, 8, 256, tokens);
         EXPECT_NE(std::find(specs.begin(), specs.end(), want), specs.end()) << want.describe();
         if (want.token_index()) {
-          EXPECT_NE(std::find(specs.begin(), specs.end(), want.with_scan_kernel()), specs.end())
+          EXPECT_NE(std::find(specs.begin(), specs.end(), single_launch_spec(want, tokens)),
+                    specs.end())
               << want.describe();
           EXPECT_NE(std::find(specs.begin(), specs.end(), want.helpers_spec()), specs.end())
               << want.describe();
@@ -151,7 +153,7 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
         }
       }
   expand_shape(s, all_layouts(), all_index_types(), &specs);  // no duplicates
-  EXPECT_EQ(specs.size(), 14u);
+  EXPECT_EQ(specs.size(), 16u);
 
   s.hidden = 0;
   EXPECT_NE(error_of([&] {
@@ -169,9 +171,9 @@ TEST(Manifest, ExactAndShapeLines) {
   const KernelSpec exact = spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_FLOAT16,
                                           MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2880, 4, 256);
   const KernelSpec exact_scan =
-      spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
-                     MOEJIT_INDEX_INT32, 7168, 8, 256, 1)
-          .with_scan_kernel();
+      single_launch_spec(spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
+                                        MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256, 1),
+                         1);
   const KernelSpec exact_one_token =
       spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_BFLOAT16,
                      MOEJIT_INDEX_INT64, 2880, 4, 256, 1)
@@ -202,12 +204,12 @@ TEST(Manifest, ExactAndShapeLines) {
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 1));
   EXPECT_EQ(specs[5], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256));
-  EXPECT_EQ(specs[6], specs[5].with_scan_kernel());
+  EXPECT_EQ(specs[6], single_launch_spec(specs[5], kAnyTokens));
   EXPECT_EQ(specs[7], specs[5].helpers_spec());
   EXPECT_EQ(specs[7].describe(), "layout=token_index idx=int64 helpers=1");
   EXPECT_EQ(specs[8], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 1));
-  EXPECT_EQ(specs[9], specs[8].with_scan_kernel());
+  EXPECT_EQ(specs[9], single_launch_spec(specs[8], 1));
   EXPECT_EQ(specs[10], specs[8].with_one_token_kernel());
   EXPECT_EQ(specs[11], exact_scan);                 // an exact scan line round-trips
   EXPECT_EQ(specs[12], exact_scan.helpers_spec());  // and a helpers line (int32)
@@ -366,17 +368,18 @@ TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
   std::istringstream in(text.out);
   for (std::string l; std::getline(in, l);)
     if (std::regex_match(l, line)) ++lines;
-  EXPECT_EQ(lines, 28u) << text.out;  // 14 specs x 2 targets
+  EXPECT_EQ(lines, 32u) << text.out;  // 16 specs x 2 targets
 
   const test::ToolRun js =
       run("--dry-run --json --model-config '" + configs("qwen3-30b-a3b.json") +
           "' --arch sm_90 --layout gather_map,token_index --cache-dir '" + cache + "'");
   ASSERT_EQ(js.rc, 0) << js.err;
   const nlohmann::json j = nlohmann::json::parse(js.out);
-  // 2 index types x (gather_map x 2 geometries + token_index {list, scan} (with 8 rows per token
-  // its two geometries are one) + the one-token module + the list helpers).
-  EXPECT_EQ(j["total"], 12);
-  EXPECT_EQ(j["missing"], 12);
+  // 2 index types x (gather_map x 2 geometries + token_index: one list module (with 8 rows per
+  // token its two geometries are one), 2 single-launch modules, the one-token module, the list
+  // helpers).
+  EXPECT_EQ(j["total"], 14);
+  EXPECT_EQ(j["missing"], 14);
   EXPECT_EQ(j["cached"], 0);
   // The keys are the runtime's own: recompute them through KernelStore::request_for.
   Settings settings;

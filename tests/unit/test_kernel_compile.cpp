@@ -61,12 +61,12 @@ std::vector<Case> matrix() {
             // The single-launch module as well, in a prefill geometry (one token per block for
             // rows of 128+ vectors: the ballot scan; several per block for short rows: the
             // atomic scan and the sort) and in the decode geometry (64-thread groups).
-            cases.push_back({s.with_scan_kernel(), archs[(n + 1) % 3]});
+            cases.push_back({single_launch_spec(s, kAnyTokens), archs[(n + 1) % 3]});
             KernelSpec d =
                 spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, static_cast<moejit_dtype>(in),
                                static_cast<moejit_dtype>(out), static_cast<moejit_index_type>(idx),
                                hidden, top_ks[n % 3], 1);
-            cases.push_back({d.with_scan_kernel(), archs[(n + 2) % 3]});
+            cases.push_back({single_launch_spec(d, 1), archs[(n + 2) % 3]});
             // And the one-token kernel (decode geometry).
             cases.push_back({d.with_one_token_kernel(), archs[n % 3]});
           }

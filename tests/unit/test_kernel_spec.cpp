@@ -100,7 +100,7 @@ TEST(KernelSpec, DecodeSizedCallsSpreadATokenOverMoreBlocks) {
                                        MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256, 3);
   EXPECT_EQ(ti.tpt, 64);
   EXPECT_EQ(ti.tpb, 1);
-  EXPECT_EQ(ti.with_scan_kernel().name_expressions(),
+  EXPECT_EQ(single_launch_spec(ti, 3).name_expressions(),
             std::vector<std::string>{"&moejit::combine_scan<2, 2, int, 7168, 8, 8, 64, 1, 1, 16>"});
   // Past the mid-size limit (2^21 token slots): the bandwidth geometry.
   a.num_tokens = 2341;
@@ -194,7 +194,7 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_EQ(names[kAssignKernel], "&moejit::token_index_assign<long long>");
   EXPECT_EQ(h.describe(), "layout=token_index idx=int64 helpers=1");
   EXPECT_NE(h, s);
-  EXPECT_NE(h, s.with_scan_kernel());
+  EXPECT_NE(h, single_launch_spec(s, kAnyTokens));
   EXPECT_EQ(h, spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
                               MOEJIT_INDEX_INT64, 7168, 1, 256)
                    .helpers_spec());
@@ -202,23 +202,32 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_NE(h.hash(), s.hash());
   // Only a list-path combine launches the helpers (ModuleCache loads them with it).
   EXPECT_TRUE(s.needs_list_helpers());
-  EXPECT_FALSE(s.with_scan_kernel().needs_list_helpers());
+  EXPECT_FALSE(single_launch_spec(s, kAnyTokens).needs_list_helpers());
   EXPECT_FALSE(h.needs_list_helpers());
   EXPECT_EQ(h.chunks(), 0);  // no geometry: no division by zero
   // The single-launch kernel is a module of its own, a spec of its own (and a cache entry).
-  const KernelSpec scan = s.with_scan_kernel();
+  // Its blocks keep 128 threads at prefill, where the list path's have 64: each of them scans all
+  // of token_idx.
+  const KernelSpec scan = single_launch_spec(s, kAnyTokens);
   EXPECT_NE(scan, s);
   EXPECT_NE(scan.hash(), s.hash());
-  EXPECT_EQ(scan.describe(), s.describe() + " scan=1");
-  EXPECT_EQ(
-      scan.name_expressions(),
-      std::vector<std::string>{"&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 64, 1, 1, 16>"});
+  EXPECT_EQ(scan.describe(),
+            "layout=token_index in=fp16 out=fp32 idx=int64 H=2048 vec=4 K=8 tpt=128 tpb=1 upt=1 "
+            "cap=16 scan=1");
+  EXPECT_EQ(scan.name_expressions(),
+            std::vector<std::string>{
+                "&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 128, 1, 1, 16>"});
+  // At decode sizes both take 64-thread blocks: the same geometry.
+  const KernelSpec s_decode =
+      spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_FLOAT32,
+                     MOEJIT_INDEX_INT64, 2048, 8, 256, 64);
+  EXPECT_EQ(single_launch_spec(s_decode, 64).describe(), s_decode.describe() + " scan=1");
   // Rows shorter than a warp (several tokens per block) have one too.
   const KernelSpec tiny = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                          MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 8, 2, 256);
   EXPECT_EQ(tiny.tpt, 4);
   EXPECT_EQ(tiny.name_expressions().size(), 1u);
-  EXPECT_EQ(tiny.with_scan_kernel().name_expressions(),
+  EXPECT_EQ(single_launch_spec(tiny, kAnyTokens).name_expressions(),
             std::vector<std::string>{"&moejit::combine_scan<0, 0, int, 8, 4, 2, 4, 32, 1, 8>"});
   // The one-token kernel: a module of its own too, without a list.
   const KernelSpec one = s.with_one_token_kernel();
@@ -302,7 +311,7 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   EXPECT_EQ(large.params.list_capacity, 64);  // 200 rows per token: the workspace lists' stride
   EXPECT_EQ(large.spec.name_expressions().size(), 1u);
   EXPECT_EQ(large.spec.helpers_spec().describe(), "layout=token_index idx=int32 helpers=1");
-  EXPECT_EQ(large.spec.with_scan_kernel().describe(), large.spec.describe() + " scan=1");
+  EXPECT_EQ(single_launch_spec(large.spec, 40).describe(), large.spec.describe() + " scan=1");
   // The single launch: x the token groups, y the chunks. The list path with more than one row per
   // token: one 1-D grid, a token's 14 chunks adjacent.
   EXPECT_EQ(small.combine_grid_x, 3u);
@@ -337,6 +346,24 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   EXPECT_EQ(one_row.spec.upt, 2);
   EXPECT_EQ(one_row.combine_grid_x, 4096u);
   EXPECT_EQ(one_row.combine_grid_y, 5u);
+  // Prefill with eight rows per token, 7168-wide bf16: the single launch keeps 128-thread blocks
+  // (T = 256: 2048 entries, 16 per thread, 1792 blocks x 8 KB), the list path takes 64 (T = 512:
+  // 4096 entries, 58 MB of re-reading in 128-thread blocks).
+  a.hidden_dim = 7168;
+  a.num_tokens = 256;
+  a.num_rows = 2048;
+  const CombinePlan prefill_small = plan_combine(&a);
+  EXPECT_TRUE(prefill_small.token_scan());
+  EXPECT_EQ(prefill_small.spec.tpt, 128);
+  EXPECT_EQ(prefill_small.combine_grid_x, 256u);
+  EXPECT_EQ(prefill_small.combine_grid_y, 7u);
+  a.num_tokens = 512;
+  a.num_rows = 4096;
+  const CombinePlan prefill_large = plan_combine(&a);
+  EXPECT_FALSE(prefill_large.token_scan());
+  EXPECT_EQ(prefill_large.spec.tpt, 64);
+  EXPECT_EQ(prefill_large.combine_grid_x, 512u * 14u);
+  EXPECT_EQ(single_launch_spec(prefill_large.spec, 512), prefill_small.spec);
   // Both are among the specs the precompile tool warms for their shapes.
   const auto warmed_small =
       specs_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
@@ -346,6 +373,10 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
       specs_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
                       MOEJIT_INDEX_INT32, 7168, 200, 256);
   EXPECT_NE(std::find(warmed_large.begin(), warmed_large.end(), large.spec), warmed_large.end());
+  const auto warmed_k8 = specs_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
+                                         MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256);
+  for (const KernelSpec& s : {prefill_small.spec, prefill_large.spec})
+    EXPECT_NE(std::find(warmed_k8.begin(), warmed_k8.end(), s), warmed_k8.end()) << s.describe();
 }
 
 TEST(KernelSpec, EqualityAndHashCoverEveryField) {
