@@ -367,7 +367,7 @@ __device__ __forceinline__ void add_listed_rows_in_order(const CombineParams& p,
   }
 }
 
-// Token index, single launch: the whole block reads all of token_idx (at most 32 entries per
+// Token index, single launch: the whole block reads all of token_idx (at most 24 entries per
 // thread, from L2 after the first block; the host checks) and appends every row of its TPB tokens
 // to that token's list in shared memory. Each thread checks rows threadIdx.x, + BLOCK, ... with
 // kScanBatch independent loads in flight, so the scan costs rows / (BLOCK * kScanBatch) round
@@ -423,7 +423,7 @@ __device__ __forceinline__ void scan_token_rows(const CombineParams& p, long lon
 //  - Otherwise warp w reads its own contiguous slab (kScanBatch loads in flight) and the warps'
 //    lists, one after another, are the token's rows in ascending order (merged in shared memory).
 // Returns the token's row count; `list` then holds its rows (the first LIST_CAP of them; more are
-// counted, and the combine walks token_idx). The host scans only calls with R <= 32 * BLOCK
+// counted, and the combine walks token_idx). The host scans only calls with R <= 24 * BLOCK
 // entries, so row ids fit an int.
 template <typename IdxT, int BLOCK, int LIST_CAP>
 __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, long long tok,

@@ -24,8 +24,11 @@ constexpr int64_t kMaxRows = INT32_MAX;  // token-index lists store row ids as i
 // batches of independent loads) and all blocks together at most kScanMaxBytes (from L2). On the
 // H200: T=1536 K=2 H=128 fp32 (5 MB re-read) 8.6 us in one launch vs 9.7 through the lists,
 // T=256 K=8 H=7168 (15 MB) 16.1 vs 17.9; T=512 K=8 (58 MB) 31.4 vs 26.4, T=2048 K=2 H=4096
-// (64 MB) 32.8 vs 22.9.
-constexpr int64_t kScanMaxRowsPerThread = 32;
+// (64 MB) 32.8 vs 22.9. Entries per thread, A B B A x 2 (tools/bench/NOTES.md, version 18), us,
+// one launch vs the lists: 32 lost (T=1024 K=4 H=2880 17.86 vs 15.26, T=512 K=8 H=4096 19.6 vs
+// 18.9), 24 and 20 mostly won (T=384 K=8 H=4096 15.8 vs 16.6, T=1280 K=2 H=4096 16.2 vs 17.0,
+// T=320 K=8 H=7168 18.4 vs 18.5; T=768 K=4 H=2880 14.6 vs 14.3).
+constexpr int64_t kScanMaxRowsPerThread = 24;
 constexpr double kScanMaxBytes = 32.0 * (1 << 20);
 // Token index, one token (single-sequence decode): combine_one_token loads every row with its
 // token_idx entry instead of scanning first (one round trip instead of two). It reads the dropped

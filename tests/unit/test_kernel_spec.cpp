@@ -329,12 +329,12 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   EXPECT_TRUE(mid.token_scan());
   EXPECT_EQ(mid.spec.tpb, 4);
   EXPECT_EQ(mid.combine_grid_x, 384u);
-  // Past 32 entries per thread: the list path (4097 rows, 33 per thread).
-  a.num_rows = 4097;
+  // Past 24 entries per thread: the list path (3073 rows, 25 per thread).
+  a.num_rows = 3073;
   EXPECT_FALSE(plan_combine(&a).token_scan());
-  // Within 32 per thread but too much re-reading in all (4096 tokens x 3 chunks x 16 KB).
+  // Within 24 per thread but too much re-reading in all (4096 tokens x 3 chunks x 12 KB).
   a.num_tokens = 4096;
-  a.num_rows = 4096;
+  a.num_rows = 3072;
   a.hidden_dim = 5120;
   a.expert_dtype = a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
   const CombinePlan one_row = plan_combine(&a);
