@@ -164,6 +164,13 @@ TEST(KernelSpec, PlanMatchesSpecForShapeOnAlignedBuffers) {
   }
 }
 
+// A module's spec: its describe() line and its one kernel's name expression.
+void expect_module(const KernelSpec& spec, const std::string& description,
+                   const std::string& name_expression) {
+  EXPECT_EQ(spec.describe(), description);
+  EXPECT_EQ(spec.name_expressions(), std::vector<std::string>{name_expression});
+}
+
 TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   const KernelSpec s = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT16,
                                       MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256);
@@ -211,12 +218,10 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   const KernelSpec scan = single_launch_spec(s, kAnyTokens);
   EXPECT_NE(scan, s);
   EXPECT_NE(scan.hash(), s.hash());
-  EXPECT_EQ(scan.describe(),
-            "layout=token_index in=fp16 out=fp32 idx=int64 H=2048 vec=4 K=8 tpt=128 tpb=1 upt=1 "
-            "cap=16 scan=1");
-  EXPECT_EQ(scan.name_expressions(),
-            std::vector<std::string>{
-                "&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 128, 1, 1, 16>"});
+  expect_module(scan,
+                "layout=token_index in=fp16 out=fp32 idx=int64 H=2048 vec=4 K=8 tpt=128 tpb=1 "
+                "upt=1 cap=16 scan=1",
+                "&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 128, 1, 1, 16>");
   // At decode sizes both take 64-thread blocks: the same geometry.
   const KernelSpec s_decode =
       spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_FLOAT32,
@@ -236,12 +241,10 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_NE(one.hash(), s.hash());
   EXPECT_EQ(one.list_cap, 0);
   EXPECT_FALSE(one.needs_list_helpers());
-  EXPECT_EQ(one.describe(),
-            "layout=token_index in=fp16 out=fp32 idx=int64 H=2048 vec=4 K=8 tpt=64 tpb=1 upt=1 "
-            "cap=0 one_token=1");
-  EXPECT_EQ(one.name_expressions(),
-            std::vector<std::string>{
-                "&moejit::combine_one_token<1, 0, long long, 2048, 4, 8, 64, 1, 1>"});
+  expect_module(one,
+                "layout=token_index in=fp16 out=fp32 idx=int64 H=2048 vec=4 K=8 tpt=64 tpb=1 "
+                "upt=1 cap=0 one_token=1",
+                "&moejit::combine_one_token<1, 0, long long, 2048, 4, 8, 64, 1, 1>");
   EXPECT_NE(s.source().find("#include \"combine.cuh\""), std::string::npos);
 }
 
