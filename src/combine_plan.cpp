@@ -375,21 +375,22 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
     };
     plan.clear_blocks = helper_blocks(a.num_tokens);
     plan.assign_blocks = helper_blocks(a.num_rows);
-    // The single launch in its own geometry: every one of its blocks reads all of token_idx.
-    const KernelSpec single = single_launch_spec(s, a.num_tokens);
-    const double blocks =
-        static_cast<double>((a.num_tokens + single.tpb - 1) / single.tpb) * single.chunks();
-    const int64_t rows_per_thread =
-        (a.num_rows + single.block_threads() - 1) / single.block_threads();
-    const bool token_scan =
-        rows_per_thread <= kScanMaxRowsPerThread &&
-        blocks * static_cast<double>(a.num_rows) * (a.index_type == MOEJIT_INDEX_INT64 ? 8 : 4) <=
-            kScanMaxBytes;
     // Their own modules: the list path is not compiled for a call that skips it.
-    if (a.num_tokens == 1 && a.num_rows <= kOneTokenMaxRows)
+    if (a.num_tokens == 1 && a.num_rows <= kOneTokenMaxRows) {
       s = s.with_one_token_kernel();
-    else if (token_scan)
-      s = single;
+    } else {
+      // The single launch in its own geometry: every one of its blocks reads all of token_idx.
+      const KernelSpec single = single_launch_spec(s, a.num_tokens);
+      const double blocks =
+          static_cast<double>((a.num_tokens + single.tpb - 1) / single.tpb) * single.chunks();
+      const int64_t rows_per_thread =
+          (a.num_rows + single.block_threads() - 1) / single.block_threads();
+      const bool token_scan =
+          rows_per_thread <= kScanMaxRowsPerThread &&
+          blocks * static_cast<double>(a.num_rows) * (a.index_type == MOEJIT_INDEX_INT64 ? 8 : 4) <=
+              kScanMaxBytes;
+      if (token_scan) s = single;
+    }
   }
   p.list_capacity = s.list_cap;  // of the module chosen (0: no list)
 
