@@ -1,6 +1,7 @@
 #include "module_cache.h"
 
 #include <algorithm>
+#include <future>
 
 #include "driver.h"
 #include "error.h"
@@ -75,8 +76,22 @@ void ModuleCache::load(const KernelSpec& spec, CUcontext context, Entry& entry) 
   check_cuda(d.cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device),
              "cuDeviceGetAttribute(COMPUTE_CAPABILITY_MINOR)");
   const Target target = target_for_device(major * 10 + minor);
+  // A list-path combine needs the list helpers' module too: build it on another thread while this
+  // one builds the combine, so a first call that compiles both waits for the longer compile, not
+  // for their sum (NVRTC compiles concurrently; the store builds each module once, and the
+  // helpers' get() below takes the result). Only the build moves: CUDA calls stay on this thread,
+  // in its context. A failure there resurfaces from that get().
+  std::future<void> helpers_ahead;
+  if (spec.needs_list_helpers())
+    helpers_ahead = std::async(std::launch::async, [this, &spec, &target] {
+      try {
+        store_.obtain(spec.helpers_spec(), target);
+      } catch (...) {
+      }
+    });
   KernelStore::Source source;
   std::shared_ptr<const CompiledModule> module = store_.obtain(spec, target, &source);
+  if (helpers_ahead.valid()) helpers_ahead.wait();
 
   LoadedKernels k;
   // The list helpers first: a failure there leaves nothing of this entry loaded. Their entry is

@@ -126,6 +126,43 @@ struct SmallCase {
   }
 };
 
+// Device buffers of a token-index call on the list path (too many rows per block for the single
+// launch): its first call needs the combine module and the list helpers' module.
+struct ListPathCase {
+  static constexpr int64_t kTokens = 2048, kTopK = 8, kHidden = 2048;
+  static constexpr int64_t kRows = kTokens * kTopK;
+  DeviceBuffer expert{kRows * kHidden * 2}, gates{kRows * 4}, token_idx{kRows * 4},
+      out{kTokens * kHidden * 2}, workspace;
+  moejit_combine_args args;
+
+  ListPathCase() {
+    BENCH_CUDA(cudaMemset(expert.get(), 0x3c, expert.bytes()));
+    BENCH_CUDA(cudaMemset(gates.get(), 0x3e, gates.bytes()));
+    std::vector<int32_t> tokens(kRows);
+    for (size_t r = 0; r < tokens.size(); ++r) tokens[r] = static_cast<int32_t>(r % kTokens);
+    token_idx.upload(tokens.data(), tokens.size() * sizeof(int32_t));
+    moejit_combine_args_init(&args);
+    args.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+    args.num_tokens = kTokens;
+    args.num_rows = kRows;
+    args.hidden_dim = kHidden;
+    args.expert_hidden = expert.get();
+    args.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
+    args.gates = static_cast<const float*>(gates.get());
+    args.indices = token_idx.get();
+    args.index_type = MOEJIT_INDEX_INT32;
+    args.out = out.get();
+    args.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+    size_t bytes = 0;
+    if (moejit_combine_workspace_size(&args, &bytes) != MOEJIT_SUCCESS)
+      throw std::runtime_error(std::string("moejit_combine_workspace_size: ") +
+                               moejit_last_error_message());
+    workspace = DeviceBuffer(bytes);
+    args.workspace = workspace.get();
+    args.workspace_bytes = bytes;
+  }
+};
+
 void check_status(moejit_status status, const char* call) {
   if (status != MOEJIT_SUCCESS)
     throw std::runtime_error(std::string(call) + ": " + moejit_status_name(status) + ": " +
@@ -261,22 +298,31 @@ void measure_calls(cudaStream_t stream, JitFigures* figures) {
 
   // First call on a fresh runtime (NVRTC is already warm in this process: this is the cost of
   // compiling one more shape, loading it and launching, as a long-running server sees it).
-  {
+  using Runtime = std::unique_ptr<moejit_runtime, decltype(&moejit_runtime_destroy)>;
+  auto fresh_runtime = [] {
     moejit_runtime_options options;
     moejit_runtime_options_init(&options);
     options.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
     moejit_runtime_t runtime = nullptr;
     check_status(moejit_runtime_create(&options, &runtime), "moejit_runtime_create");
-    std::unique_ptr<moejit_runtime, decltype(&moejit_runtime_destroy)> owner(
-        runtime, &moejit_runtime_destroy);
-    auto start = Clock::now();
-    check_status(moejit_runtime_combine(runtime, &c.args, stream), "moejit_runtime_combine");
+    return Runtime(runtime, &moejit_runtime_destroy);
+  };
+  auto timed_call_ms = [&](moejit_runtime_t runtime, const moejit_combine_args& args) {
+    const auto start = Clock::now();
+    check_status(moejit_runtime_combine(runtime, &args, stream), "moejit_runtime_combine");
     BENCH_CUDA(cudaStreamSynchronize(stream));
-    figures->first_call_ms = ms_since(start);
-    start = Clock::now();
-    check_status(moejit_runtime_combine(runtime, &c.args, stream), "moejit_runtime_combine");
-    BENCH_CUDA(cudaStreamSynchronize(stream));
-    figures->second_call_us = ms_since(start) * 1e3;
+    return ms_since(start);
+  };
+  {
+    const Runtime runtime = fresh_runtime();
+    figures->first_call_ms = timed_call_ms(runtime.get(), c.args);
+    figures->second_call_us = timed_call_ms(runtime.get(), c.args) * 1e3;
+  }
+  {
+    const ListPathCase list_case;
+    const Runtime runtime = fresh_runtime();
+    figures->first_call_token_index_case = "token_index T2048 K8 H2048 bf16 (list path)";
+    figures->first_call_token_index_ms = timed_call_ms(runtime.get(), list_case.args);
   }
 
   // Host overhead: the public entry point vs the same kernel launched bare.
@@ -328,6 +374,8 @@ void print_jit(const JitFigures& f) {
         "  first call, fresh runtime, cache off (compile + load + launch + sync): "
         "%.1f ms; next call + sync: %.1f us\n",
         f.first_call_ms, f.second_call_us);
+    std::printf("  first call, fresh runtime, cache off, %s (two modules): %.1f ms\n",
+                f.first_call_token_index_case.c_str(), f.first_call_token_index_ms);
     std::printf(
         "  host time per enqueue (%s, %d calls each, alternating batches, median): "
         "moe_combine %.2f us, bare cuLaunchKernel %.2f us, library overhead %+.2f us\n",

@@ -8,7 +8,9 @@
 //   disk-cache hit a fresh KernelStore on a directory another store has just filled (read +
 //                  validate), plus cuModuleLoadData of the image; reported as unavailable, not as
 //                  a number, when the build has no disk cache or the store did not hit;
-//   first call     a fresh runtime's first moejit_runtime_combine (compile + load + launch);
+//   first call     a fresh runtime's first moejit_runtime_combine (compile + load + launch): a
+//                  gather-map decode call (one module), and a token-index call on the list path,
+//                  which needs two modules (the combine and the list helpers, built concurrently);
 //   host overhead  CPU time per warm moe_combine() enqueue vs a bare cuLaunchKernel of the same
 //                  kernel with the same parameters.
 #pragma once
@@ -47,6 +49,8 @@ struct JitFigures {
 
   double first_call_ms = 0.0;   // fresh runtime, cache disabled: first call + synchronize
   double second_call_us = 0.0;  // the same runtime's next call + synchronize
+  std::string first_call_token_index_case;  // a list-path shape
+  double first_call_token_index_ms = 0.0;   // its first call on another fresh runtime
 
   std::string host_case;  // the shape and layout timed for host overhead
   int host_calls = 0;

@@ -324,6 +324,8 @@ void write_json(const std::string& path, const std::string& device, const Floors
     j.member("module_load_ms", jit->module_load_ms);
     j.member("first_call_ms", jit->first_call_ms);
     j.member("second_call_us", jit->second_call_us);
+    j.member("first_call_token_index_case", jit->first_call_token_index_case);
+    j.member("first_call_token_index_ms", jit->first_call_token_index_ms);
     j.member("host_case", jit->host_case);
     j.member("host_calls", jit->host_calls);
     j.member("moe_combine_host_us", jit->moe_combine_host_us);

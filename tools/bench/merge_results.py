@@ -169,7 +169,11 @@ def markdown(merged):
                        f"{jit['moe_combine_host_us']:.2f} us vs bare cuLaunchKernel "
                        f"{jit['bare_launch_host_us']:.2f} us ({jit['host_overhead_us']:+.2f} us; "
                        f"median of alternating batches); "
-                       f"first call on a fresh runtime {jit['first_call_ms']:.1f} ms.")
+                       f"first call on a fresh runtime {jit['first_call_ms']:.1f} ms"
+                       + (f", {jit['first_call_token_index_ms']:.1f} ms for "
+                          f"{jit['first_call_token_index_case']}"
+                          if jit.get("first_call_token_index_ms") else "")
+                       + ".")
     return "\n".join(out) + "\n"
 
 
