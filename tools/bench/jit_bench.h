@@ -5,6 +5,8 @@
 //                  spec is compiled again a few times (fresh stores: nothing is reused) and the
 //                  median of those later compiles is reported too, so one noisy sample on a shared
 //                  host does not make the figure;
+//   module pair    the token index's list-path combine and its list helpers, built one after the
+//                  other and built concurrently (what a first list-path call does), fresh stores;
 //   disk-cache hit a fresh KernelStore on a directory another store has just filled (read +
 //                  validate), plus cuModuleLoadData of the image; reported as unavailable, not as
 //                  a number, when the build has no disk cache or the store did not hit;
@@ -41,6 +43,9 @@ struct JitFigures {
   // (about 40 ms instead of 130-280 ms on the H200 host), not a cold compile. What held here.
   std::string compute_cache;
   std::vector<CompileFigure> cold;  // in order: the first is the first compile of the process
+  std::string pair_spec;            // the list-path combine built together with its helpers
+  double pair_serial_ms = 0.0;      // median: combine, then helpers, on one thread
+  double pair_concurrent_ms = 0.0;  // median: helpers on a second thread meanwhile
 
   bool disk_available = false;
   std::string disk_note;        // why it is unavailable, or what was measured

@@ -315,6 +315,9 @@ void write_json(const std::string& path, const std::string& device, const Floors
       j.end_object();
     }
     j.end_array();
+    j.member("pair_spec", jit->pair_spec);
+    j.member("pair_serial_ms", jit->pair_serial_ms);
+    j.member("pair_concurrent_ms", jit->pair_concurrent_ms);
     j.member("disk_cache_available", jit->disk_available);
     j.member("disk_cache_note", jit->disk_note);
     if (jit->disk_available)

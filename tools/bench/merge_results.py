@@ -158,6 +158,11 @@ def markdown(merged):
                        + ", ".join(f"{kind(c['spec'])} {c['ms']:.0f} / "
                                    f"{c.get('later_median_ms', c['ms']):.0f} ms" for c in cold)
                        + ".")
+        if jit.get("pair_serial_ms"):
+            out.append(f"The token index's list-path combine and list helpers (K=8 H=7168), which a "
+                       f"first list-path call needs together: {jit['pair_serial_ms']:.0f} ms one "
+                       f"after the other, {jit['pair_concurrent_ms']:.0f} ms built concurrently "
+                       "(as the library does).")
         if jit.get("disk_cache_available"):
             out.append(f"Disk-cache hit {jit['disk_hit_ms']:.2f} ms + module load "
                        f"{jit.get('module_load_ms', 0):.2f} ms.")
