@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <future>
+#include <system_error>
 
 #include "driver.h"
 #include "error.h"
@@ -80,15 +81,20 @@ void ModuleCache::load(const KernelSpec& spec, CUcontext context, Entry& entry) 
   // one builds the combine, so a first call that compiles both waits for the longer compile, not
   // for their sum (NVRTC compiles concurrently; the store builds each module once, and the
   // helpers' get() below takes the result). Only the build moves: CUDA calls stay on this thread,
-  // in its context. A failure there resurfaces from that get().
+  // in its context. A failure there resurfaces from that get(). No thread to be had: that get()
+  // builds it afterwards, as before.
   std::future<void> helpers_ahead;
-  if (spec.needs_list_helpers())
-    helpers_ahead = std::async(std::launch::async, [this, &spec, &target] {
-      try {
-        store_.obtain(spec.helpers_spec(), target);
-      } catch (...) {
-      }
-    });
+  if (spec.needs_list_helpers()) {
+    try {
+      helpers_ahead = std::async(std::launch::async, [this, &spec, &target] {
+        try {
+          store_.obtain(spec.helpers_spec(), target);
+        } catch (...) {
+        }
+      });
+    } catch (const std::system_error&) {
+    }
+  }
   KernelStore::Source source;
   std::shared_ptr<const CompiledModule> module = store_.obtain(spec, target, &source);
   if (helpers_ahead.valid()) helpers_ahead.wait();
