@@ -97,6 +97,27 @@ double median_load_ms(const moejit::CompiledModule& module, int reps) {
   return median(ms);
 }
 
+// Combine arguments for bf16 rows and output, fp32 gates and int32 indices in these buffers.
+moejit_combine_args bf16_args(moejit_layout layout, int64_t tokens, int64_t top_k, int64_t rows,
+                              int64_t hidden, const DeviceBuffer& expert, const DeviceBuffer& gates,
+                              const DeviceBuffer& indices, const DeviceBuffer& out) {
+  moejit_combine_args args;
+  moejit_combine_args_init(&args);
+  args.layout = layout;
+  args.num_tokens = tokens;
+  args.top_k = top_k;
+  args.num_rows = rows;
+  args.hidden_dim = hidden;
+  args.expert_hidden = expert.get();
+  args.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
+  args.gates = static_cast<const float*>(gates.get());
+  args.indices = indices.get();
+  args.index_type = MOEJIT_INDEX_INT32;
+  args.out = out.get();
+  args.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+  return args;
+}
+
 // Device buffers of one small (decode) gather-map case: launch cost dominates its kernel.
 struct SmallCase {
   static constexpr int64_t kTokens = 1, kTopK = 8, kHidden = 7168;
@@ -111,19 +132,8 @@ struct SmallCase {
     std::vector<int32_t> rows(kTokens * kTopK);
     for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(rows.size() - 1 - i);
     map.upload(rows.data(), rows.size() * sizeof(int32_t));
-    moejit_combine_args_init(&args);
-    args.layout = MOEJIT_LAYOUT_GATHER_MAP;
-    args.num_tokens = kTokens;
-    args.top_k = kTopK;
-    args.num_rows = kTokens * kTopK;
-    args.hidden_dim = kHidden;
-    args.expert_hidden = expert.get();
-    args.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
-    args.gates = static_cast<const float*>(gates.get());
-    args.indices = map.get();
-    args.index_type = MOEJIT_INDEX_INT32;
-    args.out = out.get();
-    args.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+    args = bf16_args(MOEJIT_LAYOUT_GATHER_MAP, kTokens, kTopK, kTokens * kTopK, kHidden, expert,
+                     gates, map, out);
   }
 };
 
@@ -142,18 +152,8 @@ struct ListPathCase {
     std::vector<int32_t> tokens(kRows);
     for (size_t r = 0; r < tokens.size(); ++r) tokens[r] = static_cast<int32_t>(r % kTokens);
     token_idx.upload(tokens.data(), tokens.size() * sizeof(int32_t));
-    moejit_combine_args_init(&args);
-    args.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
-    args.num_tokens = kTokens;
-    args.num_rows = kRows;
-    args.hidden_dim = kHidden;
-    args.expert_hidden = expert.get();
-    args.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
-    args.gates = static_cast<const float*>(gates.get());
-    args.indices = token_idx.get();
-    args.index_type = MOEJIT_INDEX_INT32;
-    args.out = out.get();
-    args.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+    args = bf16_args(MOEJIT_LAYOUT_TOKEN_INDEX, kTokens, 0, kRows, kHidden, expert, gates,
+                     token_idx, out);
     size_t bytes = 0;
     if (moejit_combine_workspace_size(&args, &bytes) != MOEJIT_SUCCESS)
       throw std::runtime_error(std::string("moejit_combine_workspace_size: ") +
