@@ -84,9 +84,9 @@ constexpr int64_t kDecodeMaxTokens = 64;
 // calls with more than two rows per token spread each token's row over more, smaller blocks:
 // 16-slot token groups, two per 32-thread block (DeepSeek-V3's 7168-wide bf16 row becomes 56
 // blocks; with one or two rows per token the 128-thread blocks stay, see below); for the token
-// index one 64-thread group per block (its single-launch kernel scans token_idx once per block:
-// fewer, larger blocks measured 2-7% faster than 16x2 at T = 1, 32 and 64, and best overall
-// against 32x1 and 128x1), and at larger calls too (see below).
+// index one 64-thread group per block for its list path and one-token kernel (fewer, larger
+// blocks measured 2-7% faster than 16x2 at T = 1, 32 and 64), and at larger calls too (see below);
+// its single launch keeps the 128-thread blocks (see below).
 void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   const int slots = s->slots();
   s->upt = 1;
@@ -112,7 +112,16 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   // token-major 5.47 -> 5.26, 5.17 -> 5.02. With K=8 16x2 stays (level to 0.15 us behind 128x1 at
   // T = 1-64, 1-7% ahead at T = 256-2048: the decode spec serves mid-size calls too).
   const bool few_rows = !s->token_index() && s->top_k <= 2;
-  if ((decode || mid_k8) && slots > 32 && !few_rows) {
+  // Token index, single launch (2-64 tokens at decode; one token with more rows than the one-token
+  // kernel takes): the 128-thread blocks where a row fills them, as for mid-size calls. Up to 128
+  // rows, each of the four warps then reads all of token_idx and keeps its own list (no barrier,
+  // no merge of slabs); in 64-thread blocks that stops at 64 rows. On the H200, A B B A against
+  // 64x1 (three runs over two sessions), us: T64 K2 H4096 6.30 -> 6.04, 6.38 -> 6.10, 6.55 ->
+  // 6.24; T48 K2 H2048 fp32 6.26 -> 6.10, 6.34 -> 6.05; T64 K1 H5120 5.92 -> 5.86; K=4 and K=8
+  // at T = 8-64 level. With eight rows per token the decode and mid-size calls then share one
+  // single-launch module; the one-token kernel keeps the 64-thread blocks (no better in 128).
+  const bool scan_block = s->scan && slots >= kBlockThreads;
+  if ((decode || mid_k8) && slots > 32 && !few_rows && !scan_block) {
     s->tpt = s->token_index() ? 64 : 16;
     s->tpb = s->token_index() ? 1 : 2;
   }

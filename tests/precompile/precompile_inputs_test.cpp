@@ -129,10 +129,10 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
   std::vector<KernelSpec> specs;
   expand_shape(s, all_layouts(), all_index_types(), &specs);
   // token_major has no index: (1 + gather_map x 2) x {prefill, decode geometry}, plus
-  // token_index x 2 index types x (the list path's module + 2 single-launch modules (prefill and
-  // decode geometries) + the one-token module + the list helpers' module): with 8 rows per token
-  // its list path has one geometry for both.
-  ASSERT_EQ(specs.size(), 16u);
+  // token_index x 2 index types x (the list path's module + the single-launch module + the
+  // one-token module + the list helpers' module): with 8 rows per token the list path and the
+  // single launch each have one geometry for prefill and decode.
+  ASSERT_EQ(specs.size(), 14u);
   for (moejit_layout l : all_layouts())
     for (moejit_index_type t : all_index_types())
       for (int64_t tokens : {kAnyTokens, int64_t{1}, int64_t{4096}}) {
@@ -153,7 +153,7 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
         }
       }
   expand_shape(s, all_layouts(), all_index_types(), &specs);  // no duplicates
-  EXPECT_EQ(specs.size(), 16u);
+  EXPECT_EQ(specs.size(), 14u);
 
   s.hidden = 0;
   EXPECT_NE(error_of([&] {
@@ -368,18 +368,18 @@ TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
   std::istringstream in(text.out);
   for (std::string l; std::getline(in, l);)
     if (std::regex_match(l, line)) ++lines;
-  EXPECT_EQ(lines, 32u) << text.out;  // 16 specs x 2 targets
+  EXPECT_EQ(lines, 28u) << text.out;  // 14 specs x 2 targets
 
   const test::ToolRun js =
       run("--dry-run --json --model-config '" + configs("qwen3-30b-a3b.json") +
           "' --arch sm_90 --layout gather_map,token_index --cache-dir '" + cache + "'");
   ASSERT_EQ(js.rc, 0) << js.err;
   const nlohmann::json j = nlohmann::json::parse(js.out);
-  // 2 index types x (gather_map x 2 geometries + token_index: one list module (with 8 rows per
-  // token its two geometries are one), 2 single-launch modules, the one-token module, the list
-  // helpers).
-  EXPECT_EQ(j["total"], 14);
-  EXPECT_EQ(j["missing"], 14);
+  // 2 index types x (gather_map x 2 geometries + token_index: one list module and one
+  // single-launch module (with 8 rows per token prefill and decode share each), the one-token
+  // module, the list helpers).
+  EXPECT_EQ(j["total"], 12);
+  EXPECT_EQ(j["missing"], 12);
   EXPECT_EQ(j["cached"], 0);
   // The keys are the runtime's own: recompute them through KernelStore::request_for.
   Settings settings;

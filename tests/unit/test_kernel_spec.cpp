@@ -94,14 +94,22 @@ TEST(KernelSpec, DecodeSizedCallsSpreadATokenOverMoreBlocks) {
   EXPECT_EQ(plan.spec.chunks(), 56);
   EXPECT_EQ(plan.combine_grid_x, 2u * 56u);  // two tokens per 32-thread block, 56 chunks
   EXPECT_EQ(plan.combine_grid_y, 1u);
-  // The token index: one 64-thread group per block (its single-launch kernel scans token_idx
-  // once per block, so fewer, larger blocks).
+  // The token index: one 64-thread group per block for the list path and the one-token kernel;
+  // its single-launch kernel scans token_idx once per block, in 128-thread blocks.
   const KernelSpec ti = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
                                        MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256, 3);
   EXPECT_EQ(ti.tpt, 64);
   EXPECT_EQ(ti.tpb, 1);
-  EXPECT_EQ(single_launch_spec(ti, 3).name_expressions(),
-            std::vector<std::string>{"&moejit::combine_scan<2, 2, int, 7168, 8, 8, 64, 1, 1, 16>"});
+  EXPECT_EQ(ti.with_one_token_kernel().tpt, 64);
+  EXPECT_EQ(
+      single_launch_spec(ti, 3).name_expressions(),
+      std::vector<std::string>{"&moejit::combine_scan<2, 2, int, 7168, 8, 8, 128, 1, 1, 16>"});
+  // Rows narrower than 128 threads: the decode geometry as before.
+  const KernelSpec ti_narrow =
+      spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                     MOEJIT_INDEX_INT32, 512, 8, 256, 3);
+  EXPECT_EQ(single_launch_spec(ti_narrow, 3).tpt, 64);
+  EXPECT_EQ(single_launch_spec(ti_narrow, 3).tpb, 1);
   // Past the mid-size limit (2^21 token slots): the bandwidth geometry.
   a.num_tokens = 2341;
   a.num_rows = 2341 * 8;
@@ -222,11 +230,23 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
                 "layout=token_index in=fp16 out=fp32 idx=int64 H=2048 vec=4 K=8 tpt=128 tpb=1 "
                 "upt=1 cap=16 scan=1",
                 "&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 128, 1, 1, 16>");
-  // At decode sizes both take 64-thread blocks: the same geometry.
+  // At decode sizes the list path takes 64-thread blocks; the single launch keeps 128 (each warp
+  // then reads all of a call's token_idx up to 128 rows): with eight rows per token it is the
+  // prefill geometry's module, one module for both.
   const KernelSpec s_decode =
       spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_FLOAT32,
                      MOEJIT_INDEX_INT64, 2048, 8, 256, 64);
-  EXPECT_EQ(single_launch_spec(s_decode, 64).describe(), s_decode.describe() + " scan=1");
+  EXPECT_EQ(s_decode.tpt, 64);
+  EXPECT_EQ(single_launch_spec(s_decode, 64), scan);
+  // With short lists the prefill geometry holds two slots per thread, decode one.
+  const KernelSpec k2_decode =
+      spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                     MOEJIT_INDEX_INT32, 4096, 2, 256, 64);
+  const KernelSpec k2_scan = single_launch_spec(k2_decode, 64);
+  EXPECT_EQ(k2_scan.tpt, 128);
+  EXPECT_EQ(k2_scan.tpb, 1);
+  EXPECT_EQ(k2_scan.upt, 1);
+  EXPECT_EQ(single_launch_spec(k2_decode, kAnyTokens).upt, 2);
   // Rows shorter than a warp (several tokens per block) have one too.
   const KernelSpec tiny = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                          MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 8, 2, 256);
@@ -314,11 +334,13 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   EXPECT_EQ(large.params.list_capacity, 64);  // 200 rows per token: the workspace lists' stride
   EXPECT_EQ(large.spec.name_expressions().size(), 1u);
   EXPECT_EQ(large.spec.helpers_spec().describe(), "layout=token_index idx=int32 helpers=1");
-  EXPECT_EQ(single_launch_spec(large.spec, 40).describe(), large.spec.describe() + " scan=1");
-  // The single launch: x the token groups, y the chunks. The list path with more than one row per
-  // token: one 1-D grid, a token's 14 chunks adjacent.
+  EXPECT_EQ(large.spec.tpt, 64);
+  EXPECT_EQ(single_launch_spec(large.spec, 40).tpt, 128);
+  EXPECT_EQ(small.spec.tpt, 128);
+  // The single launch: x the token groups, y the chunks (896 vectors in 128-thread blocks). The
+  // list path with more than one row per token: one 1-D grid, a token's 14 chunks adjacent.
   EXPECT_EQ(small.combine_grid_x, 3u);
-  EXPECT_EQ(small.combine_grid_y, 14u);
+  EXPECT_EQ(small.combine_grid_y, 7u);
   EXPECT_TRUE(large.spec.one_dim_grid());
   EXPECT_EQ(large.combine_grid_x, 40u * 14u);
   EXPECT_EQ(large.combine_grid_y, 1u);
