@@ -115,11 +115,11 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   // Token index, single launch (2-64 tokens at decode; one token with more rows than the one-token
   // kernel takes): the 128-thread blocks where a row fills them, as for mid-size calls. Up to 128
   // rows, each of the four warps then reads all of token_idx and keeps its own list (no barrier,
-  // no merge of slabs); in 64-thread blocks that stops at 64 rows. On the H200, A B B A against
-  // 64x1 (three runs over two sessions), us: T64 K2 H4096 6.30 -> 6.04, 6.38 -> 6.10, 6.55 ->
-  // 6.24; T48 K2 H2048 fp32 6.26 -> 6.10, 6.34 -> 6.05; T64 K1 H5120 5.92 -> 5.86; K=4 and K=8
-  // at T = 8-64 level. With eight rows per token the decode and mid-size calls then share one
-  // single-launch module; the one-token kernel keeps the 64-thread blocks (no better in 128).
+  // no merge of slabs); in 64-thread blocks that stops at 64 rows. On the H200 against 64x1, A B B
+  // A x 2, medians of four runs, us: T64 K2 H4096 6.40 -> 6.11, T48 K2 H2048 fp32 6.24 -> 6.04,
+  // T16 K8 H2048 fp16 6.34 -> 6.10, T64 K8 H7168 9.27 -> 9.17; T = 2-32 at K = 2-8 and T64 K1
+  // level (within 0.05 us). With eight rows per token the decode and mid-size calls then share
+  // one single-launch module; the one-token kernel keeps the 64-thread blocks (no better in 128).
   const bool scan_block = s->scan && slots >= kBlockThreads;
   if ((decode || mid_k8) && slots > 32 && !few_rows && !scan_block) {
     s->tpt = s->token_index() ? 64 : 16;
