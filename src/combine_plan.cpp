@@ -14,8 +14,9 @@
 namespace moejit {
 namespace {
 
-constexpr int kBlockThreads = 128;   // combine block size
-constexpr int kHelperThreads = 256;  // token-index clear / assign
+constexpr int kBlockThreads = 128;         // combine block size
+constexpr int kShortRowScanThreads = 512;  // token-index single launch, rows shorter than a block
+constexpr int kHelperThreads = 256;        // token-index clear / assign
 constexpr unsigned kMaxHelperBlocks = 4096;
 constexpr int64_t kMaxRows = INT32_MAX;  // token-index lists store row ids as int32
 // Token index, small calls: every block scans all of token_idx for its own tokens (one launch,
@@ -137,6 +138,16 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   // keeps 128 threads: every block scans all of token_idx, and with twice the blocks mid-size
   // calls were 4-9% slower (T = 65-256 at K = 8, T = 512-1024 at K = 2, T = 256 at K = 4).
   if (s->token_index() && !s->scan && !decode && s->tpt == kBlockThreads) s->tpt = 64;
+  // Token index, single launch with short rows (several tokens per block): 512-thread blocks, four
+  // times the tokens per block. Every block reads all of token_idx, so a quarter of the blocks
+  // re-read a quarter of the bytes from L2, and more calls stay within the scan's limits. On the
+  // H200, A B C D D C B A x 2 with 32-slot rows (H=128 fp32), 128 / 256 / 512 / 1024 threads,
+  // medians of four, us: T1536 K2 8.82 / 7.64 / 7.14 / 7.50 (the gather map 5.9-6.1), T768 K4
+  // 8.18 / 7.65 / 7.15 / 7.56, T3072 K1 9.02 / 7.78 / 7.29 / 7.43; T4096 K2 10.42 through the lists
+  // at 128 threads, 9.61 in one launch at 512 (9.06 at 1024). Not at decode sizes, where the
+  // blocks are few anyway: there 512 threads were 0.25-0.4 us slower (A B B A x 2, T32 and T64 K2
+  // 5.40 / 5.34 against 5.09 / 5.07, T64 K8 7.50 against 7.08; T8 K2 level).
+  if (s->scan && !decode && s->tpb > 1) s->tpb = kShortRowScanThreads / s->tpt;
   // Fixed layouts with one row per token: two slots per thread as well (one 16-byte load in
   // flight per thread is too few). On the H200, two runs: 0.4-5% faster at K=1 for H = 2048-7168
   // bf16 in both layouts, level for fp32; four slots no better.

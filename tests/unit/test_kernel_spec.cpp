@@ -247,13 +247,17 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_EQ(k2_scan.tpb, 1);
   EXPECT_EQ(k2_scan.upt, 1);
   EXPECT_EQ(single_launch_spec(k2_decode, kAnyTokens).upt, 2);
-  // Rows shorter than a warp (several tokens per block) have one too.
+  // Rows shorter than a warp (several tokens per block) have one too: beyond decode sizes in
+  // 512-thread blocks (128 tokens of 4 threads), at decode in 128 (32 tokens), as the list path.
   const KernelSpec tiny = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                          MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 8, 2, 256);
   EXPECT_EQ(tiny.tpt, 4);
+  EXPECT_EQ(tiny.tpb, 32);
   EXPECT_EQ(tiny.name_expressions().size(), 1u);
   EXPECT_EQ(single_launch_spec(tiny, kAnyTokens).name_expressions(),
-            std::vector<std::string>{"&moejit::combine_scan<0, 0, int, 8, 4, 2, 4, 32, 1, 8>"});
+            std::vector<std::string>{"&moejit::combine_scan<0, 0, int, 8, 4, 2, 4, 128, 1, 8>"});
+  EXPECT_EQ(single_launch_spec(tiny, 64).tpb, 32);
+  EXPECT_EQ(single_launch_spec(tiny, 65).tpb, 128);
   // The one-token kernel: a module of its own too, without a list.
   const KernelSpec one = s.with_one_token_kernel();
   EXPECT_NE(one, s);
@@ -344,19 +348,27 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   EXPECT_TRUE(large.spec.one_dim_grid());
   EXPECT_EQ(large.combine_grid_x, 40u * 14u);
   EXPECT_EQ(large.combine_grid_y, 1u);
-  // Prefill geometry: 1536 tokens of 2 rows, 128-wide fp32 (4 tokens per 128-thread block): each
-  // thread checks 24 entries, all blocks together read 384 x 12 KB -> one launch.
+  // Prefill geometry: 1536 tokens of 2 rows, 128-wide fp32 (32 threads per token): the single
+  // launch takes 16 tokens per 512-thread block, so each thread checks 6 entries and all blocks
+  // together read 96 x 12 KB -> one launch. The list path keeps 4 tokens per 128-thread block.
   a.num_tokens = 1536;
   a.num_rows = 3072;
   a.hidden_dim = 128;
   a.expert_dtype = a.out_dtype = MOEJIT_DTYPE_FLOAT32;
   const CombinePlan mid = plan_combine(&a);
   EXPECT_TRUE(mid.token_scan());
-  EXPECT_EQ(mid.spec.tpb, 4);
-  EXPECT_EQ(mid.combine_grid_x, 384u);
-  // Past 24 entries per thread: the list path (3073 rows, 25 per thread).
-  a.num_rows = 3073;
-  EXPECT_FALSE(plan_combine(&a).token_scan());
+  EXPECT_EQ(mid.spec.tpt, 32);
+  EXPECT_EQ(mid.spec.tpb, 16);
+  EXPECT_EQ(mid.combine_grid_x, 96u);
+  EXPECT_EQ(mid.combine_grid_y, 1u);
+  // Up to 24 entries per thread of those blocks: 12288 rows. Past that (12289, 25 per thread):
+  // the list path, in 128-thread blocks.
+  a.num_rows = 12288;
+  EXPECT_TRUE(plan_combine(&a).token_scan());
+  a.num_rows = 12289;
+  const CombinePlan past = plan_combine(&a);
+  EXPECT_FALSE(past.token_scan());
+  EXPECT_EQ(past.spec.tpb, 4);
   // Within 24 per thread but too much re-reading in all (4096 tokens x 3 chunks x 12 KB).
   a.num_tokens = 4096;
   a.num_rows = 3072;
