@@ -155,6 +155,25 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
   expand_shape(s, all_layouts(), all_index_types(), &specs);  // no duplicates
   EXPECT_EQ(specs.size(), 14u);
 
+  // Short rows (128-wide fp32: 32 threads per token) with two rows per token: the single launch
+  // packs 16 tokens per 512-thread block beyond decode sizes and 4 per 128-thread block at
+  // decode, so both are warmed, next to the list path's module (one geometry), the one-token
+  // module and the helpers: 5 modules for one index type.
+  Shape small = s;
+  small.hidden = 128;
+  small.top_k = 2;
+  small.dtype = small.out_dtype = MOEJIT_DTYPE_FLOAT32;
+  std::vector<KernelSpec> short_rows;
+  expand_shape(small, {MOEJIT_LAYOUT_TOKEN_INDEX}, {MOEJIT_INDEX_INT32}, &short_rows);
+  ASSERT_EQ(short_rows.size(), 5u);
+  int single_launch_blocks = 0;
+  for (const KernelSpec& k : short_rows)
+    if (k.scan) {
+      EXPECT_EQ(k.tpt, 32) << k.describe();
+      single_launch_blocks |= k.tpb == 16 ? 1 : k.tpb == 4 ? 2 : 4;
+    }
+  EXPECT_EQ(single_launch_blocks, 3);
+
   s.hidden = 0;
   EXPECT_NE(error_of([&] {
               expand_shape(s, all_layouts(), all_index_types(), &specs);
