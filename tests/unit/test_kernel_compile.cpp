@@ -59,9 +59,10 @@ std::vector<Case> matrix() {
           cases.push_back({s, archs[n % 3]});
           if (layout == MOEJIT_LAYOUT_TOKEN_INDEX) {
             // The single-launch module as well, in a prefill geometry (one token per block for
-            // rows of 128+ vectors: the ballot scan; several per block for short rows: the
-            // atomic scan and the sort) and in the decode geometry (128-thread blocks where a row
-            // fills them, as at prefill but one slot per thread; one 64-thread group otherwise).
+            // rows of 128+ vectors: the ballot scan; several per 512-thread block for short
+            // rows: the atomic scan and the sort) and in the decode geometry (128-thread blocks
+            // where a row fills them, as at prefill but one slot per thread; several tokens per
+            // 128-thread block for short rows; one 64-thread group otherwise).
             cases.push_back({single_launch_spec(s, kAnyTokens), archs[(n + 1) % 3]});
             KernelSpec d =
                 spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, static_cast<moejit_dtype>(in),
