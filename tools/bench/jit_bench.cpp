@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <future>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "bench_cuda.h"
@@ -347,7 +348,10 @@ void measure_calls(cudaStream_t stream, JitFigures* figures) {
   {
     const ListPathCase list_case;
     const Runtime runtime = fresh_runtime();
-    figures->first_call_token_index_case = "token_index T2048 K8 H2048 bf16 (list path)";
+    figures->first_call_token_index_case = "token_index T" + std::to_string(ListPathCase::kTokens) +
+                                           " K" + std::to_string(ListPathCase::kTopK) + " H" +
+                                           std::to_string(ListPathCase::kHidden) +
+                                           " bf16 (list path)";
     figures->first_call_token_index_ms = timed_call_ms(runtime.get(), list_case.args);
   }
 
