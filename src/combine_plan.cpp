@@ -28,7 +28,9 @@ constexpr int64_t kMaxRows = INT32_MAX;  // token-index lists store row ids as i
 // (64 MB) 32.8 vs 22.9. Entries per thread, A B B A x 2 (tools/bench/NOTES.md, version 18), us,
 // one launch vs the lists: 32 lost (T=1024 K=4 H=2880 17.86 vs 15.26, T=512 K=8 H=4096 19.6 vs
 // 18.9), 24 and 20 mostly won (T=384 K=8 H=4096 15.8 vs 16.6, T=1280 K=2 H=4096 16.2 vs 17.0,
-// T=320 K=8 H=7168 18.4 vs 18.5; T=768 K=4 H=2880 14.6 vs 14.3).
+// T=320 K=8 H=7168 18.4 vs 18.5; T=768 K=4 H=2880 14.6 vs 14.3). Short rows in 512-thread blocks
+// (version 22) agree: 24 wins or is within 3% (T=3072 K=4 H=128 fp32 10.7 vs 11.2, T=6144 K=2
+// 11.6 vs 11.3), 32 loses (T=8192 K=2 14.8 vs 12.0).
 constexpr int64_t kScanMaxRowsPerThread = 24;
 constexpr double kScanMaxBytes = 32.0 * (1 << 20);
 // Token index, one token (single-sequence decode): combine_one_token loads every row with its
