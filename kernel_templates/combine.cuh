@@ -91,10 +91,11 @@ struct alignas(sizeof(S) * N) Pack {
 // Reads a pack of expert data that no thread of this kernel writes, only where `pred` holds;
 // elsewhere `v` keeps its value. Two flavours:
 //  - streaming (the default): the non-coherent path without allocating in L1;
-//  - CACHED: a plain ld.global, which allocates in L1. Chosen for the fixed layouts' prefill
-//    blocks (see kCachedRowLoads in combine): on the H200 that was 1.5-4% faster at K=2 and at
-//    K=8 with H=7168 or 2048, level at K=1 H=5120, K=4 H=6144 and K=8 H=4096, 1-2.7% slower at
-//    H=2880 and H=3584, and slower at decode sizes and for the token index.
+//  - CACHED: a plain ld.global, which allocates in L1. Chosen for the 128-thread prefill blocks
+//    (see kCachedRowLoads in combine): on the H200 the fixed layouts were 1.5-4% faster at K=2
+//    and at K=8 with H=7168 or 2048, level at K=1 H=5120, K=4 H=6144 and K=8 H=4096, 1-2.7%
+//    slower at H=2880 and H=3584, and slower at decode sizes; the token index's list path gains
+//    at its largest calls only (combine_plan.cpp, choose_geometry).
 //    ld.global.nc without no_allocate measured the same as ld.global; L1::no_allocate and
 //    L1::evict_first on the coherent path measured like the streaming flavour: L1 allocation is
 //    what changes the figure.
@@ -571,11 +572,12 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   // the masking, in every thread).
   constexpr int kHeldCap = kTokenIndex ? detail::kBatch : kRowsPerBatch;
   constexpr int kHeld = TOP_K < kHeldCap ? TOP_K : kHeldCap;
-  // Row loads through L1 for the fixed layouts' bandwidth blocks (a whole 128-thread group per
-  // token) when every chunk of a row is full; streaming for decode-sized groups, short rows, the
-  // token index, and rows whose last chunk is partial (H=2880 and H=3584 measured 1-2% slower
-  // through L1 in both fixed layouts, in two runs; why is not known). See load_pack_if.
-  constexpr bool kCachedRowLoads = !kTokenIndex && TPT >= 128 && kSlots % (TPT * UPT) == 0;
+  // Row loads through L1 for the bandwidth blocks (a whole 128-thread group per token) when every
+  // chunk of a row is full; streaming for decode-sized groups, short rows, the single launch, and
+  // rows whose last chunk is partial (H=2880 and H=3584 measured 1-2% slower through L1 in both
+  // fixed layouts, in two runs; why is not known). The token index's list path has 128-thread
+  // groups only where the host found L1 allocation pays (choose_geometry). See load_pack_if.
+  constexpr bool kCachedRowLoads = !SCAN && TPT >= 128 && kSlots % (TPT * UPT) == 0;
   // Token index, single launch with one token per block: the scan lists rows in ascending order
   // (detail::scan_token_rows_ordered), so the combine need not sort them.
   constexpr bool kOrderedScan = SCAN && TPB == 1 && TPT % 32 == 0;

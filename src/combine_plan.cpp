@@ -81,6 +81,9 @@ size_t counts_bytes(int64_t tokens) {
 
 // Up to this many tokens a call is decode-sized: latency, not bandwidth, decides.
 constexpr int64_t kDecodeMaxTokens = 64;
+// Up to this many token slots (T * vectors per row) a larger call is mid-size: some geometries
+// that win at prefill lose there (choose_geometry).
+constexpr int64_t kMidSlotsMax = int64_t{1} << 21;
 
 // Thread geometry, from the H200 sweeps (tools/bench/NOTES.md): one vector slot per thread and
 // 128-thread blocks for bandwidth; short rows share a block between several tokens. Decode-sized
@@ -108,7 +111,7 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   // (T = 4096 H = 7168: level / 1.2%, T = 16384 H = 2048: 0.8% / 1.2%). It is the decode spec, so
   // no specialization is added. Fewer rows per token (K <= 4) measured level to worse.
   const bool mid_k8 = !s->token_index() && s->top_k >= 8 && num_tokens >= 0 &&
-                      num_tokens * static_cast<int64_t>(slots) <= (int64_t{1} << 21);
+                      num_tokens * static_cast<int64_t>(slots) <= kMidSlotsMax;
   // Fixed layouts with one or two rows per token keep the 128-thread blocks at decode too: since
   // those blocks hold a batch's loads back to back (combine.cuh, CombineMinBlocks), A B B A x 3 on
   // the H200 against 16x2 at H=4096 bf16: gather map T=64 K=2 5.83 -> 5.54 us, T=32 5.46 -> 5.31;
@@ -136,10 +139,25 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   // us: K1 H5120 31.07 -> 30.43 (a 640-slot row in five 128-slot chunks, not 2.5 of 256), K2 bf16
   // 60.21 -> 59.95, K2 fp32 109.36 -> 108.95, K4 H2880 and K8 H3584 0.25% faster, the other shapes
   // level; 64 x 2 blocks measured the same, 256 x 1 up to 11% slower. With eight rows per token
-  // (one slot per thread) prefill and decode calls then share one list module. The single launch
+  // (one slot per thread) mid-size and decode calls then share one list module. The single launch
   // keeps 128 threads: every block scans all of token_idx, and with twice the blocks mid-size
   // calls were 4-9% slower (T = 65-256 at K = 8, T = 512-1024 at K = 2, T = 256 at K = 4).
-  if (s->token_index() && !s->scan && !decode && s->tpt == kBlockThreads) s->tpt = 64;
+  //
+  // Except at the largest calls (T * slots > 2^21, or T unknown: the prefill spec), where every
+  // 128 x upt chunk of a row is full: there the 128-thread blocks stay and load their rows through
+  // L1, as the fixed layouts do (combine.cuh, kCachedRowLoads). The rows arrive in expert order,
+  // scattered over the buffer, and the streaming loads lost more to that than the gather map's
+  // L1-allocating ones (bench rows in token order: the token index's combine alone 0.5 us behind
+  // the gather map at T4096 K8 H7168, shuffled 2.6 us). On the H200, A B B A x 2 against 64 x 1
+  // streaming (tools/bench/NOTES.md, version 24), us: T8192 K2 fp32 108.54 -> 104.70, T4096 K2
+  // fp32 59.21 -> 57.58, T8192 K2 bf16 59.90 -> 59.02, T4096 K8 H7168 138.02 -> 136.41, T16384 K8
+  // H2048 158.09 -> 156.90, T4096 K4 H6144 level; at or under the limit it lost (T2048 K8 H7168
+  // +1.2%, T8192 K8 H2048 +1.3%, T2048 K4 H6144 +2.0%, T512 K8 H7168 +6.5%), as the fixed layouts'
+  // 128-thread blocks lose to their decode geometry there (mid_k8 above).
+  const bool ti_large = num_tokens < 0 || num_tokens * static_cast<int64_t>(slots) > kMidSlotsMax;
+  if (s->token_index() && !s->scan && !decode && s->tpt == kBlockThreads &&
+      !(ti_large && slots % (kBlockThreads * s->upt) == 0))
+    s->tpt = 64;
   // Token index, single launch with short rows (several tokens per block): 512-thread blocks, four
   // times the tokens per block. Every block reads all of token_idx, so a quarter of the blocks
   // re-read a quarter of the bytes from L2, and more calls stay within the scan's limits. On the
@@ -308,7 +326,9 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
   auto add = [&](const KernelSpec& s) {
     if (std::find(specs.begin(), specs.end(), s) == specs.end()) specs.push_back(s);
   };
-  for (int64_t tokens : {kAnyTokens, int64_t{1}}) {
+  // Batch sizes with their own geometry: prefill (any large call), decode, and mid-size (the
+  // token index's list path there, choose_geometry).
+  for (int64_t tokens : {kAnyTokens, int64_t{1}, kDecodeMaxTokens + 1}) {
     const KernelSpec s = spec_for_shape(layout, in_dtype, out_dtype, index_type, hidden,
                                         rows_per_token, alignment_bytes, tokens);
     add(s);

@@ -129,13 +129,14 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
   std::vector<KernelSpec> specs;
   expand_shape(s, all_layouts(), all_index_types(), &specs);
   // token_major has no index: (1 + gather_map x 2) x {prefill, decode geometry}, plus
-  // token_index x 2 index types x (the list path's module + the single-launch module + the
-  // one-token module + the list helpers' module): with 8 rows per token the list path and the
-  // single launch each have one geometry for prefill and decode.
-  ASSERT_EQ(specs.size(), 14u);
+  // token_index x 2 index types x (the list path's two modules, prefill and decode / mid-size, +
+  // the single-launch module + the one-token module + the list helpers' module): with 8 rows per
+  // token the single launch has one geometry for every size, and the list path's mid-size calls
+  // share the decode geometry's module.
+  ASSERT_EQ(specs.size(), 16u);
   for (moejit_layout l : all_layouts())
     for (moejit_index_type t : all_index_types())
-      for (int64_t tokens : {kAnyTokens, int64_t{1}, int64_t{4096}}) {
+      for (int64_t tokens : {kAnyTokens, int64_t{1}, int64_t{512}, int64_t{2048}, int64_t{4096}}) {
         const KernelSpec want = spec_for_shape(l, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, t,
                                                7168, 8, 256, tokens);
         EXPECT_NE(std::find(specs.begin(), specs.end(), want), specs.end()) << want.describe();
@@ -153,7 +154,7 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
         }
       }
   expand_shape(s, all_layouts(), all_index_types(), &specs);  // no duplicates
-  EXPECT_EQ(specs.size(), 14u);
+  EXPECT_EQ(specs.size(), 16u);
 
   // Short rows (128-wide fp32: 32 threads per token) with two rows per token: the single launch
   // packs 16 tokens per 512-thread block beyond decode sizes and 4 per 128-thread block at
@@ -207,11 +208,11 @@ TEST(Manifest, ExactAndShapeLines) {
   d.dtype = MOEJIT_DTYPE_FLOAT32;
   std::vector<KernelSpec> specs;
   parse_manifest(text, "m.txt", d, &specs);
-  // Shape lines expand to every geometry: prefill then decode; for the token index each
+  // Shape lines expand to every geometry: prefill, decode, then mid-size; for the token index each
   // geometry's list-path module, then its single-launch module, and once the list helpers; the
-  // decode geometry's one-token module. (Four rows per token: with eight the token index's two
-  // geometries are one specialization, see Expand.MatchesWhatMoeCombineRequests.)
-  ASSERT_EQ(specs.size(), 14u);
+  // decode geometry's one-token module. (Four rows per token: two slots per thread past decode
+  // sizes, in 128-thread blocks past mid-size, so three list-path modules.)
+  ASSERT_EQ(specs.size(), 15u);
   EXPECT_EQ(specs[0], exact);
   EXPECT_EQ(specs[1], spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                      MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256));
@@ -230,9 +231,15 @@ TEST(Manifest, ExactAndShapeLines) {
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 1));
   EXPECT_EQ(specs[9], single_launch_spec(specs[8], 1));
   EXPECT_EQ(specs[10], specs[8].with_one_token_kernel());
-  EXPECT_EQ(specs[11], exact_scan);                 // an exact scan line round-trips
-  EXPECT_EQ(specs[12], exact_scan.helpers_spec());  // and a helpers line (int32)
-  EXPECT_EQ(specs[13], exact_one_token);            // and a one-token line
+  EXPECT_EQ(specs[11], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 65));
+  EXPECT_EQ(specs[11].tpt, 64);
+  EXPECT_EQ(specs[11].upt, 2);
+  EXPECT_EQ(specs[5].tpt, 128);
+  EXPECT_EQ(single_launch_spec(specs[11], 65), specs[6]);
+  EXPECT_EQ(specs[12], exact_scan);                 // an exact scan line round-trips
+  EXPECT_EQ(specs[13], exact_scan.helpers_spec());  // and a helpers line (int32)
+  EXPECT_EQ(specs[14], exact_one_token);            // and a one-token line
 
   auto bad = [&](const std::string& line) {
     return error_of([&] {
@@ -387,18 +394,18 @@ TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
   std::istringstream in(text.out);
   for (std::string l; std::getline(in, l);)
     if (std::regex_match(l, line)) ++lines;
-  EXPECT_EQ(lines, 28u) << text.out;  // 14 specs x 2 targets
+  EXPECT_EQ(lines, 32u) << text.out;  // 16 specs x 2 targets
 
   const test::ToolRun js =
       run("--dry-run --json --model-config '" + configs("qwen3-30b-a3b.json") +
           "' --arch sm_90 --layout gather_map,token_index --cache-dir '" + cache + "'");
   ASSERT_EQ(js.rc, 0) << js.err;
   const nlohmann::json j = nlohmann::json::parse(js.out);
-  // 2 index types x (gather_map x 2 geometries + token_index: one list module and one
-  // single-launch module (with 8 rows per token prefill and decode share each), the one-token
-  // module, the list helpers).
-  EXPECT_EQ(j["total"], 12);
-  EXPECT_EQ(j["missing"], 12);
+  // 2 index types x (gather_map x 2 geometries + token_index: two list modules (prefill; decode
+  // and mid-size, which share one with 8 rows per token) and one single-launch module, the
+  // one-token module, the list helpers).
+  EXPECT_EQ(j["total"], 14);
+  EXPECT_EQ(j["missing"], 14);
   EXPECT_EQ(j["cached"], 0);
   // The keys are the runtime's own: recompute them through KernelStore::request_for.
   Settings settings;

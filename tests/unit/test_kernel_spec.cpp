@@ -198,9 +198,10 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
     EXPECT_EQ(t.list_cap, z.cap) << z.rows_per_token;
   }
   EXPECT_EQ(s.vec, 4);  // fp32 output limits the vector to 16 bytes of output
+  // Prefill: 512 slots in whole 128-thread chunks, the bandwidth blocks (rows through L1).
   EXPECT_EQ(
       s.name_expressions(),
-      std::vector<std::string>{"&moejit::combine<2, 1, 0, long long, 2048, 4, 8, 64, 1, 1, 16>"});
+      std::vector<std::string>{"&moejit::combine<2, 1, 0, long long, 2048, 4, 8, 128, 1, 1, 16>"});
   // The list helpers: one module per index type, whatever the shape.
   const KernelSpec h = s.helpers_spec();
   const auto names = h.name_expressions();
@@ -220,9 +221,8 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_FALSE(single_launch_spec(s, kAnyTokens).needs_list_helpers());
   EXPECT_FALSE(h.needs_list_helpers());
   EXPECT_EQ(h.chunks(), 0);  // no geometry: no division by zero
-  // The single-launch kernel is a module of its own, a spec of its own (and a cache entry).
-  // Its blocks keep 128 threads at prefill, where the list path's have 64: each of them scans all
-  // of token_idx.
+  // The single-launch kernel is a module of its own, a spec of its own (and a cache entry), in
+  // 128-thread blocks: each of them scans all of token_idx.
   const KernelSpec scan = single_launch_spec(s, kAnyTokens);
   EXPECT_NE(scan, s);
   EXPECT_NE(scan.hash(), s.hash());
@@ -230,14 +230,23 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
                 "layout=token_index in=fp16 out=fp32 idx=int64 H=2048 vec=4 K=8 tpt=128 tpb=1 "
                 "upt=1 cap=16 scan=1",
                 "&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 128, 1, 1, 16>");
-  // At decode sizes the list path takes 64-thread blocks; the single launch keeps 128 (each warp
-  // then reads all of a call's token_idx up to 128 rows): with eight rows per token it is the
-  // prefill geometry's module, one module for both.
+  // At decode and mid sizes the list path takes 64-thread blocks (streaming row loads); the single
+  // launch keeps 128 (each warp then reads all of a call's token_idx up to 128 rows): with eight
+  // rows per token it is the prefill geometry's module, one module for both.
   const KernelSpec s_decode =
       spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_FLOAT32,
                      MOEJIT_INDEX_INT64, 2048, 8, 256, 64);
   EXPECT_EQ(s_decode.tpt, 64);
   EXPECT_EQ(single_launch_spec(s_decode, 64), scan);
+  // Mid-size: up to 2^21 token slots (T = 4096 at 512 slots).
+  const auto s_at = [](int64_t tokens) {
+    return spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_FLOAT32,
+                          MOEJIT_INDEX_INT64, 2048, 8, 256, tokens);
+  };
+  EXPECT_EQ(s_at(65), s_decode);
+  EXPECT_EQ(s_at(4096), s_decode);
+  EXPECT_EQ(s_at(4097), s);
+  EXPECT_EQ(single_launch_spec(s_at(4096), 4096), scan);
   // With short lists the prefill geometry holds two slots per thread, decode one.
   const KernelSpec k2_decode =
       spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
@@ -258,8 +267,9 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
             std::vector<std::string>{"&moejit::combine_scan<0, 0, int, 8, 4, 2, 4, 128, 1, 8>"});
   EXPECT_EQ(single_launch_spec(tiny, 64).tpb, 32);
   EXPECT_EQ(single_launch_spec(tiny, 65).tpb, 128);
-  // The one-token kernel: a module of its own too, without a list.
-  const KernelSpec one = s.with_one_token_kernel();
+  // The one-token kernel: a module of its own too, without a list, in the decode geometry.
+  const KernelSpec one = s_decode.with_one_token_kernel();
+  EXPECT_NE(one, s_decode);
   EXPECT_NE(one, s);
   EXPECT_NE(one, scan);
   EXPECT_NE(one.hash(), s.hash());
@@ -480,19 +490,30 @@ TEST(KernelSpec, EightRowsPerTokenKeepTheDecodeGeometryUpToMidSizeCalls) {
     EXPECT_EQ(spec(layout, 7168, 4, 1024).tpt, 128);  // fewer rows per token: bandwidth blocks
     EXPECT_EQ(spec(layout, 7168, 16, 1024).tpt, 16);
   }
-  // The token index keeps its own geometries: 64-thread blocks at every size. With eight rows per
-  // token (one slot per thread: its lists are too long for two) decode and prefill calls then share
-  // one specialization.
+  // The token index keeps its own geometries: 64-thread blocks up to mid-size calls, 128 past
+  // them (T * slots > 2^21) where whole 128 x upt chunks tile the row. With eight rows per token
+  // (one slot per thread: its lists are too long for two) decode and mid-size calls then share one
+  // specialization.
   const KernelSpec ti_decode = spec(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, 1);
   EXPECT_EQ(ti_decode.tpt, 64);
   EXPECT_EQ(ti_decode.tpb, 1);
   EXPECT_EQ(spec(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, 1024), ti_decode);
-  EXPECT_EQ(spec(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, kAnyTokens), ti_decode);
+  EXPECT_EQ(spec(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, 2048), ti_decode);  // 896 x 2048 <= 2^21
+  const KernelSpec ti_prefill = spec(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, kAnyTokens);
+  EXPECT_EQ(ti_prefill.tpt, 128);
+  EXPECT_EQ(ti_prefill.tpb, 1);
+  EXPECT_EQ(spec(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, 4096), ti_prefill);
+  // 448 slots: the last 128-slot chunk would be partial, so 64-thread blocks at every size.
+  EXPECT_EQ(spec(MOEJIT_LAYOUT_TOKEN_INDEX, 3584, 8, kAnyTokens).tpt, 64);
   // With two rows per token prefill calls hold two slots per thread, decode calls one.
   const KernelSpec ti_k2 = spec(MOEJIT_LAYOUT_TOKEN_INDEX, 4096, 2, kAnyTokens);
-  EXPECT_EQ(ti_k2.tpt, 64);
+  EXPECT_EQ(ti_k2.tpt, 128);
   EXPECT_EQ(ti_k2.upt, 2);
+  EXPECT_EQ(spec(MOEJIT_LAYOUT_TOKEN_INDEX, 4096, 2, 4096).tpt, 64);  // 512 x 4096 = 2^21
+  EXPECT_EQ(spec(MOEJIT_LAYOUT_TOKEN_INDEX, 4096, 2, 4096).upt, 2);
   EXPECT_EQ(spec(MOEJIT_LAYOUT_TOKEN_INDEX, 4096, 2, 64).upt, 1);
+  // 640 slots, two per thread: 256-slot chunks would not tile the row.
+  EXPECT_EQ(spec(MOEJIT_LAYOUT_TOKEN_INDEX, 5120, 1, kAnyTokens).tpt, 64);
   // Rows narrower than 128 vectors keep several tokens per 128-thread block.
   const KernelSpec ti_narrow = spec(MOEJIT_LAYOUT_TOKEN_INDEX, 256, 8, kAnyTokens);
   EXPECT_EQ(ti_narrow.tpt, 32);
