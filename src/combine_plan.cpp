@@ -110,8 +110,9 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   // 2.3% / 0.8% (token-major / gather map) at T = 4096 H = 4096; past the limit 128x1 wins
   // (T = 4096 H = 7168: level / 1.2%, T = 16384 H = 2048: 0.8% / 1.2%). It is the decode spec, so
   // no specialization is added. Fewer rows per token (K <= 4) measured level to worse.
-  const bool mid_k8 = !s->token_index() && s->top_k >= 8 && num_tokens >= 0 &&
-                      num_tokens * static_cast<int64_t>(slots) <= kMidSlotsMax;
+  const bool up_to_mid =
+      num_tokens >= 0 && num_tokens * static_cast<int64_t>(slots) <= kMidSlotsMax;
+  const bool mid_k8 = !s->token_index() && s->top_k >= 8 && up_to_mid;
   // Fixed layouts with one or two rows per token keep the 128-thread blocks at decode too: since
   // those blocks hold a batch's loads back to back (combine.cuh, CombineMinBlocks), A B B A x 3 on
   // the H200 against 16x2 at H=4096 bf16: gather map T=64 K=2 5.83 -> 5.54 us, T=32 5.46 -> 5.31;
@@ -154,9 +155,8 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   // H2048 158.09 -> 156.90, T4096 K4 H6144 level; at or under the limit it lost (T2048 K8 H7168
   // +1.2%, T8192 K8 H2048 +1.3%, T2048 K4 H6144 +2.0%, T512 K8 H7168 +6.5%), as the fixed layouts'
   // 128-thread blocks lose to their decode geometry there (mid_k8 above).
-  const bool ti_large = num_tokens < 0 || num_tokens * static_cast<int64_t>(slots) > kMidSlotsMax;
   if (s->token_index() && !s->scan && !decode && s->tpt == kBlockThreads &&
-      !(ti_large && slots % (kBlockThreads * s->upt) == 0))
+      (up_to_mid || slots % (kBlockThreads * s->upt) != 0))
     s->tpt = 64;
   // Token index, single launch with short rows (several tokens per block): 512-thread blocks, four
   // times the tokens per block. Every block reads all of token_idx, so a quarter of the blocks
