@@ -253,10 +253,15 @@ __device__ __forceinline__ void store_row_slots(typename Elem<OUT_DT>::storage* 
 }
 
 // Programmatic dependent launch (sm_90+): the token-index chain's kernels are launched so that
-// each may start while its predecessor drains. A dependent kernel calls wait_for_predecessor()
-// before touching memory (it returns once the previous kernel finished and its writes are
-// visible); a predecessor calls allow_dependents() to let the next kernel's blocks be scheduled
-// early. Both are no-ops for a plain launch and on older GPUs.
+// each may start while its predecessor drains, and a call's first kernel is too when the caller
+// asks for it (p.dependent_launch: then it may start while the caller's previous kernel on the
+// stream drains). A dependent kernel calls wait_for_predecessor() before it touches memory (it
+// returns once the previous kernel finished and its writes are visible); allow_dependents() lets
+// the next kernel's blocks be scheduled as this one's drain (scheduling only: a dependent still
+// waits for this whole kernel before touching memory). Both are no-ops for a plain launch and on
+// older GPUs, but not free: at the start of every kernel they cost 0.1-0.27 us at decode sizes on
+// the H200 (A B B A, tools/bench/NOTES.md, version 25), so a call's first kernel runs them only
+// when the caller asked for the dependent launch (a uniform branch on p.dependent_launch).
 __device__ __forceinline__ void wait_for_predecessor() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -266,6 +271,13 @@ __device__ __forceinline__ void allow_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+// The start of a call's first kernel.
+__device__ __forceinline__ void start_call(const CombineParams& p) {
+  if (p.dependent_launch != 0) {
+    wait_for_predecessor();
+    allow_dependents();
+  }
 }
 
 // Rows in flight per thread: enough independent 16-byte loads to cover memory latency without
@@ -582,6 +594,10 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   // (detail::scan_token_rows_ordered), so the combine need not sort them.
   constexpr bool kOrderedScan = SCAN && TPB == 1 && TPT % 32 == 0;
 
+  // Before any memory access: the routing, the rows and (accumulating) out may be the previous
+  // kernel's output, and out may be its input. The list path always waits (below): its previous
+  // kernel is token_index_assign, whose lists it reads.
+  if constexpr (!kTokenIndex || SCAN) detail::start_call(p);
   const IdxT* __restrict__ indices = static_cast<const IdxT*>(p.indices);
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
   const int sub = static_cast<int>(threadIdx.x) / TPT;
@@ -626,7 +642,10 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
     count = s_count[sub];
     list = s_rows[sub];
   } else {
-    if constexpr (kTokenIndex) detail::wait_for_predecessor();  // token_index_assign's lists
+    if constexpr (kTokenIndex) {
+      detail::wait_for_predecessor();  // token_index_assign's lists
+      if (p.dependent_launch != 0) detail::allow_dependents();
+    }
     if (tok >= p.num_tokens) return;  // no barrier below: idle token groups may leave
     if constexpr (kTokenIndex) {
       count = __ldg(p.token_counts + tok);
@@ -864,6 +883,7 @@ __global__ void __launch_bounds__(TPT* TPB) combine_one_token(const CombineParam
   constexpr int kRowsPerBatch = TOP_K < kMostPerBatch ? TOP_K : kMostPerBatch;
   const int sub = static_cast<int>(threadIdx.x) / TPT;
   const int lane = static_cast<int>(threadIdx.x) % TPT;
+  detail::start_call(p);                    // before any memory access
   if (blockIdx.x * TPB + sub != 0) return;  // token 0 is the only one; no barrier below
   const int first_slot = static_cast<int>(blockIdx.y) * (TPT * UPT) + lane;
   const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
@@ -920,6 +940,11 @@ __global__ void __launch_bounds__(TPT* TPB) combine_one_token(const CombineParam
 // function is compiled into every module, and cost 12-13 ms of each fixed-layout compile.
 template <int UNUSED = 0>
 __global__ void token_index_clear(const CombineParams p) {
+  // A dependent launch (the caller asked): the previous kernel on the stream may still read this
+  // workspace (an earlier call's combine) or write token_idx, which token_index_assign reads
+  // before its own wait; assign is not scheduled before every block of this kernel has passed the
+  // wait and allowed it.
+  if (p.dependent_launch != 0) detail::wait_for_predecessor();
   detail::allow_dependents();
   for (long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
        t < p.num_tokens; t += static_cast<long long>(gridDim.x) * blockDim.x)
@@ -934,7 +959,8 @@ __global__ void token_index_assign(const CombineParams p) {
   const long long first = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
   // The first row's entry is loaded before the wait: token_idx is the caller's input, complete
-  // before token_index_clear (a plain launch) began, so its round trip overlaps the clear.
+  // before token_index_clear passed its own wait (and allowed this kernel only then), so its round
+  // trip overlaps the clear.
   IdxT entry = first < p.num_rows ? __ldg(token_idx + first) : IdxT(-1);
   detail::wait_for_predecessor();  // the counts are token_index_clear's
   for (long long r = first; r < p.num_rows; r += stride) {

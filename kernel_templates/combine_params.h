@@ -26,7 +26,9 @@ struct CombineParams {
   float scale;              // multiplies the sum
   int accumulate;           // nonzero: add into out
   int list_capacity;        // token-index layout: row ids kept per token before overflowing
-  int pad_;
+  int dependent_launch;     // nonzero: the call's first kernel was launched as a programmatic
+                            // dependent of the stream's previous kernel (it waits before it
+                            // touches memory)
 };
 
 }  // namespace moejit

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -213,13 +214,17 @@ moejit_combine_args validated_shape(const moejit_combine_args* in) {
   if (in == nullptr) invalid_argument("args", "NULL", "must point to a moejit_combine_args");
   moejit_combine_args a;
   moejit_combine_args_init(&a);
-  if (in->struct_size != sizeof(moejit_combine_args))
+  // A 0.1 header's struct ends before dependent_launch: its fields keep their defaults.
+  constexpr size_t kSizeV01 = offsetof(moejit_combine_args, dependent_launch);
+  if (in->struct_size != sizeof(moejit_combine_args) && in->struct_size != kSizeV01)
     invalid_argument(
         "args->struct_size", std::to_string(in->struct_size),
         "must be sizeof(moejit_combine_args) = " + std::to_string(sizeof(moejit_combine_args)) +
-            " for this library version (" + moejit_version_string() +
-            "); initialize args with moejit_combine_args_init()");
-  std::memcpy(&a, in, sizeof(a));
+            " for this library version (" + moejit_version_string() + "), or " +
+            std::to_string(kSizeV01) +
+            " from a 0.1 header; initialize args with moejit_combine_args_init()");
+  std::memcpy(&a, in, in->struct_size);
+  a.struct_size = sizeof(a);
 
   check_enum("args->layout", a.layout, 2,
              "must be MOEJIT_LAYOUT_TOKEN_MAJOR (0), MOEJIT_LAYOUT_GATHER_MAP (1) or "
@@ -256,6 +261,9 @@ moejit_combine_args validated_shape(const moejit_combine_args* in) {
       invalid_argument("args->num_rows", std::to_string(a.num_rows),
                        "must be in 0.." + std::to_string(kMaxRows));
   }
+  if (a.dependent_launch != 0 && a.dependent_launch != 1)
+    invalid_argument("args->dependent_launch", std::to_string(a.dependent_launch),
+                     "must be 0 (plain launch) or 1 (programmatic dependent launch)");
   if (a.expert_row_stride == 0) a.expert_row_stride = a.hidden_dim;
   if (a.out_row_stride == 0) a.out_row_stride = a.hidden_dim;
   if (a.expert_row_stride < a.hidden_dim)
@@ -398,6 +406,8 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   p.num_rows = a.num_rows;
   p.scale = a.scale;
   p.accumulate = a.accumulate;
+  plan.dependent_launch = a.dependent_launch != 0;
+  p.dependent_launch = a.dependent_launch;  // the kernels wait (and allow) only then
 
   if (s.token_index()) {
     const size_t needed = workspace_bytes(a);
@@ -473,10 +483,13 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
   void* kernel_args[] = {&params};
   // Each kernel after the first of the token-index chain may start while its predecessor drains
   // (programmatic dependent launch): it waits in griddepcontrol.wait before touching memory, so
-  // only the launch latency overlaps. Where unsupported, plain stream order.
+  // only the launch latency overlaps. The call's first kernel does so only if the caller asked
+  // (args->dependent_launch). Where unsupported, plain stream order.
   auto launch = [&](const LoadedKernels& module, int kernel, unsigned gx, unsigned gy,
-                    unsigned threads, bool dependent, const char* what) {
-    if (dependent && module.dependent_launch) {
+                    unsigned threads, bool dependent, const char* name) {
+    const bool programmatic = dependent && module.dependent_launch;
+    CUresult result;
+    if (programmatic) {
       CUlaunchAttribute attr{};
       attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
       attr.value.programmaticStreamSerializationAllowed = 1;
@@ -490,28 +503,32 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
       config.hStream = stream;
       config.attrs = &attr;
       config.numAttrs = 1;
-      check_cuda(d.cuLaunchKernelEx(&config, module.functions[kernel], kernel_args, nullptr), what);
+      result = d.cuLaunchKernelEx(&config, module.functions[kernel], kernel_args, nullptr);
     } else {
-      check_cuda(d.cuLaunchKernel(module.functions[kernel], gx, gy, 1, threads, 1, 1, 0, stream,
-                                  kernel_args, nullptr),
-                 what);
+      result = d.cuLaunchKernel(module.functions[kernel], gx, gy, 1, threads, 1, 1, 0, stream,
+                                kernel_args, nullptr);
     }
+    if (result != CUDA_SUCCESS)  // the call's name is built only for the message
+      check_cuda(result,
+                 (std::string(programmatic ? "cuLaunchKernelEx(" : "cuLaunchKernel(") + name + ")")
+                     .c_str());
     stats.launches.fetch_add(1, std::memory_order_relaxed);
   };
   const unsigned threads = static_cast<unsigned>(plan.spec.block_threads());
+  const bool first_dependent = plan.dependent_launch;
   if (plan.token_scan() || plan.one_token()) {
-    launch(kernels, kCombineKernel, plan.combine_grid_x, plan.combine_grid_y, threads, false,
-           plan.one_token() ? "cuLaunchKernel(combine_one_token)" : "cuLaunchKernel(combine_scan)");
+    launch(kernels, kCombineKernel, plan.combine_grid_x, plan.combine_grid_y, threads,
+           first_dependent, plan.one_token() ? "combine_one_token" : "combine_scan");
     return;
   }
   if (chained) {
-    launch(*kernels.helpers, kClearKernel, plan.clear_blocks, 1, kHelperThreads, false,
-           "cuLaunchKernel(token_index_clear)");
+    launch(*kernels.helpers, kClearKernel, plan.clear_blocks, 1, kHelperThreads, first_dependent,
+           "token_index_clear");
     launch(*kernels.helpers, kAssignKernel, plan.assign_blocks, 1, kHelperThreads, true,
-           "cuLaunchKernelEx(token_index_assign)");
+           "token_index_assign");
   }
-  launch(kernels, kCombineKernel, plan.combine_grid_x, plan.combine_grid_y, threads, chained,
-         chained ? "cuLaunchKernelEx(combine)" : "cuLaunchKernel(combine)");
+  launch(kernels, kCombineKernel, plan.combine_grid_x, plan.combine_grid_y, threads,
+         chained || first_dependent, "combine");
 }
 
 }  // namespace moejit

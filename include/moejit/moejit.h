@@ -33,7 +33,7 @@ extern "C" {
 /* ---- Versions ------------------------------------------------------------------------------- */
 
 #define MOEJIT_VERSION_MAJOR 0
-#define MOEJIT_VERSION_MINOR 1
+#define MOEJIT_VERSION_MINOR 2
 #define MOEJIT_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, comparable with moejit_version(). */
 #define MOEJIT_VERSION_NUMBER \
@@ -45,7 +45,7 @@ extern "C" {
  * older than your header. Takes no arguments, cannot fail, needs no GPU. Thread-safe. Since 0.1.
  */
 MOEJIT_API int moejit_version(void);
-/* The loaded library's version as a string, e.g. "0.1.0". Never NULL; the string is static (never
+/* The loaded library's version as a string, e.g. "0.2.0". Never NULL; the string is static (never
    freed). Cannot fail. Thread-safe. Since 0.1. */
 MOEJIT_API const char* moejit_version_string(void);
 
@@ -148,8 +148,8 @@ typedef struct CUstream_st* moejit_stream_t;
  * library cannot check device data without synchronizing, so such values are not reported.
  */
 typedef struct moejit_combine_args {
-  size_t struct_size; /* sizeof(moejit_combine_args) of the caller's header (0.1 accepts exactly
-                         its own size) */
+  size_t struct_size; /* sizeof(moejit_combine_args) of the caller's header: this version's, or
+                         a 0.1 header's (then the fields added since take their defaults) */
   moejit_layout layout;
   int64_t num_tokens; /* T >= 0: rows of out */
   int64_t top_k;      /* K in 1..MOEJIT_MAX_TOP_K (token-major, gather map); ignored otherwise */
@@ -177,19 +177,32 @@ typedef struct moejit_combine_args {
      workspace must be ordered (same stream, or synchronized). */
   void* workspace;
   size_t workspace_bytes;
+
+  /* Since 0.2. 0 (default): the call's first kernel starts after the previous work on the stream
+     has finished, as any launch does. 1: it is launched as a programmatic dependent of the
+     previous kernel on the stream (sm_90 and newer; elsewhere ignored), so its blocks may be
+     scheduled while that kernel drains, and they wait for it to finish (griddepcontrol.wait)
+     before touching any memory: results are the same either way. This pays when that kernel
+     lets its dependents start early (griddepcontrol.launch_dependents, as PDL-aware kernels do):
+     on the H200 a decode step of such a producer and a combine in a CUDA graph took 0.30-0.43 us
+     less (tools/bench/NOTES.md, version 25). After a kernel that does not, nothing is gained,
+     hence off by default (the kernels then skip the wait, which costs 0.1-0.27 us at decode
+     sizes). With 1 the call's kernels also let the caller's next kernel start early if that one
+     is launched as a dependent. */
+  int dependent_launch;
 } moejit_combine_args;
 
 #define MOEJIT_COMBINE_ARGS_INIT                                                                \
   {                                                                                             \
     sizeof(moejit_combine_args), MOEJIT_LAYOUT_TOKEN_MAJOR, 0, 0, 0, 0, NULL,                   \
         MOEJIT_DTYPE_FLOAT32, 0, NULL, NULL, MOEJIT_INDEX_INT32, NULL, MOEJIT_DTYPE_FLOAT32, 0, \
-        1.0f, 0, NULL, 0                                                                        \
+        1.0f, 0, NULL, 0, 0                                                                     \
   }
 
 /*
  * Fills *args with the defaults of this header's version (the same as MOEJIT_COMBINE_ARGS_INIT):
  * struct_size = sizeof(moejit_combine_args), token-major layout, all counts 0, all pointers NULL,
- * fp32 data, int32 indices, scale 1, accumulate 0.
+ * fp32 data, int32 indices, scale 1, accumulate 0, dependent_launch 0.
  *   args  the struct to fill; must not be NULL.
  * Returns MOEJIT_SUCCESS, or MOEJIT_ERROR_INVALID_ARGUMENT if args is NULL. Needs no GPU.
  * Thread-safe (touches only *args). Since 0.1.

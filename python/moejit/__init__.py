@@ -12,7 +12,7 @@ from ._capi import LibraryNotFoundError, MoejitError
 
 
 def version():
-    """Version string of the loaded libmoejit, e.g. "0.1.0"."""
+    """Version string of the loaded libmoejit, e.g. "0.2.0"."""
     from . import _capi
 
     return _capi.version()

@@ -84,6 +84,7 @@ class CombineArgs(ctypes.Structure):
         ("accumulate", ctypes.c_int),
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_size_t),
+        ("dependent_launch", ctypes.c_int),  # since 0.2
     ]
 
 
@@ -254,7 +255,7 @@ def combine(args, stream):
 
 
 def version():
-    """The loaded library's version string, e.g. "0.1.0"."""
+    """The loaded library's version string, e.g. "0.2.0"."""
     return load_library().moejit_version_string().decode()
 
 

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -133,6 +134,11 @@ const BadCase kBadCases[] = {
      "args->accumulate = 2: must be 0 (overwrite out) or 1 (add into out)"},
     {"scale_nan", [](auto& a) { a.scale = std::nanf(""); }, MOEJIT_ERROR_INVALID_ARGUMENT,
      "args->scale"},
+    {"dependent_launch", [](auto& a) { a.dependent_launch = 2; }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->dependent_launch = 2: must be 0 (plain launch) or 1 (programmatic dependent launch)"},
+    {"struct_size_between",
+     [](auto& a) { a.struct_size = offsetof(moejit_combine_args, dependent_launch) + 4; },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "from a 0.1 header"},
     {"workspace_missing",
      [](auto& a) {
        a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
@@ -199,7 +205,7 @@ TEST(Api, LastErrorIsPerThread) {
 
 TEST(Api, Versions) {
   EXPECT_EQ(moejit_version(), MOEJIT_VERSION_NUMBER);
-  EXPECT_STREQ(moejit_version_string(), "0.1.0");
+  EXPECT_STREQ(moejit_version_string(), "0.2.0");
 }
 
 TEST(Api, WorkspaceSize) {
@@ -215,6 +221,28 @@ TEST(Api, WorkspaceSize) {
   EXPECT_EQ(bytes, 0u);
   a.hidden_dim = -1;
   EXPECT_EQ(moejit_combine_workspace_size(&a, &bytes), MOEJIT_ERROR_INVALID_ARGUMENT);
+}
+
+// A caller built against the 0.1 header passes the shorter struct: accepted, and nothing past its
+// end is read (the fields added since take their defaults).
+TEST(Api, ArgsFromAnOlderHeaderAreAccepted) {
+  moejit_combine_args a = valid_args();
+  EXPECT_EQ(a.dependent_launch, 0);  // the default
+  a.struct_size = offsetof(moejit_combine_args, dependent_launch);
+  a.dependent_launch = 7;  // not the caller's memory: must not be looked at
+  a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+  size_t old_bytes = 0, bytes = 0;
+  ASSERT_EQ(moejit_combine_workspace_size(&a, &old_bytes), MOEJIT_SUCCESS)
+      << moejit_last_error_message();
+  a.struct_size = sizeof(a);
+  a.dependent_launch = 1;
+  ASSERT_EQ(moejit_combine_workspace_size(&a, &bytes), MOEJIT_SUCCESS)
+      << moejit_last_error_message();
+  EXPECT_EQ(old_bytes, bytes);
+  a.dependent_launch = 7;
+  EXPECT_EQ(moejit_combine_workspace_size(&a, &bytes), MOEJIT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moejit_last_error_message()).find("args->dependent_launch = 7"),
+            std::string::npos);
 }
 
 TEST(Api, ZeroTokensIsANoOpEvenWithoutADriver) {

@@ -19,7 +19,10 @@
 #include <thread>
 #include <vector>
 
+#include <nvrtc.h>
+
 #include "gpu_harness.h"
+#include "producer_source.h"
 
 namespace moejit_test {
 namespace {
@@ -652,6 +655,202 @@ TEST_F(CombineGpu, CudaGraphCaptureAndReplay) {
     cudaFree(indices);
     cudaFree(out);
     cudaFree(out_direct);
+    if (workspace) cudaFree(workspace);
+  }
+  cudaStreamDestroy(stream);
+  moejit_runtime_destroy(rt);
+}
+
+// The bench's producer kernel (tools/bench/producer_source.h): it lets its dependents be scheduled
+// at once, as PDL-aware producers do, and writes the combine's input rows only after a spin, so a
+// dependent that read memory before its wait would find poisoned rows. Compiled with NVRTC for
+// this device, launched through the runtime.
+class Producer {
+ public:
+  Producer() {
+    const char* source = moejit_bench::kProducerSource;
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
+    supported_ = major >= 9;  // griddepcontrol: sm_90 and newer
+    if (!supported_) return;
+    nvrtcProgram prog;
+    if (nvrtcCreateProgram(&prog, source, "producer.cu", 0, nullptr, nullptr) != NVRTC_SUCCESS) {
+      error_ = "nvrtcCreateProgram failed";
+      return;
+    }
+    const std::string arch = "--gpu-architecture=sm_" + std::to_string(major * 10 + minor);
+    const char* options[] = {arch.c_str(), "--std=c++17"};
+    const nvrtcResult compiled = nvrtcCompileProgram(prog, 2, options);
+    size_t size = 0;
+    if (compiled != NVRTC_SUCCESS) {
+      nvrtcGetProgramLogSize(prog, &size);
+      std::string log(size, '\0');
+      nvrtcGetProgramLog(prog, log.data());
+      error_ = "producer did not compile: " + log;
+    } else {
+      nvrtcGetCUBINSize(prog, &size);
+      cubin_.resize(size);
+      nvrtcGetCUBIN(prog, cubin_.data());
+    }
+    nvrtcDestroyProgram(&prog);
+    if (!error_.empty()) return;
+    if (cudaLibraryLoadData(&library_, cubin_.data(), nullptr, nullptr, 0, nullptr, nullptr, 0) !=
+            cudaSuccess ||
+        cudaLibraryGetKernel(&kernel_, library_, "moejit_bench_produce") != cudaSuccess)
+      error_ = "cannot load the producer";
+  }
+  ~Producer() {
+    if (library_ != nullptr) cudaLibraryUnload(library_);
+  }
+  bool supported() const { return supported_; }
+  const std::string& error() const { return error_; }
+  // Copies `bytes` (a multiple of 16) from src to dst after spinning `microseconds`.
+  cudaError_t launch(cudaStream_t stream, const void* src, void* dst, size_t bytes,
+                     double microseconds) const {
+    unsigned long long words = bytes / 16;
+    unsigned long long ns = static_cast<unsigned long long>(microseconds * 1e3);
+    void* args[] = {&src, &dst, &words, &ns};
+    return cudaLaunchKernel(reinterpret_cast<const void*>(kernel_), dim3(264), dim3(256), args, 0,
+                            stream);
+  }
+
+ private:
+  bool supported_ = false;
+  std::string error_;
+  std::vector<char> cubin_;
+  cudaLibrary_t library_ = nullptr;
+  cudaKernel_t kernel_ = nullptr;
+};
+
+// args.dependent_launch = 1: the call's first kernel may start while the previous kernel on the
+// stream drains, and must still see everything that kernel wrote. The producer poisons nothing
+// itself; the rows are poisoned (NaN) before it runs, it lets its dependents start at once and
+// writes the real rows only after 30 us, so a combine kernel that touched memory before its wait
+// would sum NaN. Every path: token-major and gather map at decode and prefill geometry, the token
+// index's one-token kernel, single launch and list chain (whose clear must wait too). The result
+// must be bitwise a plain call's, and so must a CUDA graph replay of the same pair.
+TEST_F(CombineGpu, DependentLaunchSeesThePreviousKernelsWrites) {
+  const Pools& p = pools();
+  const Producer producer;
+  if (!producer.supported()) GTEST_SKIP() << "programmatic dependent launch needs sm_90 or newer";
+  ASSERT_TRUE(producer.error().empty()) << producer.error();
+  moejit_runtime_t rt = memory_only_runtime();
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const struct {
+    moejit_layout layout;
+    int64_t tokens, top_k;
+  } setups[] = {{MOEJIT_LAYOUT_TOKEN_MAJOR, 1, 8},  {MOEJIT_LAYOUT_TOKEN_MAJOR, 512, 2},
+                {MOEJIT_LAYOUT_GATHER_MAP, 32, 8},  {MOEJIT_LAYOUT_GATHER_MAP, 512, 8},
+                {MOEJIT_LAYOUT_TOKEN_INDEX, 1, 8},  {MOEJIT_LAYOUT_TOKEN_INDEX, 33, 8},
+                {MOEJIT_LAYOUT_TOKEN_INDEX, 600, 8}};
+  for (const auto& setup : setups) {
+    const moejit_layout layout = setup.layout;
+    SCOPED_TRACE(std::string(layout_str(layout)) + " T=" + std::to_string(setup.tokens) +
+                 " K=" + std::to_string(setup.top_k));
+    const int64_t T = setup.tokens, K = setup.top_k, H = 7168;
+    Rng rng(777);
+    Case c{layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, H, T, K, 1};
+    c.random_routing = layout == MOEJIT_LAYOUT_TOKEN_INDEX;
+    const Routing routing = make_routing(c, rng);
+    const size_t idx_bytes = std::max<size_t>(routing.index_values.size(), 1) * 4;
+    const size_t row_bytes = static_cast<size_t>(routing.rows * H * 2);
+    const size_t out_bytes = static_cast<size_t>(T * H * 2);
+    void *indices, *rows, *out, *workspace = nullptr;
+    CUDA_OK(cudaMalloc(&indices, idx_bytes));
+    CUDA_OK(cudaMalloc(&rows, row_bytes));
+    CUDA_OK(cudaMalloc(&out, out_bytes));
+    std::vector<int32_t> idx(routing.index_values.begin(), routing.index_values.end());
+    // Copies on the test's stream: a plain cudaMemcpy runs on the legacy stream, which a
+    // non-blocking stream does not wait for.
+    if (!idx.empty())
+      CUDA_OK(cudaMemcpyAsync(indices, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice, stream));
+    const void* src = p.device[MOEJIT_DTYPE_BFLOAT16];  // the producer copies the pool's first rows
+    moejit_combine_args a;
+    moejit_combine_args_init(&a);
+    a.layout = layout;
+    a.num_tokens = T;
+    a.top_k = K;
+    a.num_rows = routing.rows;
+    a.hidden_dim = H;
+    a.expert_hidden = rows;
+    a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
+    a.gates = p.gates_device;
+    a.indices = layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? nullptr : indices;
+    a.out = out;
+    a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+    size_t ws = 0;
+    ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
+    if (ws) {
+      CUDA_OK(cudaMalloc(&workspace, ws));
+      CUDA_OK(cudaMemsetAsync(workspace, 0x7f, ws, stream));  // any contents
+      a.workspace = workspace;
+      a.workspace_bytes = ws;
+    }
+    // The reference: a plain call on the real rows.
+    CUDA_OK(cudaMemcpyAsync(rows, src, row_bytes, cudaMemcpyDeviceToDevice, stream));
+    ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS)
+        << moejit_last_error_message();
+    CUDA_OK(cudaStreamSynchronize(stream));
+    std::vector<uint8_t> expected(out_bytes), got(out_bytes);
+    CUDA_OK(cudaMemcpy(expected.data(), out, out_bytes, cudaMemcpyDeviceToHost));
+
+    // Where got differs from expected: how many bf16 elements, how many of them NaN (poison read),
+    // and the first one.
+    auto describe_difference = [&] {
+      int64_t differ = 0, nan = 0, first = -1;
+      for (size_t i = 0; i + 1 < out_bytes; i += 2)
+        if (std::memcmp(&got[i], &expected[i], 2) != 0) {
+          ++differ;
+          if (first < 0) first = static_cast<int64_t>(i / 2);
+          if (std::isnan(decode(got.data(), MOEJIT_DTYPE_BFLOAT16, i / 2))) ++nan;
+        }
+      return std::to_string(differ) + " elements differ (" + std::to_string(nan) +
+             " NaN), the first at element " + std::to_string(first);
+    };
+    auto poison = [&] {
+      CUDA_OK(cudaMemsetAsync(rows, 0xff, row_bytes, stream));
+      CUDA_OK(cudaMemsetAsync(out, 0xff, out_bytes, stream));
+      CUDA_OK(cudaStreamSynchronize(stream));
+    };
+    // Control: the same sequence with a plain launch.
+    poison();
+    CUDA_OK(producer.launch(stream, src, rows, row_bytes, 30.0));
+    ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS)
+        << moejit_last_error_message();
+    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost));
+    EXPECT_TRUE(got == expected) << "plain launch after the producer: " << describe_difference();
+    a.dependent_launch = 1;
+    for (int round = 0; round < 3; ++round) {
+      poison();
+      CUDA_OK(producer.launch(stream, src, rows, row_bytes, 30.0));
+      ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS)
+          << moejit_last_error_message();
+      CUDA_OK(cudaStreamSynchronize(stream));
+      CUDA_OK(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost));
+      EXPECT_TRUE(got == expected) << "round " << round << ": " << describe_difference();
+    }
+    // The same pair captured in a graph: the programmatic edge must hold there too.
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    CUDA_OK(producer.launch(stream, src, rows, row_bytes, 30.0));
+    ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS)
+        << moejit_last_error_message();
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    poison();
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost));
+    EXPECT_TRUE(got == expected) << "graph replay: " << describe_difference();
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaFree(indices);
+    cudaFree(rows);
+    cudaFree(out);
     if (workspace) cudaFree(workspace);
   }
   cudaStreamDestroy(stream);

@@ -32,6 +32,7 @@ int main(void) {
   FIELD(moejit_combine_args, accumulate)
   FIELD(moejit_combine_args, workspace)
   FIELD(moejit_combine_args, workspace_bytes)
+  FIELD(moejit_combine_args, dependent_launch)
   first = 1;
   printf("}},\n \"moejit_runtime_options\": {\"sizeof\": %zu, \"fields\": {",
          sizeof(moejit_runtime_options));

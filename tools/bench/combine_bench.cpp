@@ -5,6 +5,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "helper_kernels.h"
+
 namespace moejit_bench {
 namespace {
 
@@ -157,7 +159,127 @@ CaseResult run_layout(const HostInputs& in, const DeviceInputs& d, moejit_layout
   return r;
 }
 
+// Median microseconds per step of a CUDA graph of `steps` steps, each enqueued by step().
+double graph_us_per_step(cudaStream_t stream, int steps, int replays,
+                         const std::function<void()>& step) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    for (int i = 0; i < steps; ++i) step();
+  } catch (...) {
+    cudaStreamEndCapture(stream, &graph);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    throw;
+  }
+  BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
+  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t start = nullptr, stop = nullptr;
+  BENCH_CUDA(cudaEventCreate(&start));
+  BENCH_CUDA(cudaEventCreate(&stop));
+  std::vector<double> us;
+  for (int r = 0; r < replays + 3; ++r) {  // three untimed replays first
+    BENCH_CUDA(cudaEventRecord(start, stream));
+    BENCH_CUDA(cudaGraphLaunch(exec, stream));
+    BENCH_CUDA(cudaEventRecord(stop, stream));
+    BENCH_CUDA(cudaEventSynchronize(stop));
+    float ms = 0.0f;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    if (r >= 3) us.push_back(ms * 1e3 / steps);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  return median(us);
+}
+
 }  // namespace
+
+std::vector<PipelineResult> run_pipeline(const Shape& shape,
+                                         const std::vector<moejit_layout>& layouts,
+                                         const BenchSettings& settings,
+                                         const HelperKernels& helpers, cudaStream_t stream) {
+  constexpr int kSteps = 100, kReplays = 15;
+  constexpr double kProducerUs = 2.0;
+  const HostInputs in = make_inputs(shape, settings.seed);
+  const DeviceInputs d(in);
+  const size_t row_bytes = static_cast<size_t>(shape.rows() * shape.hidden) *
+                           static_cast<size_t>(dtype_bytes(shape.in_dtype));
+  DeviceBuffer pristine(row_bytes);
+  std::vector<PipelineResult> results;
+  for (moejit_layout layout : layouts) {
+    PipelineResult r;
+    r.shape = shape;
+    r.layout = layout;
+    moejit_combine_args args = args_for(shape, layout, d);
+    DeviceBuffer workspace;
+    size_t workspace_bytes = 0;
+    if (moejit_combine_workspace_size(&args, &workspace_bytes) != MOEJIT_SUCCESS) {
+      r.error = std::string("moejit_combine_workspace_size: ") + moejit_last_error_message();
+      results.push_back(r);
+      continue;
+    }
+    if (workspace_bytes > 0) {
+      workspace = DeviceBuffer(workspace_bytes);
+      args.workspace = workspace.get();
+      args.workspace_bytes = workspace_bytes;
+    }
+    void* rows = const_cast<void*>(args.expert_hidden);  // what the producer rewrites
+    // On the bench's stream: a plain cudaMemcpy would run on the legacy stream, which the
+    // bench's non-blocking stream does not wait for.
+    BENCH_CUDA(cudaMemcpyAsync(pristine.get(), rows, row_bytes, cudaMemcpyDeviceToDevice, stream));
+    const size_t out_bytes = d.out.bytes();
+    try {
+      // The reference: a plain call on the rows as they are (also compiles, outside any graph).
+      combine(args, stream);
+      BENCH_CUDA(cudaStreamSynchronize(stream));
+      std::vector<uint8_t> expected(out_bytes), got(out_bytes);
+      d.out.download(expected.data(), out_bytes);
+
+      auto step = [&](bool dependent, int what) {  // what: 0 producer only, 1 combine, 2 empty
+        helpers.launch_produce(stream, pristine.get(), rows, row_bytes, kProducerUs, dependent);
+        if (what == 1) {
+          moejit_combine_args a = args;
+          a.dependent_launch = dependent ? 1 : 0;
+          combine(a, stream);
+        } else if (what == 2) {
+          helpers.launch_empty_ex(stream, dependent);
+        }
+      };
+      // The dependent step must see the producer's rows: poison them (NaN in every dtype), run one
+      // step, compare bitwise with the reference. A combine that read before the producer's
+      // writes were visible would sum NaN or stale bytes.
+      BENCH_CUDA(cudaMemsetAsync(rows, 0xff, row_bytes, stream));
+      BENCH_CUDA(cudaMemsetAsync(d.out.get(), 0xff, out_bytes, stream));
+      step(true, 1);
+      BENCH_CUDA(cudaStreamSynchronize(stream));
+      d.out.download(got.data(), out_bytes);
+      r.correct = std::memcmp(expected.data(), got.data(), out_bytes) == 0;
+
+      for (int dependent = 0; dependent < 2; ++dependent) {
+        const bool dep = dependent != 0;
+        double* producer = dep ? &r.producer_dependent_us : &r.producer_plain_us;
+        double* with_combine = dep ? &r.combine_dependent_us : &r.combine_plain_us;
+        double* with_empty = dep ? &r.empty_dependent_us : &r.empty_plain_us;
+        *producer = graph_us_per_step(stream, kSteps, kReplays, [&] { step(dep, 0); });
+        *with_combine =
+            graph_us_per_step(stream, kSteps, kReplays, [&] { step(dep, 1); }) - *producer;
+        *with_empty =
+            graph_us_per_step(stream, kSteps, kReplays, [&] { step(dep, 2); }) - *producer;
+      }
+      d.out.download(got.data(), out_bytes);
+      r.correct = r.correct && std::memcmp(expected.data(), got.data(), out_bytes) == 0;
+    } catch (const CombineFailed& e) {
+      r.error = e.what();
+      cudaStreamSynchronize(stream);
+    }
+    BENCH_CUDA(cudaMemcpyAsync(rows, pristine.get(), row_bytes, cudaMemcpyDeviceToDevice, stream));
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    results.push_back(r);
+  }
+  return results;
+}
 
 const char* layout_text(moejit_layout layout) {
   return moejit::layout_name(layout);

@@ -1,8 +1,10 @@
 #include "helper_kernels.h"
 
 #include <chrono>
+#include <stdexcept>
 
 #include "driver.h"
+#include "producer_source.h"
 
 namespace moejit_bench {
 namespace {
@@ -20,6 +22,7 @@ extern "C" __global__ void moejit_bench_spin(unsigned long long nanoseconds) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
   } while (now - start < nanoseconds);
 }
+
 )";
 
 }  // namespace
@@ -27,7 +30,7 @@ extern "C" __global__ void moejit_bench_spin(unsigned long long nanoseconds) {
 HelperKernels::HelperKernels(const moejit::Target& target, bool load) {
   moejit::CompileRequest request;
   request.program_name = "moejit_bench_helpers.cu";
-  request.source = kSource;
+  request.source = std::string(kSource) + kProducerSource;
   request.options = moejit::compile_options(target);
   request.target = target;
   const auto start = std::chrono::steady_clock::now();
@@ -41,6 +44,8 @@ HelperKernels::HelperKernels(const moejit::Target& target, bool load) {
                      "cuModuleGetFunction(moejit_bench_empty)");
   moejit::check_cuda(d.cuModuleGetFunction(&spin_, module_, "moejit_bench_spin"),
                      "cuModuleGetFunction(moejit_bench_spin)");
+  moejit::check_cuda(d.cuModuleGetFunction(&produce_, module_, "moejit_bench_produce"),
+                     "cuModuleGetFunction(moejit_bench_produce)");
 }
 
 HelperKernels::~HelperKernels() {
@@ -51,6 +56,40 @@ void HelperKernels::launch_empty(CUstream stream) const {
   moejit::check_cuda(
       moejit::driver().cuLaunchKernel(empty_, 1, 1, 1, 1, 1, 1, 0, stream, nullptr, nullptr),
       "cuLaunchKernel(moejit_bench_empty)");
+}
+
+namespace {
+
+// cuLaunchKernelEx, as a programmatic dependent of the stream's previous kernel if `dependent`.
+void launch_ex(CUfunction f, unsigned blocks, unsigned threads, CUstream stream, void** args,
+               bool dependent, const char* what) {
+  CUlaunchAttribute attr{};
+  attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attr.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig config{};
+  config.gridDimX = blocks;
+  config.gridDimY = config.gridDimZ = 1;
+  config.blockDimX = threads;
+  config.blockDimY = config.blockDimZ = 1;
+  config.hStream = stream;
+  config.attrs = dependent ? &attr : nullptr;
+  config.numAttrs = dependent ? 1 : 0;
+  moejit::check_cuda(moejit::driver().cuLaunchKernelEx(&config, f, args, nullptr), what);
+}
+
+}  // namespace
+
+void HelperKernels::launch_empty_ex(CUstream stream, bool dependent) const {
+  launch_ex(empty_, 1, 1, stream, nullptr, dependent, "cuLaunchKernelEx(moejit_bench_empty)");
+}
+
+void HelperKernels::launch_produce(CUstream stream, const void* src, void* dst, size_t bytes,
+                                   double microseconds, bool dependent) const {
+  if (bytes % 16 != 0) throw std::runtime_error("moejit_bench_produce: bytes must be 16-aligned");
+  unsigned long long words = bytes / 16;
+  unsigned long long nanoseconds = static_cast<unsigned long long>(microseconds * 1e3);
+  void* args[] = {&src, &dst, &words, &nanoseconds};
+  launch_ex(produce_, 528, 256, stream, args, dependent, "cuLaunchKernelEx(moejit_bench_produce)");
 }
 
 void HelperKernels::launch_spin(CUstream stream, double microseconds) const {

@@ -1,11 +1,14 @@
 // The bench's own kernels, compiled through the library's NVRTC path (src/nvrtc_compiler.h) and
 // launched with the library's driver table, exactly as libmoejit builds and launches a combine:
 //   empty  the floor of any launch, timed like the combine ("ratio to an empty kernel");
-//   spin   keeps the GPU busy for a while without touching memory (separates L2-warm runs).
+//   spin   keeps the GPU busy for a while without touching memory (separates L2-warm runs);
+//   produce  the kernel before the combine in a decode step (--pipeline): allows its dependents
+//          at once, spins, then copies the combine's input rows into place.
 #pragma once
 
 #include <cuda.h>
 
+#include <cstddef>
 #include <string>
 
 #include "nvrtc_compiler.h"
@@ -22,6 +25,11 @@ class HelperKernels {
 
   void launch_empty(CUstream stream) const;
   void launch_spin(CUstream stream, double microseconds) const;
+  // Through cuLaunchKernelEx: as a programmatic dependent of the stream's previous kernel if
+  // `dependent`, else a plain launch.
+  void launch_empty_ex(CUstream stream, bool dependent) const;
+  void launch_produce(CUstream stream, const void* src, void* dst, size_t bytes,
+                      double microseconds, bool dependent) const;
 
   double compile_ms() const { return compile_ms_; }
   size_t image_bytes() const { return image_.size(); }
@@ -32,6 +40,7 @@ class HelperKernels {
   CUmodule module_ = nullptr;
   CUfunction empty_ = nullptr;
   CUfunction spin_ = nullptr;
+  CUfunction produce_ = nullptr;
 };
 
 }  // namespace moejit_bench

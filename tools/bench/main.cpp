@@ -36,6 +36,7 @@ struct Options {
   bool extra = true;  // the other models' shapes
   bool jit = false;
   bool jit_only = false;
+  bool pipeline = false;  // decode steps in a CUDA graph, plain vs programmatic dependent launch
   std::vector<moejit_layout> layouts;
   std::string json_path;
   BenchSettings bench;
@@ -58,6 +59,9 @@ void usage(FILE* to) {
       "  --seed N                        input seed\n"
       "  --jit                           also measure compile, disk-cache and launch costs\n"
       "  --jit-only                      only the JIT figures\n"
+      "  --pipeline                      also time decode-sized cases (T <= 64) as steps of a\n"
+      "                                  CUDA graph after a producer kernel: plain launches vs\n"
+      "                                  args.dependent_launch = 1\n"
       "  --json PATH                     write every figure as JSON\n"
       "Exit: 0 ok (or no GPU found), 1 CUDA/environment failure, 2 usage, 3 a check "
       "failed.\n");
@@ -174,6 +178,8 @@ bool parse(int argc, char** argv, Options* o) {
       o->jit = true;
     } else if (a == "--jit-only") {
       o->jit = o->jit_only = true;
+    } else if (a == "--pipeline") {
+      o->pipeline = true;
     } else if (a == "--json") {
       if (!next(&o->json_path)) return false;
     } else if (a == "--reps" || a == "--warmup" || a == "--check-tokens" || a == "--seed") {
@@ -253,9 +259,29 @@ void print_result(const CaseResult& r) {
               r.pct_ceiling, r.ratio_empty, r.same_size_copy_us, r.rel_err, check.c_str());
 }
 
+void print_pipeline(const std::vector<PipelineResult>& results) {
+  std::printf(
+      "\nDecode steps in a CUDA graph (--pipeline): a producer kernel that writes the rows and "
+      "allows its dependents at once, then the combine; us per step added to the producer's "
+      "(2 us spin + copy), 100 steps, median of 15 replays\n");
+  std::printf("%-12s %-22s %9s %9s %7s %9s %9s %9s  %s\n", "layout", "shape", "producer", "plain",
+              "PDL", "saved", "empty", "empty_PDL", "check");
+  for (const PipelineResult& r : results) {
+    if (!r.error.empty()) {
+      std::printf("%-12s %-22s FAILED: %s\n", layout_text(r.layout), r.shape.describe().c_str(),
+                  r.error.c_str());
+      continue;
+    }
+    std::printf("%-12s %-22s %9.2f %9.2f %7.2f %9.2f %9.2f %9.2f  %s\n", layout_text(r.layout),
+                r.shape.describe().c_str(), r.producer_plain_us, r.combine_plain_us,
+                r.combine_dependent_us, r.combine_plain_us - r.combine_dependent_us,
+                r.empty_plain_us, r.empty_dependent_us, r.correct ? "ok" : "FAIL");
+  }
+}
+
 void write_json(const std::string& path, const std::string& device, const Floors& floors,
                 const std::vector<CaseResult>& results, const JitFigures* jit,
-                const std::string& error) {
+                const std::string& error, const std::vector<PipelineResult>& pipeline = {}) {
   JsonWriter j;
   j.begin_object();
   j.member("tool", "moejit-bench");
@@ -335,6 +361,30 @@ void write_json(const std::string& path, const std::string& device, const Floors
     j.member("bare_launch_host_us", jit->bare_launch_host_us);
     j.member("host_overhead_us", jit->moe_combine_host_us - jit->bare_launch_host_us);
     j.end_object();
+  }
+  if (!pipeline.empty()) {
+    j.key("pipeline").begin_array();
+    for (const PipelineResult& r : pipeline) {
+      j.begin_object();
+      j.member("layout", layout_text(r.layout));
+      j.member("T", r.shape.tokens);
+      j.member("K", r.shape.top_k);
+      j.member("H", r.shape.hidden);
+      j.member("in_dtype", dtype_text(r.shape.in_dtype));
+      if (!r.error.empty()) {
+        j.member("error", r.error);
+      } else {
+        j.member("producer_us", r.producer_plain_us);
+        j.member("producer_dependent_us", r.producer_dependent_us);
+        j.member("combine_plain_us", r.combine_plain_us);
+        j.member("combine_dependent_us", r.combine_dependent_us);
+        j.member("empty_plain_us", r.empty_plain_us);
+        j.member("empty_dependent_us", r.empty_dependent_us);
+        j.member("correct", r.correct);
+      }
+      j.end_object();
+    }
+    j.end_array();
   }
   moejit_stats stats;
   stats.struct_size = sizeof(stats);
@@ -417,6 +467,17 @@ int run(const Options& o) {
     }
   }
 
+  std::vector<PipelineResult> pipeline;
+  if (o.pipeline) {
+    for (const Shape& shape : o.cases)
+      if (shape.tokens <= 64)
+        for (const PipelineResult& r : run_pipeline(shape, o.layouts, o.bench, helpers, stream)) {
+          all_correct = all_correct && r.error.empty() && r.correct;
+          pipeline.push_back(r);
+        }
+    print_pipeline(pipeline);
+  }
+
   if (o.jit) {
     measure_disk_cache(target, true, &jit);
     measure_calls(stream, &jit);
@@ -431,7 +492,8 @@ int run(const Options& o) {
     for (const CaseResult& r : results) print_result(r);
   }
   if (!o.json_path.empty())
-    write_json(o.json_path, device, floors, results, o.jit ? &jit : nullptr, "");
+    write_json(o.json_path, device, floors, results, o.jit ? &jit : nullptr, "", pipeline);
+  if (!pipeline.empty()) print_pipeline(pipeline);  // last, with the summary
   BENCH_CUDA(cudaStreamDestroy(stream));
   if (!all_correct) {
     std::printf("moejit-bench: at least one case FAILED its check (see above)\n");
