@@ -406,7 +406,6 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   p.num_rows = a.num_rows;
   p.scale = a.scale;
   p.accumulate = a.accumulate;
-  plan.dependent_launch = a.dependent_launch != 0;
   p.dependent_launch = a.dependent_launch;  // the kernels wait (and allow) only then
 
   if (s.token_index()) {
@@ -488,26 +487,11 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
   auto launch = [&](const LoadedKernels& module, int kernel, unsigned gx, unsigned gy,
                     unsigned threads, bool dependent, const char* name) {
     const bool programmatic = dependent && module.dependent_launch;
-    CUresult result;
-    if (programmatic) {
-      CUlaunchAttribute attr{};
-      attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-      attr.value.programmaticStreamSerializationAllowed = 1;
-      CUlaunchConfig config{};
-      config.gridDimX = gx;
-      config.gridDimY = gy;
-      config.gridDimZ = 1;
-      config.blockDimX = threads;
-      config.blockDimY = 1;
-      config.blockDimZ = 1;
-      config.hStream = stream;
-      config.attrs = &attr;
-      config.numAttrs = 1;
-      result = d.cuLaunchKernelEx(&config, module.functions[kernel], kernel_args, nullptr);
-    } else {
-      result = d.cuLaunchKernel(module.functions[kernel], gx, gy, 1, threads, 1, 1, 0, stream,
-                                kernel_args, nullptr);
-    }
+    const CUresult result =
+        programmatic
+            ? launch_programmatic(d, module.functions[kernel], gx, gy, threads, stream, kernel_args)
+            : d.cuLaunchKernel(module.functions[kernel], gx, gy, 1, threads, 1, 1, 0, stream,
+                               kernel_args, nullptr);
     if (result != CUDA_SUCCESS)  // the call's name is built only for the message
       check_cuda(result,
                  (std::string(programmatic ? "cuLaunchKernelEx(" : "cuLaunchKernel(") + name + ")")
@@ -515,7 +499,7 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
     stats.launches.fetch_add(1, std::memory_order_relaxed);
   };
   const unsigned threads = static_cast<unsigned>(plan.spec.block_threads());
-  const bool first_dependent = plan.dependent_launch;
+  const bool first_dependent = plan.params.dependent_launch != 0;  // the caller asked
   if (plan.token_scan() || plan.one_token()) {
     launch(kernels, kCombineKernel, plan.combine_grid_x, plan.combine_grid_y, threads,
            first_dependent, plan.one_token() ? "combine_one_token" : "combine_scan");

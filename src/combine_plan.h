@@ -27,9 +27,6 @@ struct CombinePlan {
   // each), y the chunks of spec.tpt * spec.upt vector slots per row.
   unsigned int combine_grid_x = 0;
   unsigned int combine_grid_y = 0;
-  // The call's first kernel as a programmatic dependent of the stream's previous kernel
-  // (moejit_combine_args::dependent_launch).
-  bool dependent_launch = false;
   unsigned int clear_blocks = 0;  // token-index helpers (0 for other layouts)
   unsigned int assign_blocks = 0;
   // Token index, few rows: the single-launch scan kernel (spec.scan).

@@ -81,6 +81,24 @@ const DriverApi& driver() {
   return loaded.api;
 }
 
+CUresult launch_programmatic(const DriverApi& d, CUfunction f, unsigned grid_x, unsigned grid_y,
+                             unsigned threads, CUstream stream, void** args) {
+  CUlaunchAttribute attr{};
+  attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attr.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig config{};
+  config.gridDimX = grid_x;
+  config.gridDimY = grid_y;
+  config.gridDimZ = 1;
+  config.blockDimX = threads;
+  config.blockDimY = 1;
+  config.blockDimZ = 1;
+  config.hStream = stream;
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  return d.cuLaunchKernelEx(&config, f, args, nullptr);
+}
+
 std::string describe_cuda_error(const char* call, CUresult result) {
   const char* name = nullptr;
   const char* text = nullptr;

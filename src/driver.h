@@ -37,6 +37,13 @@ struct DriverApi {
 // reports no device. Thread-safe; the result is cached (including failure).
 const DriverApi& driver();
 
+// Launches f on a grid_x x grid_y grid of `threads`-thread blocks as a programmatic dependent of
+// the stream's previous kernel (cuLaunchKernelEx with programmatic stream serialization): its
+// blocks may start while that kernel drains, so f must wait (griddepcontrol.wait) before it
+// touches memory. d.cuLaunchKernelEx must be non-null (driver 12.0+).
+CUresult launch_programmatic(const DriverApi& d, CUfunction f, unsigned grid_x, unsigned grid_y,
+                             unsigned threads, CUstream stream, void** args);
+
 // "cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE (invalid argument)"
 std::string describe_cuda_error(const char* call, CUresult result);
 

@@ -75,6 +75,20 @@ moejit_combine_args args_for(const Shape& s, moejit_layout layout, const DeviceI
   return a;
 }
 
+// Allocates the workspace args needs (the token index's) into *workspace and points args at it.
+// Returns the error message if the library refuses the shape, else "".
+std::string attach_workspace(moejit_combine_args* args, DeviceBuffer* workspace) {
+  size_t bytes = 0;
+  if (moejit_combine_workspace_size(args, &bytes) != MOEJIT_SUCCESS)
+    return std::string("moejit_combine_workspace_size: ") + moejit_last_error_message();
+  if (bytes > 0) {
+    *workspace = DeviceBuffer(bytes);
+    args->workspace = workspace->get();
+    args->workspace_bytes = bytes;
+  }
+  return "";
+}
+
 // Percent of the copy ceiling that moving the case's minimal bytes in `us` reaches (0 without a
 // ceiling): the combine's figure and its same-size copy's.
 double pct_of_ceiling(const Shape& s, double us, const Floors& floors) {
@@ -109,18 +123,9 @@ CaseResult run_layout(const HostInputs& in, const DeviceInputs& d, moejit_layout
   r.layout = layout;
   cudaStream_t stream = timer.stream();
   moejit_combine_args args = args_for(s, layout, d);
-
   DeviceBuffer workspace;
-  size_t workspace_bytes = 0;
-  if (moejit_combine_workspace_size(&args, &workspace_bytes) != MOEJIT_SUCCESS) {
-    r.error = std::string("moejit_combine_workspace_size: ") + moejit_last_error_message();
-    return r;
-  }
-  if (workspace_bytes > 0) {
-    workspace = DeviceBuffer(workspace_bytes);
-    args.workspace = workspace.get();
-    args.workspace_bytes = workspace_bytes;
-  }
+  r.error = attach_workspace(&args, &workspace);
+  if (!r.error.empty()) return r;
 
   const size_t out_bytes = d.out.bytes();
   try {
@@ -214,16 +219,10 @@ std::vector<PipelineResult> run_pipeline(const Shape& shape,
     r.layout = layout;
     moejit_combine_args args = args_for(shape, layout, d);
     DeviceBuffer workspace;
-    size_t workspace_bytes = 0;
-    if (moejit_combine_workspace_size(&args, &workspace_bytes) != MOEJIT_SUCCESS) {
-      r.error = std::string("moejit_combine_workspace_size: ") + moejit_last_error_message();
+    r.error = attach_workspace(&args, &workspace);
+    if (!r.error.empty()) {
       results.push_back(r);
       continue;
-    }
-    if (workspace_bytes > 0) {
-      workspace = DeviceBuffer(workspace_bytes);
-      args.workspace = workspace.get();
-      args.workspace_bytes = workspace_bytes;
     }
     void* rows = const_cast<void*>(args.expert_hidden);  // what the producer rewrites
     // On the bench's stream: a plain cudaMemcpy would run on the legacy stream, which the

@@ -22,7 +22,6 @@ extern "C" __global__ void moejit_bench_spin(unsigned long long nanoseconds) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
   } while (now - start < nanoseconds);
 }
-
 )";
 
 }  // namespace
@@ -60,27 +59,23 @@ void HelperKernels::launch_empty(CUstream stream) const {
 
 namespace {
 
-// cuLaunchKernelEx, as a programmatic dependent of the stream's previous kernel if `dependent`.
-void launch_ex(CUfunction f, unsigned blocks, unsigned threads, CUstream stream, void** args,
+// As a programmatic dependent of the stream's previous kernel if `dependent` (the library's own
+// launch helper), else a plain launch.
+void launch_1d(CUfunction f, unsigned blocks, unsigned threads, CUstream stream, void** args,
                bool dependent, const char* what) {
-  CUlaunchAttribute attr{};
-  attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-  attr.value.programmaticStreamSerializationAllowed = 1;
-  CUlaunchConfig config{};
-  config.gridDimX = blocks;
-  config.gridDimY = config.gridDimZ = 1;
-  config.blockDimX = threads;
-  config.blockDimY = config.blockDimZ = 1;
-  config.hStream = stream;
-  config.attrs = dependent ? &attr : nullptr;
-  config.numAttrs = dependent ? 1 : 0;
-  moejit::check_cuda(moejit::driver().cuLaunchKernelEx(&config, f, args, nullptr), what);
+  const moejit::DriverApi& d = moejit::driver();
+  if (dependent && d.cuLaunchKernelEx == nullptr)
+    throw std::runtime_error(std::string(what) + ": the driver has no cuLaunchKernelEx");
+  moejit::check_cuda(
+      dependent ? moejit::launch_programmatic(d, f, blocks, 1, threads, stream, args)
+                : d.cuLaunchKernel(f, blocks, 1, 1, threads, 1, 1, 0, stream, args, nullptr),
+      what);
 }
 
 }  // namespace
 
 void HelperKernels::launch_empty_ex(CUstream stream, bool dependent) const {
-  launch_ex(empty_, 1, 1, stream, nullptr, dependent, "cuLaunchKernelEx(moejit_bench_empty)");
+  launch_1d(empty_, 1, 1, stream, nullptr, dependent, "launch(moejit_bench_empty)");
 }
 
 void HelperKernels::launch_produce(CUstream stream, const void* src, void* dst, size_t bytes,
@@ -89,7 +84,7 @@ void HelperKernels::launch_produce(CUstream stream, const void* src, void* dst, 
   unsigned long long words = bytes / 16;
   unsigned long long nanoseconds = static_cast<unsigned long long>(microseconds * 1e3);
   void* args[] = {&src, &dst, &words, &nanoseconds};
-  launch_ex(produce_, 528, 256, stream, args, dependent, "cuLaunchKernelEx(moejit_bench_produce)");
+  launch_1d(produce_, 528, 256, stream, args, dependent, "launch(moejit_bench_produce)");
 }
 
 void HelperKernels::launch_spin(CUstream stream, double microseconds) const {

@@ -25,8 +25,8 @@ class HelperKernels {
 
   void launch_empty(CUstream stream) const;
   void launch_spin(CUstream stream, double microseconds) const;
-  // Through cuLaunchKernelEx: as a programmatic dependent of the stream's previous kernel if
-  // `dependent`, else a plain launch.
+  // As a programmatic dependent of the stream's previous kernel if `dependent`, else a plain
+  // launch.
   void launch_empty_ex(CUstream stream, bool dependent) const;
   void launch_produce(CUstream stream, const void* src, void* dst, size_t bytes,
                       double microseconds, bool dependent) const;
