@@ -5,6 +5,7 @@
 #include <new>
 #include <string>
 
+#include "c_enum.h"
 #include "combine_plan.h"
 #include "error.h"
 #include "logging.h"
@@ -59,7 +60,7 @@ const char* moejit_version_string(void) {
 }
 
 const char* moejit_status_name(moejit_status status) {
-  switch (status) {
+  switch (moejit::c_enum_value(status)) {  // any int from C (src/c_enum.h)
 #define MOEJIT_NAME_CASE_(name, value, description) \
   case name:                                        \
     return #name;
@@ -70,7 +71,7 @@ const char* moejit_status_name(moejit_status status) {
 }
 
 const char* moejit_status_description(moejit_status status) {
-  switch (status) {
+  switch (moejit::c_enum_value(status)) {
 #define MOEJIT_DESCRIPTION_CASE_(name, value, description) \
   case name:                                               \
     return description;

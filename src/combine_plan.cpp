@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "c_enum.h"
 #include "driver.h"
 #include "error.h"
 
@@ -226,17 +227,17 @@ moejit_combine_args validated_shape(const moejit_combine_args* in) {
   std::memcpy(&a, in, in->struct_size);
   a.struct_size = sizeof(a);
 
-  check_enum("args->layout", a.layout, 2,
+  check_enum("args->layout", c_enum_value(a.layout), 2,
              "must be MOEJIT_LAYOUT_TOKEN_MAJOR (0), MOEJIT_LAYOUT_GATHER_MAP (1) or "
              "MOEJIT_LAYOUT_TOKEN_INDEX (2)");
-  check_enum("args->expert_dtype", a.expert_dtype, 2,
+  check_enum("args->expert_dtype", c_enum_value(a.expert_dtype), 2,
              "must be MOEJIT_DTYPE_FLOAT32 (0), MOEJIT_DTYPE_FLOAT16 (1) or "
              "MOEJIT_DTYPE_BFLOAT16 (2)");
-  check_enum("args->out_dtype", a.out_dtype, 2,
+  check_enum("args->out_dtype", c_enum_value(a.out_dtype), 2,
              "must be MOEJIT_DTYPE_FLOAT32 (0), MOEJIT_DTYPE_FLOAT16 (1) or "
              "MOEJIT_DTYPE_BFLOAT16 (2)");
   if (a.layout != MOEJIT_LAYOUT_TOKEN_MAJOR)
-    check_enum("args->index_type", a.index_type, 1,
+    check_enum("args->index_type", c_enum_value(a.index_type), 1,
                "must be MOEJIT_INDEX_INT32 (0) or MOEJIT_INDEX_INT64 (1)");
   if (a.num_tokens < 0)
     invalid_argument("args->num_tokens", std::to_string(a.num_tokens), "must be >= 0");

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "c_enum.h"
 #include "error.h"
 #include "logging.h"
 
@@ -60,12 +61,13 @@ Settings resolve_settings(const moejit_runtime_options* options) {
   }
 
   Settings s;
-  if (o.cache_mode < MOEJIT_CACHE_MODE_DEFAULT || o.cache_mode > MOEJIT_CACHE_MODE_NO_COMPILE)
-    invalid_argument("options->cache_mode", std::to_string(o.cache_mode),
+  const int cache_mode = c_enum_value(o.cache_mode);
+  if (cache_mode < MOEJIT_CACHE_MODE_DEFAULT || cache_mode > MOEJIT_CACHE_MODE_NO_COMPILE)
+    invalid_argument("options->cache_mode", std::to_string(cache_mode),
                      "must be a moejit_cache_mode (0 default, 1 read-write, 2 read-only, "
                      "3 disabled, 4 no-compile)");
-  if (o.cache_mode != MOEJIT_CACHE_MODE_DEFAULT)
-    s.cache_mode = o.cache_mode;
+  if (cache_mode != MOEJIT_CACHE_MODE_DEFAULT)
+    s.cache_mode = static_cast<moejit_cache_mode>(cache_mode);
   else if (const char* m = env("MOEJIT_CACHE_MODE"))
     s.cache_mode = parse_cache_mode(m);
 
@@ -87,14 +89,16 @@ Settings resolve_settings(const moejit_runtime_options* options) {
     s.cache_max_bytes = v;
   }
 
-  if (o.log_level != MOEJIT_LOG_DEFAULT) {
+  const int log_level = c_enum_value(o.log_level);
+  if (log_level != MOEJIT_LOG_DEFAULT) {
     static const spdlog::level::level_enum levels[] = {
         spdlog::level::trace, spdlog::level::debug,    spdlog::level::info, spdlog::level::warn,
         spdlog::level::err,   spdlog::level::critical, spdlog::level::off};
-    if (o.log_level < MOEJIT_LOG_TRACE || o.log_level > MOEJIT_LOG_OFF)
-      invalid_argument("options->log_level", std::to_string(o.log_level),
+    // 5 is no moejit_log_level (spdlog's "critical", which the library never logs at).
+    if (log_level < MOEJIT_LOG_TRACE || log_level > MOEJIT_LOG_OFF || log_level == 5)
+      invalid_argument("options->log_level", std::to_string(log_level),
                        "must be a moejit_log_level (-1 default, 0 trace .. 4 error, 6 off)");
-    logger().set_level(levels[o.log_level]);
+    logger().set_level(levels[log_level]);
   }
 
   if (o.template_dir != nullptr && *o.template_dir != '\0')
