@@ -5,7 +5,8 @@
 #   racecheck  the tests of the kernels that share lists through shared memory (the token index's
 #              scans, the one-token kernel) and of the launch modes (CUDA graph, dependent launch);
 #              the full matrix under racecheck takes more than five minutes
-# Each tool's output goes to OUTDIR/<tool>.txt; exits non-zero if any tool reports an error.
+# Each run's output goes to OUTDIR/<tool>[-<test>].txt; exits non-zero if any run reports an
+# error or times out.
 #   tools/gpu-sanitize.sh OUTDIR
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -20,19 +21,28 @@ if ! { cmake -B build-gpu "${cfg[@]}" && cmake --build build-gpu --target moejit
   exit 1
 fi
 tests=build-gpu/tests/gpu/moejit_gpu_tests
-shared_memory='CombineGpu.TokenIndex*:CombineGpu.OneToken*:CombineGpu.DroppedSlots*'
-shared_memory+=':CombineGpu.DependentLaunch*:CombineGpu.CudaGraph*'
 failed=()
-run() {  # tool, gtest filter
-  echo "== $1"
-  timeout 600 compute-sanitizer --error-exitcode 9 --print-limit 30 --tool "$1" \
+run() {  # tool, gtest filter, output name, seconds
+  timeout "$4" compute-sanitizer --error-exitcode 9 --print-limit 30 --tool "$1" \
     $([ "$1" = racecheck ] && echo --racecheck-report hazard) "$tests" --gtest_filter="$2" \
-    >"$out/$1.txt" 2>&1 || failed+=("$1")
-  grep -E "OK \]|FAILED|SKIPPED|ERROR SUMMARY|RACECHECK SUMMARY" "$out/$1.txt" | head -n 20
+    >"$out/$3.txt" 2>&1
+  local rc=$?
+  [ $rc -eq 124 ] && echo "$3: timed out after $4 s"
+  [ $rc -ne 0 ] && failed+=("$3")
+  grep -E "OK \]|FAILED|SKIPPED|ERROR SUMMARY|RACECHECK SUMMARY" "$out/$3.txt" | head -n 20
 }
-run memcheck '*'
-run synccheck '*'
-run racecheck "$shared_memory"
+echo "== memcheck"
+run memcheck '*' memcheck 300
+echo "== synccheck"
+run synccheck '*' synccheck 300
+# racecheck one test per process: each takes seconds, but one run of several tests once stalled
+# for minutes on the first of them (the same test alone: 5 s).
+echo "== racecheck"
+for t in TokenIndexWithAHotToken TokenIndexListsPastOneGridOfRows \
+  OneTokenSkipsDroppedRowsWhateverTheyHold DroppedSlotsIgnoreNonFiniteGates \
+  DependentLaunchSeesThePreviousKernelsWrites CudaGraphCaptureAndReplay; do
+  run racecheck "CombineGpu.$t" "racecheck-$t" 120
+done
 if [ ${#failed[@]} -gt 0 ]; then
   echo "== failed: ${failed[*]}"
   exit 1
