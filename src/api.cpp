@@ -119,7 +119,11 @@ moejit_status moejit_runtime_create(const moejit_runtime_options* options,
     if (runtime == nullptr)
       moejit::invalid_argument("runtime", "NULL", "must point to a moejit_runtime_t");
     *runtime = nullptr;
-    *runtime = new moejit::Runtime(moejit::resolve_settings(options));
+    const moejit::Settings settings = moejit::resolve_settings(options);
+    auto* created = new moejit::Runtime(settings);
+    // Only now: a create that fails leaves the logger, which every runtime shares, as it was.
+    moejit::apply_log_level(settings);
+    *runtime = created;
   });
 }
 

@@ -32,6 +32,14 @@ std::string default_cache_dir() {
 
 }  // namespace
 
+void apply_log_level(const Settings& settings) {
+  if (settings.log_level == MOEJIT_LOG_DEFAULT) return;
+  static const spdlog::level::level_enum levels[] = {
+      spdlog::level::trace, spdlog::level::debug,    spdlog::level::info, spdlog::level::warn,
+      spdlog::level::err,   spdlog::level::critical, spdlog::level::off};
+  logger().set_level(levels[settings.log_level]);
+}
+
 const char* cache_mode_name(moejit_cache_mode mode) {
   switch (mode) {
     case MOEJIT_CACHE_MODE_READ_WRITE:
@@ -90,16 +98,12 @@ Settings resolve_settings(const moejit_runtime_options* options) {
   }
 
   const int log_level = c_enum_value(o.log_level);
-  if (log_level != MOEJIT_LOG_DEFAULT) {
-    static const spdlog::level::level_enum levels[] = {
-        spdlog::level::trace, spdlog::level::debug,    spdlog::level::info, spdlog::level::warn,
-        spdlog::level::err,   spdlog::level::critical, spdlog::level::off};
-    // 5 is no moejit_log_level (spdlog's "critical", which the library never logs at).
-    if (log_level < MOEJIT_LOG_TRACE || log_level > MOEJIT_LOG_OFF || log_level == 5)
-      invalid_argument("options->log_level", std::to_string(log_level),
-                       "must be a moejit_log_level (-1 default, 0 trace .. 4 error, 6 off)");
-    logger().set_level(levels[log_level]);
-  }
+  // 5 is no moejit_log_level (spdlog's "critical", which the library never logs at).
+  if (log_level != MOEJIT_LOG_DEFAULT &&
+      (log_level < MOEJIT_LOG_TRACE || log_level > MOEJIT_LOG_OFF || log_level == 5))
+    invalid_argument("options->log_level", std::to_string(log_level),
+                     "must be a moejit_log_level (-1 default, 0 trace .. 4 error, 6 off)");
+  s.log_level = static_cast<moejit_log_level>(log_level);
 
   if (o.template_dir != nullptr && *o.template_dir != '\0')
     s.template_dir = o.template_dir;

@@ -190,6 +190,39 @@ TEST(Api, StatusNamesAndDescriptions) {
   EXPECT_STREQ(moejit_status_description(static_cast<moejit_status>(15)), "unknown status code");
 }
 
+// The logger is shared by every runtime: a create that fails must not change its level. Seen from
+// outside through what it prints: a failing call logs its message at debug level.
+TEST(Api, AFailedCreateLeavesTheLogLevelAsItWas) {
+  auto debug_line_printed = [] {
+    moejit_combine_args a = valid_args();
+    a.hidden_dim = 0;
+    testing::internal::CaptureStderr();
+    EXPECT_EQ(moe_combine(&a, nullptr), MOEJIT_ERROR_INVALID_ARGUMENT);
+    return testing::internal::GetCapturedStderr().find("args->hidden_dim = 0") != std::string::npos;
+  };
+  moejit_runtime_options o;
+  moejit_runtime_options_init(&o);
+  o.log_level = MOEJIT_LOG_WARN;
+  moejit_runtime_t rt = nullptr;
+  ASSERT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_SUCCESS) << moejit_last_error_message();
+  moejit_runtime_destroy(rt);
+  ASSERT_FALSE(debug_line_printed());
+
+  o.log_level = MOEJIT_LOG_DEBUG;
+  o.template_dir = "/nonexistent/moejit/templates";
+  ASSERT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
+  EXPECT_FALSE(debug_line_printed()) << "a failed create changed the log level";
+
+  o.template_dir = nullptr;
+  ASSERT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_SUCCESS) << moejit_last_error_message();
+  moejit_runtime_destroy(rt);
+  EXPECT_TRUE(debug_line_printed()) << "a created runtime's log level did not apply";
+
+  o.log_level = MOEJIT_LOG_WARN;  // back to the default for the other tests
+  ASSERT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_SUCCESS);
+  moejit_runtime_destroy(rt);
+}
+
 TEST(Api, LastErrorIsPerThread) {
   moejit_combine_args a = valid_args();
   a.hidden_dim = 0;
