@@ -21,6 +21,13 @@ constexpr int kShortRowScanThreads = 512;  // token-index single launch, rows sh
 constexpr int kHelperThreads = 256;        // token-index clear / assign
 constexpr unsigned kMaxHelperBlocks = 4096;
 constexpr int64_t kMaxRows = INT32_MAX;  // token-index lists store row ids as int32
+// Far beyond what one launch takes (2^31 - 1 token groups, at most 32 tokens each), and small
+// enough that no size computed from it (slots, lists, workspace bytes) can overflow 64 bits.
+constexpr int64_t kMaxTokens = int64_t{1} << 40;
+// No buffer's extent in bytes (rows x row stride x element size) may exceed this: device
+// addresses have at most 57 bits, and the kernels form row offsets in 64-bit arithmetic that
+// must not wrap.
+constexpr int64_t kMaxExtentBytes = int64_t{1} << 62;
 // Token index, small calls: every block scans all of token_idx for its own tokens (one launch,
 // combine_scan) instead of the list path's clear and assign launches, while that re-reading stays
 // cheaper than those launches: each thread reads at most kScanMaxRowsPerThread entries (a few
@@ -209,6 +216,17 @@ void check_aligned(const char* name, const void* p, size_t bytes, const char* wh
                          " bytes for " + what + ")");
 }
 
+// rows rows of `stride` elements must span at most kMaxExtentBytes: a larger stride names memory
+// no device has, and the kernels' 64-bit row offsets would wrap.
+void check_extent(const char* name, int64_t stride, int64_t rows, const char* rows_name,
+                  int dtype) {
+  const int64_t elem = element_bytes(dtype);
+  if (rows > 0 && stride > kMaxExtentBytes / elem / rows)
+    invalid_argument(name, std::to_string(stride),
+                     std::string("is too large: ") + rows_name + " = " + std::to_string(rows) +
+                         " rows of it span more than 2^62 bytes of " + dtype_name(dtype));
+}
+
 // Copies the caller's struct into a full-size one (defaults for fields an older caller lacks) and
 // checks every shape field. Shared by plan_combine and combine_workspace_bytes.
 moejit_combine_args validated_shape(const moejit_combine_args* in) {
@@ -239,8 +257,9 @@ moejit_combine_args validated_shape(const moejit_combine_args* in) {
   if (a.layout != MOEJIT_LAYOUT_TOKEN_MAJOR)
     check_enum("args->index_type", c_enum_value(a.index_type), 1,
                "must be MOEJIT_INDEX_INT32 (0) or MOEJIT_INDEX_INT64 (1)");
-  if (a.num_tokens < 0)
-    invalid_argument("args->num_tokens", std::to_string(a.num_tokens), "must be >= 0");
+  if (a.num_tokens < 0 || a.num_tokens > kMaxTokens)
+    invalid_argument("args->num_tokens", std::to_string(a.num_tokens),
+                     "must be in 0.." + std::to_string(kMaxTokens) + " (2^40)");
   if (a.hidden_dim < 1 || a.hidden_dim > MOEJIT_MAX_HIDDEN_DIM)
     invalid_argument("args->hidden_dim", std::to_string(a.hidden_dim),
                      "must be in 1.." + std::to_string(MOEJIT_MAX_HIDDEN_DIM));
@@ -273,6 +292,9 @@ moejit_combine_args validated_shape(const moejit_combine_args* in) {
   if (a.out_row_stride < a.hidden_dim)
     invalid_argument("args->out_row_stride", std::to_string(a.out_row_stride),
                      "must be 0 (= hidden_dim) or >= hidden_dim = " + std::to_string(a.hidden_dim));
+  check_extent("args->expert_row_stride", a.expert_row_stride, a.num_rows, "num_rows",
+               a.expert_dtype);
+  check_extent("args->out_row_stride", a.out_row_stride, a.num_tokens, "num_tokens", a.out_dtype);
   return a;
 }
 

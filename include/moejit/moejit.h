@@ -151,14 +151,15 @@ typedef struct moejit_combine_args {
   size_t struct_size; /* sizeof(moejit_combine_args) of the caller's header: this version's, or
                          a 0.1 header's (then the fields added since take their defaults) */
   moejit_layout layout;
-  int64_t num_tokens; /* T >= 0: rows of out */
+  int64_t num_tokens; /* T in 0..2^40: rows of out */
   int64_t top_k;      /* K in 1..MOEJIT_MAX_TOP_K (token-major, gather map); ignored otherwise */
-  int64_t num_rows;   /* R >= 0: rows of expert_hidden. Token-major: 0 or T*K. R < 2^31 */
+  int64_t num_rows;   /* R >= 0: rows of expert_hidden. Token-major: 0 or T*K; else R < 2^31 */
   int64_t hidden_dim; /* H in 1..MOEJIT_MAX_HIDDEN_DIM */
 
   const void* expert_hidden; /* device pointer, R rows of H elements */
   moejit_dtype expert_dtype;
-  int64_t expert_row_stride; /* elements between consecutive rows; 0 means hidden_dim */
+  int64_t expert_row_stride; /* elements between consecutive rows; 0 means hidden_dim. R rows of
+                                it span at most 2^62 bytes */
 
   const float* gates; /* device pointer or NULL (every weight is 1) */
 
@@ -167,7 +168,8 @@ typedef struct moejit_combine_args {
 
   void* out; /* device pointer, T rows of H elements */
   moejit_dtype out_dtype;
-  int64_t out_row_stride; /* elements between consecutive rows; 0 means hidden_dim */
+  int64_t out_row_stride; /* elements between consecutive rows; 0 means hidden_dim. T rows of it
+                             span at most 2^62 bytes */
 
   float scale;    /* multiplies the sum (routed scaling factor); default 1 */
   int accumulate; /* 0: overwrite out; 1: add into the existing contents of out */

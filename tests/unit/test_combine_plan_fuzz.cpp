@@ -1,0 +1,86 @@
+// plan_combine and combine_workspace_bytes on random argument structs drawn from edge values
+// (negative, zero, powers of two around every limit, INT64_MAX): every call either plans a launch
+// the hardware accepts or throws an Error with an argument status. Under tools/sanitize.sh the same
+// run checks that no size computation overflows (UBSan found one before the 2^40 token bound).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+
+#include "combine_plan.h"
+#include "error.h"
+#include "moejit/moejit.h"
+
+namespace {
+
+template <typename E>
+void set_c_enum(E& field, int value) {
+  std::memcpy(&field, &value, sizeof(field));
+}
+
+void* fake(uintptr_t address) {
+  return reinterpret_cast<void*>(address);
+}
+
+TEST(CombinePlanFuzz, EdgeValuesPlanALaunchOrNameTheArgument) {
+  std::mt19937_64 rng(20261130);
+  const int64_t k31 = int64_t{1} << 31, k36 = int64_t{1} << 36, k40 = int64_t{1} << 40,
+                k47 = int64_t{1} << 47, k62 = int64_t{1} << 62;
+  const int64_t edges[] = {-1,  0,   1,       2,    7,     32,        33,       64,
+                           65,  128, 2880,    7168, 65536, 65537,     k31 - 1,  k31,
+                           k36, k40, k40 + 1, k47,  k62,   INT64_MAX, INT64_MIN};
+  auto edge = [&] { return edges[rng() % (sizeof(edges) / sizeof(edges[0]))]; };
+  int planned = 0, rejected = 0;
+  for (int i = 0; i < 200000; ++i) {
+    moejit_combine_args a;
+    moejit_combine_args_init(&a);
+    set_c_enum(a.layout, static_cast<int>(rng() % 4));  // 3: not a layout
+    set_c_enum(a.expert_dtype, static_cast<int>(rng() % 3));
+    set_c_enum(a.out_dtype, static_cast<int>(rng() % 3));
+    set_c_enum(a.index_type, static_cast<int>(rng() % 2));
+    a.num_tokens = edge();
+    a.num_rows = edge();
+    a.hidden_dim = edge();
+    a.top_k = static_cast<int>(rng() % 70);
+    a.expert_row_stride = rng() % 2 ? 0 : edge();
+    a.out_row_stride = rng() % 2 ? 0 : edge();
+    a.expert_hidden = fake(0x7f0000000000);
+    a.out = fake(0x7f1000000000);
+    a.indices = fake(0x7f2000000000);
+    a.gates = rng() % 2 ? static_cast<const float*>(fake(0x7f3000000000)) : nullptr;
+    a.workspace = fake(0x7f4000000000);
+    a.workspace_bytes = SIZE_MAX;
+    try {
+      const size_t bytes = moejit::combine_workspace_bytes(&a);
+      const moejit::CombinePlan plan = moejit::plan_combine(&a);
+      ++planned;
+      if (plan.nothing_to_do) continue;
+      // A launch the hardware takes: a grid within its limits, a block of 32..1024 threads.
+      ASSERT_GE(plan.combine_grid_x, 1u);
+      ASSERT_LE(plan.combine_grid_x, static_cast<unsigned>(INT32_MAX));
+      ASSERT_GE(plan.combine_grid_y, 1u);
+      ASSERT_LE(plan.combine_grid_y, 65535u);
+      ASSERT_GE(plan.spec.block_threads(), 32);
+      ASSERT_LE(plan.spec.block_threads(), 1024);
+      if (plan.spec.token_index()) {
+        // The lists the plan writes fit in the workspace it asked for.
+        ASSERT_GT(bytes, 0u);
+        ASSERT_LE(static_cast<uint64_t>(a.num_tokens) * 4u, bytes);
+      } else {
+        ASSERT_EQ(bytes, 0u);
+      }
+    } catch (const moejit::Error& e) {
+      ++rejected;
+      ASSERT_TRUE(e.status() == MOEJIT_ERROR_INVALID_ARGUMENT ||
+                  e.status() == MOEJIT_ERROR_UNSUPPORTED)
+          << moejit_status_name(e.status()) << ": " << e.what();
+      ASSERT_NE(std::string(e.what()).find(" = "), std::string::npos) << e.what();
+    }
+  }
+  // Both outcomes were exercised (the edge values make most structs invalid).
+  EXPECT_GT(planned, 1000);
+  EXPECT_GT(rejected, 1000);
+}
+
+}  // namespace
