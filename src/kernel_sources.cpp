@@ -20,7 +20,7 @@ bool is_template_name(const std::string& name) {
 
 }  // namespace
 
-TemplateSet load_templates(const std::string& override_dir) {
+TemplateSet load_templates(const std::string& override_dir, const std::string& setting) {
   TemplateSet set;
   if (override_dir.empty()) {
     for (const EmbeddedFile& f : embedded_templates()) set[f.name] = std::string(f.bytes, f.size);
@@ -28,7 +28,7 @@ TemplateSet load_templates(const std::string& override_dir) {
   }
   DIR* dir = opendir(override_dir.c_str());
   if (dir == nullptr)
-    invalid_argument("template_dir", "\"" + override_dir + "\"",
+    invalid_argument(setting, "\"" + override_dir + "\"",
                      "must be a readable directory of kernel templates (or unset to use the "
                      "templates built into the library)");
   while (dirent* entry = readdir(dir)) {
@@ -44,7 +44,7 @@ TemplateSet load_templates(const std::string& override_dir) {
   for (const EmbeddedFile& f : embedded_templates())
     if (set.count(f.name) == 0)
       invalid_argument(
-          "template_dir", "\"" + override_dir + "\"",
+          setting, "\"" + override_dir + "\"",
           std::string("must contain every kernel template; ") + f.name + " is missing");
   return set;
 }

@@ -11,7 +11,7 @@ namespace moejit {
 KernelStore::KernelStore(const Settings& settings, Stats& stats)
     : settings_(settings),
       stats_(stats),
-      templates_(load_templates(settings.template_dir)),
+      templates_(load_templates(settings.template_dir, settings.template_dir_setting)),
       disk_(open_disk_cache(settings, stats)) {}
 
 KernelStore::~KernelStore() = default;

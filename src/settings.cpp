@@ -1,5 +1,7 @@
 #include "settings.h"
 
+#include <cctype>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 
@@ -89,9 +91,12 @@ Settings resolve_settings(const moejit_runtime_options* options) {
   if (o.cache_max_bytes != 0) {
     s.cache_max_bytes = o.cache_max_bytes;
   } else if (const char* m = env("MOEJIT_CACHE_MAX_BYTES")) {
+    // Digits only: strtoull would take "-1" as 2^64 - 1 and clamp an overflow to it silently.
     char* end = nullptr;
+    errno = 0;
     const unsigned long long v = std::strtoull(m, &end, 10);
-    if (end == m || *end != '\0' || v == 0)
+    if (!std::isdigit(static_cast<unsigned char>(*m)) || end == m || *end != '\0' ||
+        errno == ERANGE || v == 0)
       invalid_argument("MOEJIT_CACHE_MAX_BYTES", std::string("\"") + m + "\"",
                        "must be a positive number of bytes");
     s.cache_max_bytes = v;
@@ -105,10 +110,13 @@ Settings resolve_settings(const moejit_runtime_options* options) {
                      "must be a moejit_log_level (-1 default, 0 trace .. 4 error, 6 off)");
   s.log_level = static_cast<moejit_log_level>(log_level);
 
-  if (o.template_dir != nullptr && *o.template_dir != '\0')
+  if (o.template_dir != nullptr && *o.template_dir != '\0') {
     s.template_dir = o.template_dir;
-  else if (const char* t = env("MOEJIT_TEMPLATE_DIR"))
+    s.template_dir_setting = "options->template_dir";
+  } else if (const char* t = env("MOEJIT_TEMPLATE_DIR")) {
     s.template_dir = t;
+    s.template_dir_setting = "MOEJIT_TEMPLATE_DIR";
+  }
   return s;
 }
 

@@ -14,6 +14,8 @@ struct Settings {
   moejit_cache_mode cache_mode = MOEJIT_CACHE_MODE_READ_WRITE;
   uint64_t cache_max_bytes = 1ull << 30;
   std::string template_dir;  // empty: the embedded templates
+  // Where template_dir came from, for messages: "options->template_dir" or "MOEJIT_TEMPLATE_DIR".
+  std::string template_dir_setting = "template_dir";
   // options->log_level, validated (MOEJIT_LOG_DEFAULT: leave the logger as the environment set
   // it). The logger is shared by every runtime, so only a runtime that was created applies it.
   moejit_log_level log_level = MOEJIT_LOG_DEFAULT;

@@ -327,7 +327,9 @@ TEST(Api, RuntimeOptions) {
   moejit_runtime_options_init(&o);
   o.template_dir = "/nonexistent/moejit/templates";
   EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(moejit_last_error_message()).find("template_dir"), std::string::npos);
+  EXPECT_NE(std::string(moejit_last_error_message()).find("options->template_dir = "),
+            std::string::npos)
+      << moejit_last_error_message();
 
   moejit_runtime_options_init(&o);
   o.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
@@ -348,9 +350,28 @@ TEST(Api, BadEnvironmentIsReportedByName) {
             std::string::npos)
       << moejit_last_error_message();
   unsetenv("MOEJIT_CACHE_MODE");
-  setenv("MOEJIT_CACHE_MAX_BYTES", "lots", 1);
-  EXPECT_EQ(moejit_runtime_create(nullptr, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
+  // Not a count of bytes; "-1" and an overflow included (strtoull would wrap or clamp them).
+  for (const char* bad : {"lots", "-1", "99999999999999999999999", " 5", "0"}) {
+    setenv("MOEJIT_CACHE_MAX_BYTES", bad, 1);
+    EXPECT_EQ(moejit_runtime_create(nullptr, &rt), MOEJIT_ERROR_INVALID_ARGUMENT) << bad;
+    EXPECT_NE(std::string(moejit_last_error_message())
+                  .find(std::string("MOEJIT_CACHE_MAX_BYTES = \"") + bad + "\""),
+              std::string::npos)
+        << moejit_last_error_message();
+  }
+  setenv("MOEJIT_CACHE_MAX_BYTES", "18446744073709551615", 1);  // 2^64 - 1: a valid count
+  ASSERT_EQ(moejit_runtime_create(nullptr, &rt), MOEJIT_SUCCESS) << moejit_last_error_message();
+  moejit_runtime_destroy(rt);
   unsetenv("MOEJIT_CACHE_MAX_BYTES");
+  // A template directory is named by the setting that gave it.
+  setenv("MOEJIT_TEMPLATE_DIR", "/nonexistent/moejit/templates", 1);
+  EXPECT_EQ(moejit_runtime_create(nullptr, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moejit_last_error_message())
+                .find("MOEJIT_TEMPLATE_DIR = \"/nonexistent/moejit/templates\": must be a readable "
+                      "directory"),
+            std::string::npos)
+      << moejit_last_error_message();
+  unsetenv("MOEJIT_TEMPLATE_DIR");
 }
 
 TEST(Api, StatsStructSizeIsChecked) {
