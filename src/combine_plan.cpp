@@ -21,9 +21,10 @@ constexpr int kShortRowScanThreads = 512;  // token-index single launch, rows sh
 constexpr int kHelperThreads = 256;        // token-index clear / assign
 constexpr unsigned kMaxHelperBlocks = 4096;
 constexpr int64_t kMaxRows = INT32_MAX;  // token-index lists store row ids as int32
-// Far beyond what one launch takes (2^31 - 1 token groups, at most 32 tokens each), and small
-// enough that no size computed from it (slots, lists, workspace bytes) can overflow 64 bits.
-constexpr int64_t kMaxTokens = int64_t{1} << 40;
+// MOEJIT_MAX_NUM_TOKENS (2^40): far beyond what one launch takes (2^31 - 1 token groups, at most
+// 32 tokens each), and small enough that no size computed from it (slots, lists, workspace bytes)
+// can overflow 64 bits.
+constexpr int64_t kMaxTokens = MOEJIT_MAX_NUM_TOKENS;
 // No buffer's extent in bytes (rows x row stride x element size) may exceed this: device
 // addresses have at most 57 bits, and the kernels form row offsets in 64-bit arithmetic that
 // must not wrap.

@@ -128,6 +128,9 @@ typedef enum moejit_layout {
 #define MOEJIT_MAX_HIDDEN_DIM 65536
 /* Largest supported top_k for the token-major and gather-map layouts. */
 #define MOEJIT_MAX_TOP_K 64
+/* Largest num_tokens (2^40): far past what one launch takes, so that no size derived from it
+   overflows. Since 0.2. */
+#define MOEJIT_MAX_NUM_TOKENS (INT64_C(1) << 40)
 
 /* CUstream and cudaStream_t are both `struct CUstream_st*`: pass either; NULL is the legacy
    default stream of the current context. */
@@ -151,7 +154,7 @@ typedef struct moejit_combine_args {
   size_t struct_size; /* sizeof(moejit_combine_args) of the caller's header: this version's, or
                          a 0.1 header's (then the fields added since take their defaults) */
   moejit_layout layout;
-  int64_t num_tokens; /* T in 0..2^40: rows of out */
+  int64_t num_tokens; /* T in 0..MOEJIT_MAX_NUM_TOKENS: rows of out */
   int64_t top_k;      /* K in 1..MOEJIT_MAX_TOP_K (token-major, gather map); ignored otherwise */
   int64_t num_rows;   /* R >= 0: rows of expert_hidden. Token-major: 0 or T*K; else R < 2^31 */
   int64_t hidden_dim; /* H in 1..MOEJIT_MAX_HIDDEN_DIM */

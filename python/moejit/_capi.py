@@ -54,6 +54,7 @@ LAYOUT_TOKEN_INDEX = 2
 
 MAX_HIDDEN_DIM = 65536
 MAX_TOP_K = 64
+MAX_NUM_TOKENS = 1 << 40
 
 # ---- Structs -------------------------------------------------------------------------------------
 # C enums are int-sized on every ABI libmoejit supports, so they are c_int here; ctypes applies the

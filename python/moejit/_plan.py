@@ -148,8 +148,8 @@ def plan_combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=
         _fail(TypeError, f"num_tokens must be an int, got {type(num_tokens).__name__}")
     if top_k is not None and not 1 <= top_k <= _capi.MAX_TOP_K:
         _fail(ValueError, f"top_k = {top_k}; allowed: 1..{_capi.MAX_TOP_K}")
-    if num_tokens is not None and num_tokens < 0:
-        _fail(ValueError, f"num_tokens = {num_tokens}; must be >= 0")
+    if num_tokens is not None and not 0 <= num_tokens <= _capi.MAX_NUM_TOKENS:
+        _fail(ValueError, f"num_tokens = {num_tokens}; allowed: 0..{_capi.MAX_NUM_TOKENS} (2^40)")
 
     for name, value, used_by in (("gather_map", gather_map, "gather_map"),
                                  ("token_idx", token_idx, "token_index")):

@@ -55,10 +55,12 @@ int main(void) {
       "}},\n \"constants\": {\"DTYPE_FLOAT32\": %d, \"DTYPE_FLOAT16\": %d, "
       "\"DTYPE_BFLOAT16\": %d, \"INDEX_INT32\": %d, \"INDEX_INT64\": %d, "
       "\"LAYOUT_TOKEN_MAJOR\": %d, \"LAYOUT_GATHER_MAP\": %d, \"LAYOUT_TOKEN_INDEX\": %d, "
-      "\"MAX_HIDDEN_DIM\": %d, \"MAX_TOP_K\": %d, \"sizeof_enum\": %zu},\n",
+      "\"MAX_HIDDEN_DIM\": %d, \"MAX_TOP_K\": %d, \"MAX_NUM_TOKENS\": %lld, "
+      "\"sizeof_enum\": %zu},\n",
       MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32,
       MOEJIT_INDEX_INT64, MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP,
-      MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_MAX_HIDDEN_DIM, MOEJIT_MAX_TOP_K, sizeof(moejit_layout));
+      MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_MAX_HIDDEN_DIM, MOEJIT_MAX_TOP_K,
+      (long long)MOEJIT_MAX_NUM_TOKENS, sizeof(moejit_layout));
   first = 1;
   printf(" \"status\": {");
 #define STATUS_ENTRY(name, value, description)                 \

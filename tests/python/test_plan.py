@@ -96,6 +96,10 @@ def test_token_index():
                            out=T((40, H)), accumulate=True)
     assert p.num_tokens == 40 and p.accumulate
     err(ValueError, "num_tokens is required", layout="token_index", token_idx=T((66,), "int32"))
+    err(ValueError, r"num_tokens = -1; allowed: 0\.\.1099511627776 \(2\^40\)", layout="token_index",
+        token_idx=T((66,), "int32"), num_tokens=-1)
+    err(ValueError, r"num_tokens = 1099511627777; allowed", layout="token_index",
+        token_idx=T((66,), "int32"), num_tokens=(1 << 40) + 1)
     err(ValueError, r"token_idx has shape \(65,\)", layout="token_index",
         token_idx=T((65,), "int32"), num_tokens=4)
     err(ValueError, "does not use it", layout="token_index", token_idx=T((66,), "int32"),
