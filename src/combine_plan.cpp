@@ -225,7 +225,8 @@ void check_extent(const char* name, int64_t stride, int64_t rows, const char* ro
   if (rows > 0 && stride > kMaxExtentBytes / elem / rows)
     invalid_argument(name, std::to_string(stride),
                      std::string("is too large: ") + rows_name + " = " + std::to_string(rows) +
-                         " rows of it span more than 2^62 bytes of " + dtype_name(dtype));
+                         " rows of that many " + dtype_name(dtype) +
+                         " elements span more than 2^62 bytes, more memory than any device has");
 }
 
 // Copies the caller's struct into a full-size one (defaults for fields an older caller lacks) and
