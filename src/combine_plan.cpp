@@ -221,8 +221,11 @@ void check_aligned(const char* name, const void* p, size_t bytes, const char* wh
 // no device has, and the kernels' 64-bit row offsets would wrap.
 void check_extent(const char* name, int64_t stride, int64_t rows, const char* rows_name,
                   int dtype) {
-  const int64_t elem = element_bytes(dtype);
-  if (rows > 0 && stride > kMaxExtentBytes / elem / rows)
+  // Multiplications with an overflow check, not divisions: this runs on every call.
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(stride, rows, &bytes) ||
+      __builtin_mul_overflow(bytes, int64_t{element_bytes(dtype)}, &bytes) ||
+      bytes > kMaxExtentBytes)
     invalid_argument(name, std::to_string(stride),
                      std::string("is too large: ") + rows_name + " = " + std::to_string(rows) +
                          " rows of that many " + dtype_name(dtype) +

@@ -26,7 +26,6 @@ using TemplateSet = std::map<std::string, std::string>;
 // The embedded templates, or, if override_dir is not empty, every *.cuh / *.h file in that
 // directory (throws Error(MOEJIT_ERROR_INVALID_ARGUMENT) naming `setting`, the option or variable
 // that gave the directory, if it cannot be read or lacks a template the library needs).
-TemplateSet load_templates(const std::string& override_dir,
-                           const std::string& setting = "template_dir");
+TemplateSet load_templates(const std::string& override_dir, const std::string& setting);
 
 }  // namespace moejit

@@ -362,6 +362,28 @@ std::string run_case(const Case& c, moejit_runtime_t runtime, Scratch& s) {
   return problems.str();
 }
 
+// The tests' common call: bf16 rows into bf16 out, int32 indices, default strides; each test
+// sets what else it needs (scale, workspace, ...).
+moejit_combine_args bf16_args(moejit_layout layout, int64_t tokens, int64_t top_k, int64_t rows,
+                              int64_t hidden, const void* expert, const float* gates,
+                              const void* indices, void* out) {
+  moejit_combine_args a;
+  moejit_combine_args_init(&a);
+  a.layout = layout;
+  a.num_tokens = tokens;
+  a.top_k = top_k;
+  a.num_rows = rows;
+  a.hidden_dim = hidden;
+  a.expert_hidden = expert;
+  a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
+  a.gates = gates;
+  a.indices = indices;
+  a.index_type = MOEJIT_INDEX_INT32;
+  a.out = out;
+  a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+  return a;
+}
+
 moejit_runtime_t memory_only_runtime() {
   moejit_runtime_options o;
   moejit_runtime_options_init(&o);
@@ -592,19 +614,8 @@ TEST_F(CombineGpu, CudaGraphCaptureAndReplay) {
     CUDA_OK(cudaMalloc(&indices, idx_bytes));
     CUDA_OK(cudaMalloc(&out, out_bytes));
     CUDA_OK(cudaMalloc(&out_direct, out_bytes));
-    moejit_combine_args a;
-    moejit_combine_args_init(&a);
-    a.layout = layout;
-    a.num_tokens = T;
-    a.top_k = K;
-    a.num_rows = first.rows;
-    a.hidden_dim = H;
-    a.expert_hidden = p.device[MOEJIT_DTYPE_BFLOAT16];
-    a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
-    a.gates = p.gates_device;
-    a.indices = indices;
-    a.out = out;
-    a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+    moejit_combine_args a = bf16_args(layout, T, K, first.rows, H, p.device[MOEJIT_DTYPE_BFLOAT16],
+                                      p.gates_device, indices, out);
     a.scale = 1.5f;
     size_t ws = 0;
     ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
@@ -767,19 +778,8 @@ TEST_F(CombineGpu, DependentLaunchSeesThePreviousKernelsWrites) {
     if (!idx.empty())
       CUDA_OK(cudaMemcpyAsync(indices, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice, stream));
     const void* src = p.device[MOEJIT_DTYPE_BFLOAT16];  // the producer copies the pool's first rows
-    moejit_combine_args a;
-    moejit_combine_args_init(&a);
-    a.layout = layout;
-    a.num_tokens = T;
-    a.top_k = K;
-    a.num_rows = routing.rows;
-    a.hidden_dim = H;
-    a.expert_hidden = rows;
-    a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
-    a.gates = p.gates_device;
-    a.indices = layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? nullptr : indices;
-    a.out = out;
-    a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+    moejit_combine_args a = bf16_args(layout, T, K, routing.rows, H, rows, p.gates_device,
+                                      layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? nullptr : indices, out);
     size_t ws = 0;
     ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
     if (ws) {
@@ -886,20 +886,9 @@ TEST_F(CombineGpu, DroppedSlotsIgnoreNonFiniteGates) {
       CUDA_OK(cudaMemcpy(d_map, map.data(), map.size() * 4, cudaMemcpyHostToDevice));
       CUDA_OK(cudaMemcpy(d_gates, gates.data(), gates.size() * 4, cudaMemcpyHostToDevice));
       CUDA_OK(cudaMemset(d_out, 0xFF, out_bytes));
-      moejit_combine_args a;
-      moejit_combine_args_init(&a);
-      a.layout = MOEJIT_LAYOUT_GATHER_MAP;
-      a.num_tokens = T;
-      a.top_k = K;
-      a.num_rows = R;
-      a.hidden_dim = H;
-      a.expert_hidden = p.device[MOEJIT_DTYPE_BFLOAT16];
-      a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
-      a.gates = static_cast<const float*>(d_gates);
-      a.indices = d_map;
-      a.index_type = MOEJIT_INDEX_INT32;
-      a.out = d_out;
-      a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+      const moejit_combine_args a =
+          bf16_args(MOEJIT_LAYOUT_GATHER_MAP, T, K, R, H, p.device[MOEJIT_DTYPE_BFLOAT16],
+                    static_cast<const float*>(d_gates), d_map, d_out);
       ASSERT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS)
           << moejit_last_error_message();
       CUDA_OK(cudaDeviceSynchronize());
@@ -964,18 +953,9 @@ TEST_F(CombineGpu, OneTokenSkipsDroppedRowsWhateverTheyHold) {
     CUDA_OK(cudaMemcpy(d_gates, gates.data(), gates.size() * 4, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_rows, rows.data(), rows.size() * 2, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemset(d_out, 0xFF, H * 2));
-    moejit_combine_args a;
-    moejit_combine_args_init(&a);
-    a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
-    a.num_tokens = 1;
-    a.num_rows = R;
-    a.hidden_dim = H;
-    a.expert_hidden = d_rows;
-    a.expert_dtype = a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
-    a.gates = static_cast<const float*>(d_gates);
-    a.indices = d_idx;
-    a.index_type = MOEJIT_INDEX_INT32;
-    a.out = d_out;
+    // top_k 0: the token index does not use it.
+    moejit_combine_args a = bf16_args(MOEJIT_LAYOUT_TOKEN_INDEX, 1, 0, R, H, d_rows,
+                                      static_cast<const float*>(d_gates), d_idx, d_out);
     size_t ws = 0;
     ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
     CUDA_OK(cudaMalloc(&d_ws, ws));
@@ -1039,19 +1019,8 @@ TEST_F(CombineGpu, AddressesPastTwoToThe31) {
     std::vector<int32_t> idx(routing.index_values.begin(), routing.index_values.end());
     if (!idx.empty())
       CUDA_OK(cudaMemcpy(indices, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
-    moejit_combine_args a;
-    moejit_combine_args_init(&a);
-    a.layout = layout;
-    a.num_tokens = T;
-    a.top_k = K;
-    a.num_rows = routing.rows;
-    a.hidden_dim = H;
-    a.expert_hidden = expert;
-    a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
-    a.gates = p.gates_device;
-    a.indices = indices;
-    a.out = out;
-    a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+    moejit_combine_args a =
+        bf16_args(layout, T, K, routing.rows, H, expert, p.gates_device, indices, out);
     size_t ws = 0;
     ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
     if (ws) {
