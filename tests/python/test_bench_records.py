@@ -73,7 +73,7 @@ def test_merge_keeps_peers_and_the_ctypes_cross_check(merge_results):
 def test_one_harness_table_has_every_shape_and_the_ratios(merge_results):
     text = merge_results.markdown(merge_results.merge(bench_json(), peers_json()))
     assert "All shapes in one harness (peers.py" in text
-    section = text.split("All shapes in one harness")[1]
+    section = text.split("All shapes in one harness")[1].split("Against the launch-adjusted")[0]
     decode = [line for line in section.splitlines() if line.startswith("| T1 K8 H7168 bf16 |")]
     assert len(decode) == 1, text
     # Decode: libmoejit through ctypes and the peers, each over the peers' own empty kernel.
@@ -125,3 +125,54 @@ def test_jit_line_names_each_module_kind(merge_results):
     assert "token-index lists 300 / 25 ms" in line
     # An older record without the later median shows its first compile twice.
     assert "token-index single launch 28 / 28 ms" in line
+
+
+def test_launch_adjusted_table_reads_the_floor_plus_one_empty_kernel(merge_results):
+    bench = bench_json()
+    for c in bench["cases"]:
+        if c["T"] == 4096:
+            c["minimal_bytes"] = 400e6  # 100 us at the bench's 4000 GB/s
+            if c["layout"] == "gather_map":
+                c["same_size_copy_us"] = 110.0
+    merged = merge_results.merge(bench, peers_json())
+    by_layout = {c["layout"]: c for c in merged["cases"] if c["T"] == 4096}
+    # (100 us of bytes + the bench's 4 us empty kernel) / the median.
+    assert by_layout["token_major"]["pct_floor_with_launch"] == pytest.approx(104 / 130 * 100)
+    assert by_layout["gather_map"]["pct_floor_with_launch_same_size_copy"] == pytest.approx(
+        104 / 110 * 100)
+    text = merge_results.markdown(merged)
+    section = text.split("Against the launch-adjusted floor")[1]
+    assert "4.00 us here" in section and "empty kernel 3.50 us" in section
+    rows = [line for line in section.splitlines() if line.startswith("| T")]
+    # Decode shapes have their own target (x empty): not in this table.
+    assert len(rows) == 1 and rows[0].startswith("| T4096 K8 H7168 bf16 | 100.0 |"), rows
+    # token_major 130, gather_map 143, token_index 156 us; the copy 110; Triton (122.2 us) against
+    # its own harness: 400 MB at 4100 GB/s plus 3.5 us.
+    expected = [104 / 130, 104 / 143, 104 / 156, 104 / 110, (400e6 / 4100e3 + 3.5) / 122.2]
+    assert rows[0].split(" | ")[2:] == [f"{100 * v:.1f}%" for v in expected[:-1]] + [
+        f"{100 * expected[-1]:.1f}% |"], rows[0]
+
+
+def test_launch_adjusted_figures_from_an_older_bench_json(merge_results):
+    # No minimal_bytes and no pct_floor_with_launch: both from GB/s x median (1000 GB/s here).
+    merged = merge_results.merge(bench_json(), None)
+    tm = [c for c in merged["cases"] if c["layout"] == "token_major" and c["T"] == 4096][0]
+    assert tm["minimal_bytes"] == pytest.approx(1000 * 130 * 1e3)
+    assert tm["pct_floor_with_launch"] == pytest.approx((130e6 / 4000e3 + 4.0) / 130 * 100)
+    assert "pct_floor_with_launch_same_size_copy" not in tm  # no copy measured
+
+
+def test_a_merged_record_renders_the_same_tables(merge_results, tmp_path, capsys, monkeypatch):
+    import json
+    import sys
+    bench = bench_json()
+    for c in bench["cases"]:
+        c["minimal_bytes"] = 400e6 if c["T"] == 4096 else 1e6
+    merged = merge_results.merge(bench, peers_json())
+    assert merge_results.is_merged_record(merged)
+    assert not merge_results.is_merged_record(bench)
+    record = tmp_path / "h200.json"
+    record.write_text(json.dumps(merged))
+    monkeypatch.setattr(sys, "argv", ["merge_results.py", str(record), "--markdown"])
+    assert merge_results.main() == 0
+    assert capsys.readouterr().out == merge_results.markdown(merged)
