@@ -481,11 +481,12 @@ TEST_F(CombineGpu, TokenIndexWithAHotToken) {
   std::vector<Case> cases;
   uint64_t seed = 5000;
   // Half of all rows go to token 0: T=64 x 8 rows puts ~256 rows on it against a 16-entry list.
-  // T=4 and T=8 (32 and 64 rows) take the single launch's small-call scan, where every warp reads
-  // all of token_idx, with ~20 and ~40 rows on token 0 against its 16-entry list.
+  // T=4, 8 and 16 (32, 64 and 128 rows) take the single launch's small-call form, where every warp
+  // reads all of token_idx and lists every row of the call, with ~20, ~40 and ~70 rows on token 0
+  // (16 list entries in the list path); T=17 (136 rows) the slab form, past its 16-entry list.
   for (moejit_dtype in : {MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_FLOAT32})
     for (moejit_index_type idx : {MOEJIT_INDEX_INT32, MOEJIT_INDEX_INT64})
-      for (int64_t tokens : {2, 4, 8, 64, 1000}) {
+      for (int64_t tokens : {2, 4, 8, 16, 17, 64, 1000}) {
         Case c = vary(Case{MOEJIT_LAYOUT_TOKEN_INDEX, in, MOEJIT_DTYPE_BFLOAT16, idx, 2880, tokens,
                            8, seed++});
         c.random_routing = true;
