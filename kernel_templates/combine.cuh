@@ -441,8 +441,9 @@ __device__ __forceinline__ void scan_token_rows(const CombineParams& p, long lon
 //    of the call: no block barrier, no merge, no unused loads of a full batch, and no walk of
 //    token_idx for long lists. Against the slabs (T = 1: 562 -> 504 instructions per warp, Nsight
 //    Compute; on the H200, A B B A x 3, us: T = 1 5.90 -> 5.55, T = 8 6.32 -> 6.07, T = 16 K = 4
-//    H = 2880 5.47 -> 5.22). As a module of its own, without the slab code, it compiles in 96 ms
-//    instead of 137 locally and runs 0.03-0.15 us faster at T = 8-64 (NOTES, version 27).
+//    H = 2880 5.47 -> 5.22). As a module of its own, without the slab code, it compiles in 95 ms
+//    locally where the two forms together took 137 (the slab form alone 128), and both forms ran
+//    0.02-0.10 us faster at T = 2-256 on the H200 (NOTES, version 27).
 //  - Otherwise warp w reads its own contiguous slab (kScanBatch loads in flight) and the warps'
 //    lists, one after another, are the token's rows in ascending order (merged in shared memory).
 // Returns the token's row count; `list` then holds its rows (the first LIST_CAP of them in the slab
