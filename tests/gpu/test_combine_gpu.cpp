@@ -929,8 +929,10 @@ TEST_F(CombineGpu, DroppedSlotsIgnoreNonFiniteGates) {
 TEST_F(CombineGpu, OneTokenSkipsDroppedRowsWhateverTheyHold) {
   moejit_runtime_t rt = memory_only_runtime();
   const int64_t H = 7168;
-  for (const int64_t R :
-       {int64_t{1}, int64_t{5}, int64_t{8}, int64_t{13}, int64_t{64}, int64_t{65}}) {
+  // Up to 64 rows: the one-token kernel; 65-128 the single launch's small-call form; 129 its slab
+  // form.
+  for (const int64_t R : {int64_t{1}, int64_t{5}, int64_t{8}, int64_t{13}, int64_t{64}, int64_t{65},
+                          int64_t{128}, int64_t{129}}) {
     SCOPED_TRACE("R=" + std::to_string(R));
     Rng rng(static_cast<uint64_t>(R) * 977);
     std::vector<int32_t> token_idx(static_cast<size_t>(R));
