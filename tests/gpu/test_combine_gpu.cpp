@@ -815,24 +815,23 @@ TEST_F(CombineGpu, DependentLaunchSeesThePreviousKernelsWrites) {
       CUDA_OK(cudaMemsetAsync(out, 0xff, out_bytes, stream));
       CUDA_OK(cudaStreamSynchronize(stream));
     };
-    // Control: the same sequence with a plain launch.
-    poison();
-    CUDA_OK(producer.launch(stream, src, rows, row_bytes, 30.0));
-    ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS)
-        << moejit_last_error_message();
-    CUDA_OK(cudaStreamSynchronize(stream));
-    CUDA_OK(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost));
-    EXPECT_TRUE(got == expected) << "plain launch after the producer: " << describe_difference();
-    a.dependent_launch = 1;
-    for (int round = 0; round < 3; ++round) {
+    // Poisoned rows and out, the producer, then the combine: out must be what the reference says.
+    auto produce_and_combine = [&](const std::string& what) {
       poison();
       CUDA_OK(producer.launch(stream, src, rows, row_bytes, 30.0));
       ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS)
           << moejit_last_error_message();
       CUDA_OK(cudaStreamSynchronize(stream));
       CUDA_OK(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost));
-      EXPECT_TRUE(got == expected) << "round " << round << ": " << describe_difference();
-    }
+      EXPECT_TRUE(got == expected) << what << ": " << describe_difference();
+    };
+    // Control: the same sequence with a plain launch.
+    produce_and_combine("plain launch after the producer");
+    if (HasFatalFailure()) return;  // an ASSERT in the lambda ends only the lambda
+    a.dependent_launch = 1;
+    for (int round = 0; round < 3 && !HasFatalFailure(); ++round)
+      produce_and_combine("round " + std::to_string(round));
+    if (HasFatalFailure()) return;
     // The same pair captured in a graph: the programmatic edge must hold there too.
     cudaGraph_t graph;
     cudaGraphExec_t exec;

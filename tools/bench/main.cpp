@@ -282,6 +282,16 @@ void print_pipeline(const std::vector<PipelineResult>& results) {
   }
 }
 
+// The members that name a case: its layout and shape (the same keys in "cases" and "pipeline").
+void write_case_shape(JsonWriter& j, const Shape& shape, moejit_layout layout) {
+  j.member("layout", layout_text(layout));
+  j.member("T", shape.tokens);
+  j.member("K", shape.top_k);
+  j.member("H", shape.hidden);
+  j.member("in_dtype", dtype_text(shape.in_dtype));
+  j.member("out_dtype", dtype_text(shape.out_dtype));
+}
+
 void write_json(const std::string& path, const std::string& device, const Floors& floors,
                 const std::vector<CaseResult>& results, const JitFigures* jit,
                 const std::string& error, const std::vector<PipelineResult>& pipeline = {}) {
@@ -303,12 +313,7 @@ void write_json(const std::string& path, const std::string& device, const Floors
   for (const CaseResult& r : results) {
     j.begin_object();
     j.member("label", r.shape.label);
-    j.member("layout", layout_text(r.layout));
-    j.member("T", r.shape.tokens);
-    j.member("K", r.shape.top_k);
-    j.member("H", r.shape.hidden);
-    j.member("in_dtype", dtype_text(r.shape.in_dtype));
-    j.member("out_dtype", dtype_text(r.shape.out_dtype));
+    write_case_shape(j, r.shape, r.layout);
     j.member("minimal_bytes", r.shape.minimal_bytes());
     if (!r.error.empty()) {
       j.member("error", r.error);
@@ -371,11 +376,7 @@ void write_json(const std::string& path, const std::string& device, const Floors
     j.key("pipeline").begin_array();
     for (const PipelineResult& r : pipeline) {
       j.begin_object();
-      j.member("layout", layout_text(r.layout));
-      j.member("T", r.shape.tokens);
-      j.member("K", r.shape.top_k);
-      j.member("H", r.shape.hidden);
-      j.member("in_dtype", dtype_text(r.shape.in_dtype));
+      write_case_shape(j, r.shape, r.layout);
       if (!r.error.empty()) {
         j.member("error", r.error);
       } else {
