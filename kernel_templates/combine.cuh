@@ -23,7 +23,9 @@
 //   TPB       token groups per block (several tokens share a block when rows are short)
 //   UPT       vector slots per thread (a work item spans TPT * UPT slots of one token)
 //   LIST_CAP  token-index layout: rows per token kept in its list (0 otherwise)
-// `combine_scan` (token index, one launch) takes the same parameters but LAYOUT.
+// `combine_scan` (token index, one launch) takes the same parameters but LAYOUT, and SMALL: its
+// form for calls with at most TPT rows (one token per block), where every warp reads all of
+// token_idx.
 //
 // Grid: one block per work item, a group of TPB tokens x a chunk of TPT * UPT vector slots (1-D,
 // group-major, a token's chunks adjacent: the fixed layouts and the token index's list path with
@@ -433,21 +435,31 @@ __device__ __forceinline__ void scan_token_rows(const CombineParams& p, long lon
 // writes its row id there, so a warp's list is in ascending row order: the order the combine sums
 // in. At decode the kernel is bound by one warp's instruction chain (tools/bench/NOTES.md, version
 // 8): 16 SASS instructions per 32 entries instead of the atomic scan's 38 (sm_90), and no sort.
-//  - Small calls (rows <= 32 per warp of the block: T = 1 and 8 at K = 8, T = 16 at K = 4): every
-//    warp reads all of token_idx, one load per 32 entries, and keeps its own list: no block
-//    barrier, no merge, no unused loads of a full batch (T = 1: 562 -> 504 instructions per warp,
-//    Nsight Compute, with the row addresses of combine_tokens). On the H200, A B B A x 3 in one
-//    build, us: T = 1 5.90 -> 5.55, T = 8 6.32 -> 6.07, T = 16 K = 4 H = 2880 5.47 -> 5.22, larger
-//    calls level. At 128 rows (T = 64 K = 2) reading all of token_idx (a full batch per warp)
-//    measured 0.15 us slower than the slabs below, hence the limit.
+// Two forms, each its own module (KernelSpec::small_scan; the host picks by the call's rows):
+//  - SMALL (calls with at most BLOCK rows: T <= 16 at K = 8, T <= 64 at K <= 2): every warp reads
+//    all of token_idx, one load per 32 entries, and keeps its own list: no block barrier, no
+//    merge, no unused loads of a full batch, and no walk of token_idx for long lists. The list is
+//    a window of LIST_CAP entries starting at list position `from`; a token with more rows (a
+//    skewed routing) has the combine scan again for each later window (4 loads at BLOCK 128).
+//    Against the slabs (T = 1: 562 -> 504 instructions per warp, Nsight Compute; on the H200,
+//    A B B A x 3, us: T = 1 5.90 -> 5.55, T = 8 6.32 -> 6.07, T = 16 K = 4 H = 2880 5.47 ->
+//    5.22). As a module of its own, without the slab code, it compiles in about 95 ms locally
+//    where the two forms together took 137 (the slab form alone 128), and both forms ran
+//    0.02-0.10 us faster at T = 2-256 on the H200 (NOTES, version 27).
+//    Why a window and not a list long enough for every row of the call: that list took 2 KB of
+//    shared memory per block (BLOCK 128), and after a producer kernel that uses none a dependent
+//    launch (p.dependent_launch) got 0.5-0.9 us slower, slower than a plain one (T = 64 K = 2
+//    H = 4096: 1.43 -> 2.30 us per decode step; T = 16 K = 4 H = 2880: 1.33 -> 1.86). The old
+//    kernel padded to 2 KB showed the same (1.43 -> 2.00), this form with LIST_CAP-long lists did
+//    not (1.41); a carveout preference did not cure it (NOTES, version 28).
 //  - Otherwise warp w reads its own contiguous slab (kScanBatch loads in flight) and the warps'
 //    lists, one after another, are the token's rows in ascending order (merged in shared memory).
-// Returns the token's row count; `list` then holds its rows (the first LIST_CAP of them; more are
-// counted, and the combine walks token_idx). The host scans only calls with R <= 24 * BLOCK
-// entries, so row ids fit an int.
-template <typename IdxT, int BLOCK, int LIST_CAP>
+// Returns the token's row count; `list` then holds its rows (in the slab form the first LIST_CAP
+// of them; more are counted, and the combine walks token_idx). The host scans only calls with
+// R <= 24 * BLOCK entries, so row ids fit an int.
+template <typename IdxT, int BLOCK, int LIST_CAP, bool SMALL>
 __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, long long tok,
-                                                       const int*& list) {
+                                                       const int*& list, int from = 0) {
   static_assert(BLOCK % 32 == 0, "whole warps");
   enum { kWarps = BLOCK / 32 };
   __shared__ __align__(16) int s_rows[kWarps][LIST_CAP];
@@ -458,7 +470,7 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
   // A token id no IdxT can hold (past 2^31 with int32 indices) has no rows.
   const IdxT want = static_cast<IdxT>(tok);
   const bool nameable = static_cast<long long>(want) == tok;
-  const int rows = static_cast<int>(p.num_rows);
+  const int rows = static_cast<int>(p.num_rows);  // SMALL: <= BLOCK (the host)
   // The list's shared-memory address, once: a generic pointer here made the compiler rebuild the
   // address (CTA id included) for every store.
   const unsigned warp_rows = static_cast<unsigned>(__cvta_generic_to_shared(s_rows[warp]));
@@ -467,14 +479,12 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
   auto append = [&](IdxT t, int r) {
     const bool match = nameable && t == want;  // dropped ids (negative) never match
     const unsigned m = __ballot_sync(0xffffffffu, match);
-    const int at = found + __popc(m & below);
+    const unsigned at = static_cast<unsigned>(found + __popc(m & below) - from);  // in the window
     if (match && at < LIST_CAP)
-      asm volatile("st.shared.u32 [%0], %1;" ::"r"(warp_rows + 4u * static_cast<unsigned>(at)),
-                   "r"(r)
-                   : "memory");
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(warp_rows + 4u * at), "r"(r) : "memory");
     found += __popc(m);
   };
-  if (rows <= 32 * kWarps) {  // block-uniform
+  if constexpr (SMALL) {
     IdxT t[kWarps];
 #pragma unroll
     for (int i = 0; i < kWarps; ++i) {
@@ -486,53 +496,54 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
     __syncwarp();
     list = s_rows[warp];
     return found;
-  }
-  // Slabs of whole 32-entry groups: coalesced, aligned loads.
-  const int slab = (rows + 32 * kWarps - 1) / (32 * kWarps) * 32;
-  const int begin = warp * slab, end = min(begin + slab, rows);
-#pragma unroll 1
-  for (int base = begin; base < end; base += 32 * kScanBatch) {
-    IdxT t[kScanBatch];
-#pragma unroll
-    for (int i = 0; i < kScanBatch; ++i) {
-      const int r = base + i * 32 + lane;
-      t[i] = r < end ? __ldg(token_idx + r) : IdxT(-1);
-    }
-#pragma unroll
-    for (int i = 0; i < kScanBatch; ++i) append(t[i], base + i * 32 + lane);
-  }
-  if constexpr (kWarps == 1) {
-    __syncwarp();
-    list = s_rows[0];
-    return found;
   } else {
-    __shared__ int s_found[kWarps];
-    __shared__ __align__(16) int s_list[LIST_CAP];
-    if (lane == 0) s_found[warp] = found;
-    __syncthreads();
-    int start[kWarps], total = 0;
+    // Slabs of whole 32-entry groups: coalesced, aligned loads.
+    const int slab = (rows + 32 * kWarps - 1) / (32 * kWarps) * 32;
+    const int begin = warp * slab, end = min(begin + slab, rows);
+#pragma unroll 1
+    for (int base = begin; base < end; base += 32 * kScanBatch) {
+      IdxT t[kScanBatch];
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      start[w] = total;
-      total += s_found[w];
-    }
-    // One list for the combine (the held rows are read from it as vectors): the token's first
-    // LIST_CAP rows, all of which some warp listed. (Past LIST_CAP rows the combine walks
-    // token_idx, but it still reads the held entries' gates: they must be real rows.)
-    const int k = static_cast<int>(threadIdx.x);
-    if (k < total && k < LIST_CAP) {
-      int from_warp = 0, from = k;
+      for (int i = 0; i < kScanBatch; ++i) {
+        const int r = base + i * 32 + lane;
+        t[i] = r < end ? __ldg(token_idx + r) : IdxT(-1);
+      }
 #pragma unroll
-      for (int w = 1; w < kWarps; ++w)
-        if (k >= start[w]) {
-          from_warp = w;
-          from = k - start[w];
-        }
-      s_list[k] = s_rows[from_warp][from];
+      for (int i = 0; i < kScanBatch; ++i) append(t[i], base + i * 32 + lane);
     }
-    __syncthreads();
-    list = s_list;
-    return total;
+    if constexpr (kWarps == 1) {
+      __syncwarp();
+      list = s_rows[0];
+      return found;
+    } else {
+      __shared__ int s_found[kWarps];
+      __shared__ __align__(16) int s_list[LIST_CAP];
+      if (lane == 0) s_found[warp] = found;
+      __syncthreads();
+      int start[kWarps], total = 0;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        start[w] = total;
+        total += s_found[w];
+      }
+      // One list for the combine (the held rows are read from it as vectors): the token's first
+      // LIST_CAP rows, all of which some warp listed. (Past LIST_CAP rows the combine walks
+      // token_idx, but it still reads the held entries' gates: they must be real rows.)
+      const int k = static_cast<int>(threadIdx.x);
+      if (k < total && k < LIST_CAP) {
+        int from_warp = 0, from = k;
+#pragma unroll
+        for (int w = 1; w < kWarps; ++w)
+          if (k >= start[w]) {
+            from_warp = w;
+            from = k - start[w];
+          }
+        s_list[k] = s_rows[from_warp][from];
+      }
+      __syncthreads();
+      list = s_list;
+      return total;
+    }
   }
 }
 
@@ -561,12 +572,15 @@ __device__ __forceinline__ void sort_rows(int (&r)[N]) {
 // hardware scheduler balancing short blocks) and equal at decode; see tools/bench/NOTES.md.
 //
 // SCAN (token index only): the single-launch form, which finds its tokens' rows itself
-// (detail::scan_token_rows) instead of reading the lists token_index_assign built. The kernels
+// (detail::scan_token_rows) instead of reading the lists token_index_assign built; SMALL_SCAN its
+// form for calls with at most one block's threads in rows (scan_token_rows_ordered). The kernels
 // `combine` and `combine_scan` below are this body.
 template <int LAYOUT, int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT,
-          int TPB, int UPT, int LIST_CAP, bool SCAN>
+          int TPB, int UPT, int LIST_CAP, bool SCAN, bool SMALL_SCAN>
 __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   static_assert(!SCAN || LAYOUT == kLayoutTokenIndex, "only the token index scans");
+  static_assert(!SMALL_SCAN || (SCAN && TPB == 1 && TPT % 32 == 0),
+                "the small-call scan is a form of the ordered scan (one token per block)");
   static_assert(LAYOUT != kLayoutTokenIndex || (LIST_CAP >= TOP_K && TOP_K >= 1),
                 "token index: a list, at least TOP_K long");
   static_assert(LAYOUT == kLayoutTokenIndex || (TOP_K > 0 && LIST_CAP == 0), "fixed top_k");
@@ -593,6 +607,9 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   // Token index, single launch with one token per block: the scan lists rows in ascending order
   // (detail::scan_token_rows_ordered), so the combine need not sort them.
   constexpr bool kOrderedScan = SCAN && TPB == 1 && TPT % 32 == 0;
+  // The small-call form's list is a window of the token's rows, whole rounds of kHeld entries,
+  // scanned again past its end.
+  constexpr int kScanWindow = LIST_CAP / kHeld * kHeld;
 
   // Before any memory access: the routing, the rows and (accumulating) out may be the previous
   // kernel's output, and out may be its input. The list path always waits (below): its previous
@@ -632,7 +649,10 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   int count = TOP_K;
   const int* list = nullptr;
   if constexpr (kOrderedScan) {
-    count = detail::scan_token_rows_ordered<IdxT, TPT, LIST_CAP>(p, tok, list);
+    // The small-call form scans in the held rounds below (its first window there): one copy of
+    // the scan in the module, not two.
+    if constexpr (!SMALL_SCAN)
+      count = detail::scan_token_rows_ordered<IdxT, TPT, LIST_CAP, false>(p, tok, list);
     if (tok >= p.num_tokens) return;  // after the scan's barriers; none below
   } else if constexpr (SCAN) {
     __shared__ int s_count[TPB];
@@ -661,15 +681,17 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
 
   // Token index: every row of the token is among the held (sorted) ones. Otherwise (a skewed
   // routing) the slow paths below add them, in the same order. The ordered scan's list (ascending,
-  // in shared memory) needs no slow path up to LIST_CAP rows: its rows are held in rounds of kHeld
-  // list entries, each round the held path below (a whole batch of loads per round trip, where the
-  // in-order slow path loaded two rows per round trip and selected each next row). Locally that
-  // took the single-launch module's compile from 144 to 131 ms (DeepSeek-V3 decode geometry) and
-  // from 143 to 123 ms (K = 2, prefill geometry); on the H200, A B B A x 2 against the slow-path
-  // form, T = 8-256 within -1.2% / +1.5%.
-  const bool held_all = !kTokenIndex || count <= (kOrderedScan ? LIST_CAP : kHeld);
-  int held_from = 0;  // list position of this round's first held row
-  do {                // one round, except for the ordered scan's longer lists
+  // in shared memory) needs no slow path up to LIST_CAP rows (the small-call form reaches every
+  // row of the call through its windows, so it has no slow path at all): its rows are held in
+  // rounds of kHeld list entries, each round the held path below (a whole batch of loads per round
+  // trip, where the in-order slow path loaded two rows per round trip and selected each next row).
+  // Locally that took the single-launch module's compile from 144 to 131 ms (DeepSeek-V3 decode
+  // geometry) and from 143 to 123 ms (K = 2, prefill geometry); on the H200, A B B A x 2 against
+  // the slow-path form, T = 8-256 within -1.2% / +1.5%.
+  const bool held_all = !kTokenIndex || SMALL_SCAN || count <= (kOrderedScan ? LIST_CAP : kHeld);
+  int held_from = 0;    // list position of this round's first held row
+  int window_from = 0;  // list position of `list`'s first entry (the small-call form's window)
+  do {                  // one round, except for the ordered scan's longer lists
     // Routing of the held rows: row ids (R < 2^31; token index: -1 when dropped or absent) and
     // gates. Gather map: `mapped` says whether the entry names a row; row[] is 0 where it does not,
     // so the row's address needs no select (see the batch below).
@@ -679,10 +701,18 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
     if constexpr (kTokenIndex) {
       // The entries are read together with the count, not after it (entries past the count are
       // stale but inside the list): one round trip before the rows, as for a gather map.
+      if constexpr (SMALL_SCAN) {
+        if (held_from == 0 || held_from - window_from == kScanWindow) {  // uniform
+          window_from = held_from;
+          __syncwarp();  // every lane has read the last window
+          count =
+              detail::scan_token_rows_ordered<IdxT, TPT, LIST_CAP, true>(p, tok, list, window_from);
+        }
+      }
 #pragma unroll
       for (int k = 0; k < kHeld; ++k) {
         if constexpr (SCAN)
-          row[k] = list[held_from + k];  // shared memory
+          row[k] = list[held_from - window_from + k];  // shared memory
         else
           row[k] = __ldg(list + k);
       }
@@ -812,7 +842,7 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
         if (present[j]) detail::add_row_slots<IN_DT, VEC, UPT>(w[j], v[j], sum);
     }
   }
-  if constexpr (kTokenIndex) {
+  if constexpr (kTokenIndex && !SMALL_SCAN) {
     if (!held_all) {
       if (!kOrderedScan && count <= LIST_CAP)  // the ordered scan: past LIST_CAP only
         detail::add_listed_rows_in_order<IN_DT, VEC, HIDDEN, UPT, TPT>(p, list, count, first_slot,
@@ -848,19 +878,20 @@ template <int LAYOUT, int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC,
 __global__ void __launch_bounds__(TPT* TPB, (CombineMinBlocks<LAYOUT, TPT, TPB, UPT>::value))
     combine(const CombineParams p) {
   detail::combine_tokens<LAYOUT, IN_DT, OUT_DT, IdxT, HIDDEN, VEC, TOP_K, TPT, TPB, UPT, LIST_CAP,
-                         false>(p);
+                         false, false>(p);
 }
 
 // ---- token-index layout, small calls: one launch -----------------------------------------------
 // For calls with few rows, the list path's two extra launches (clear, assign) cost more than the
 // work: here every block scans all of token_idx for its own tokens' rows, then combines them
 // exactly as the list path does (same sorted order, same slow paths: bitwise the same result).
-// The host picks it while that re-reading stays cheap (src/combine_plan.cpp).
+// The host picks it while that re-reading stays cheap (src/combine_plan.cpp), and SMALL (one
+// token per block, whole warps) for calls with at most TPT rows.
 template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT, int TPB,
-          int UPT, int LIST_CAP>
+          int UPT, int LIST_CAP, bool SMALL>
 __global__ void __launch_bounds__(TPT* TPB) combine_scan(const CombineParams p) {
   detail::combine_tokens<kLayoutTokenIndex, IN_DT, OUT_DT, IdxT, HIDDEN, VEC, TOP_K, TPT, TPB, UPT,
-                         LIST_CAP, true>(p);
+                         LIST_CAP, true, SMALL>(p);
 }
 
 // ---- token-index layout, one token: one launch, no scan --------------------------------------

@@ -355,6 +355,11 @@ KernelSpec single_launch_spec(const KernelSpec& list_spec, int64_t num_tokens) {
   return s;
 }
 
+KernelSpec single_launch_for_rows(const KernelSpec& single, int64_t num_rows) {
+  return single.ordered_scan() && num_rows <= single.block_threads() ? single.with_small_scan()
+                                                                     : single;
+}
+
 std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dtype,
                                         moejit_dtype out_dtype, moejit_index_type index_type,
                                         int hidden, int rows_per_token, size_t alignment_bytes) {
@@ -368,10 +373,17 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
     const KernelSpec s = spec_for_shape(layout, in_dtype, out_dtype, index_type, hidden,
                                         rows_per_token, alignment_bytes, tokens);
     add(s);
-    // Token index: small calls of either batch size take the single-launch kernel instead; large
+    // Token index: small calls of either batch size take the single-launch kernel instead, in
+    // its small-call form where the fewest rows such a call has (R = T x rows_per_token; at decode
+    // from T = 2, or T = 1 with more rows than the one-token kernel takes) fit one block; large
     // ones launch the list helpers first; one-token calls take their own kernel.
     if (s.token_index()) {
-      add(single_launch_spec(s, tokens));
+      const KernelSpec single = single_launch_spec(s, tokens);
+      add(single);
+      const int64_t fewest_tokens =
+          tokens != 1 ? kDecodeMaxTokens + 1 : (rows_per_token > kOneTokenMaxRows ? 1 : 2);
+      const KernelSpec smallest = single_launch_for_rows(single, fewest_tokens * rows_per_token);
+      if (smallest.small_scan) add(smallest);
       add(s.helpers_spec());
       if (tokens == 1) add(s.with_one_token_kernel());
     }
@@ -468,7 +480,7 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
           rows_per_thread <= kScanMaxRowsPerThread &&
           blocks * static_cast<double>(a.num_rows) * (a.index_type == MOEJIT_INDEX_INT64 ? 8 : 4) <=
               kScanMaxBytes;
-      if (token_scan) s = single;
+      if (token_scan) s = single_launch_for_rows(single, a.num_rows);
     }
   }
   p.list_capacity = s.list_cap;  // of the module chosen (0: no list)

@@ -61,10 +61,16 @@ KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dt
 // token_idx, so fewer blocks scan less).
 KernelSpec single_launch_spec(const KernelSpec& list_spec, int64_t num_tokens);
 
+// The single launch a call with `num_rows` rows takes: `single` (single_launch_spec), or its
+// small-call form where it lists rows in order and the call has at most one block's threads in
+// rows (KernelSpec::small_scan).
+KernelSpec single_launch_for_rows(const KernelSpec& single, int64_t num_rows);
+
 // Every specialization moe_combine() may use for this shape, whatever the batch size (decode and
 // prefill geometries, deduplicated; for the token index each batch size's list-path and
-// single-launch modules, the one-token module, and the list helpers' module): what
-// tools/precompile warms.
+// single-launch modules (with the small-call form where a call of that batch size with
+// rows_per_token rows per token can take it), the one-token module, and the list helpers'
+// module): what tools/precompile warms.
 std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dtype,
                                         moejit_dtype out_dtype, moejit_index_type index_type,
                                         int hidden, int rows_per_token, size_t alignment_bytes);

@@ -59,7 +59,7 @@ std::vector<std::string> KernelSpec::name_expressions() const {
   if (scan) {
     combine << "&moejit::combine_scan<" << in_dtype << ", " << out_dtype << ", " << idx << ", "
             << hidden << ", " << vec << ", " << top_k << ", " << tpt << ", " << tpb << ", " << upt
-            << ", " << list_cap << ">";
+            << ", " << list_cap << ", " << (small_scan ? "true" : "false") << ">";
     return {combine.str()};
   }
   combine << "&moejit::combine<" << layout << ", " << in_dtype << ", " << out_dtype << ", " << idx
@@ -86,6 +86,7 @@ std::string KernelSpec::describe() const {
     << " H=" << hidden << " vec=" << vec << " K=" << top_k << " tpt=" << tpt << " tpb=" << tpb
     << " upt=" << upt << " cap=" << list_cap;
   if (scan) s << " scan=1";
+  if (small_scan) s << " small_scan=1";
   if (one_token) s << " one_token=1";
   return s.str();
 }
@@ -94,14 +95,14 @@ bool KernelSpec::operator==(const KernelSpec& o) const {
   return layout == o.layout && in_dtype == o.in_dtype && out_dtype == o.out_dtype &&
          index_bytes == o.index_bytes && hidden == o.hidden && vec == o.vec && top_k == o.top_k &&
          tpt == o.tpt && tpb == o.tpb && upt == o.upt && list_cap == o.list_cap && scan == o.scan &&
-         one_token == o.one_token && helpers == o.helpers;
+         small_scan == o.small_scan && one_token == o.one_token && helpers == o.helpers;
 }
 
 std::size_t KernelSpec::hash() const {
   std::size_t h = 1469598103934665603ull;
-  for (int v :
-       {layout, in_dtype, out_dtype, index_bytes, hidden, vec, top_k, tpt, tpb, upt, list_cap,
-        static_cast<int>(scan), static_cast<int>(one_token), static_cast<int>(helpers)})
+  for (int v : {layout, in_dtype, out_dtype, index_bytes, hidden, vec, top_k, tpt, tpb, upt,
+                list_cap, static_cast<int>(scan), static_cast<int>(small_scan),
+                static_cast<int>(one_token), static_cast<int>(helpers)})
     h = (h ^ static_cast<std::size_t>(static_cast<unsigned>(v))) * 1099511628211ull;
   return h;
 }

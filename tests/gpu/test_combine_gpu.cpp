@@ -92,6 +92,9 @@ struct Case {
   uint64_t seed;
   // Variations derived from the seed:
   bool gates = true, accumulate = false, random_routing = false, hot_token = false;
+  // Token index: >= 0 gives token 0 exactly this many rows (none dropped) and the others to the
+  // other tokens at random.
+  int64_t hot_rows = -1;
   float scale = 1.0f;
   int64_t expert_pad = 0, out_pad = 0, expert_offset = 0, out_offset = 0;
 
@@ -101,7 +104,8 @@ struct Case {
       << (idx == MOEJIT_INDEX_INT64 ? "int64" : "int32") << " H=" << hidden << " T=" << tokens
       << " K=" << top_k << " gates=" << gates << " acc=" << accumulate << " scale=" << scale
       << " pads=" << expert_pad << "/" << out_pad << " offsets=" << expert_offset << "/"
-      << out_offset << " random_routing=" << random_routing << " hot_token=" << hot_token;
+      << out_offset << " random_routing=" << random_routing << " hot_token=" << hot_token
+      << " hot_rows=" << hot_rows;
     return s.str();
   }
 };
@@ -187,6 +191,10 @@ Routing make_routing(const Case& c, Rng& rng) {
   r.index_values.assign(static_cast<size_t>(r.rows), -1);
   for (int64_t i = 0; i < r.rows; ++i) {
     const int64_t row = perm[i];
+    if (c.hot_rows >= 0) {
+      r.index_values[row] = i < c.hot_rows ? 0 : 1 + rng.below(T - 1);
+      continue;
+    }
     int64_t token = c.random_routing ? rng.below(T) : i / K;
     if (c.hot_token && rng.below(2) == 0) token = 0;  // half of all rows to token 0
     const int64_t roll = rng.below(100);
@@ -481,15 +489,41 @@ TEST_F(CombineGpu, TokenIndexWithAHotToken) {
   std::vector<Case> cases;
   uint64_t seed = 5000;
   // Half of all rows go to token 0: T=64 x 8 rows puts ~256 rows on it against a 16-entry list.
-  // T=4 and T=8 (32 and 64 rows) take the single launch's small-call scan, where every warp reads
-  // all of token_idx, with ~20 and ~40 rows on token 0 against its 16-entry list.
+  // T=4, 8 and 16 (32, 64 and 128 rows) take the single launch's small-call form, where every warp
+  // reads all of token_idx and lists its token's rows a 16-entry window at a time, with ~20, ~40
+  // and ~70 rows on token 0; T=17 (136 rows) the slab form, past its 16-entry list.
   for (moejit_dtype in : {MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_FLOAT32})
     for (moejit_index_type idx : {MOEJIT_INDEX_INT32, MOEJIT_INDEX_INT64})
-      for (int64_t tokens : {2, 4, 8, 64, 1000}) {
+      for (int64_t tokens : {2, 4, 8, 16, 17, 64, 1000}) {
         Case c = vary(Case{MOEJIT_LAYOUT_TOKEN_INDEX, in, MOEJIT_DTYPE_BFLOAT16, idx, 2880, tokens,
                            8, seed++});
         c.random_routing = true;
         c.hot_token = true;
+        cases.push_back(c);
+      }
+  expect_cases_pass(cases, 4);
+}
+
+// The single launch's small-call form (calls with at most 128 rows) lists a token's rows a window
+// of list entries at a time (8 at K <= 2, 16 at K = 8) and scans token_idx again for each later
+// window: token 0 gets exactly n rows, on and around the window edges and up to every row.
+TEST_F(CombineGpu, SmallCallScanWindowsAHotTokensRows) {
+  std::vector<Case> cases;
+  uint64_t seed = 6000;
+  struct Shape {
+    int64_t hidden, tokens, top_k;
+    std::vector<int64_t> hot;
+  };
+  const Shape shapes[] = {{4096, 64, 2, {1, 7, 8, 9, 16, 17, 100, 128}},
+                          {2880, 16, 4, {7, 8, 9, 33, 64}},
+                          {7168, 16, 8, {15, 16, 17, 32, 33, 127, 128}},
+                          {7168, 9, 8, {16, 17, 72}}};
+  for (const Shape& sh : shapes)
+    for (moejit_index_type idx : {MOEJIT_INDEX_INT32, MOEJIT_INDEX_INT64})
+      for (int64_t n : sh.hot) {
+        Case c = vary(Case{MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                           idx, sh.hidden, sh.tokens, sh.top_k, seed++});
+        c.hot_rows = n;
         cases.push_back(c);
       }
   expect_cases_pass(cases, 4);
@@ -927,8 +961,10 @@ TEST_F(CombineGpu, DroppedSlotsIgnoreNonFiniteGates) {
 TEST_F(CombineGpu, OneTokenSkipsDroppedRowsWhateverTheyHold) {
   moejit_runtime_t rt = memory_only_runtime();
   const int64_t H = 7168;
-  for (const int64_t R :
-       {int64_t{1}, int64_t{5}, int64_t{8}, int64_t{13}, int64_t{64}, int64_t{65}}) {
+  // Up to 64 rows: the one-token kernel; 65-128 the single launch's small-call form; 129 its slab
+  // form.
+  for (const int64_t R : {int64_t{1}, int64_t{5}, int64_t{8}, int64_t{13}, int64_t{64}, int64_t{65},
+                          int64_t{128}, int64_t{129}}) {
     SCOPED_TRACE("R=" + std::to_string(R));
     Rng rng(static_cast<uint64_t>(R) * 977);
     std::vector<int32_t> token_idx(static_cast<size_t>(R));

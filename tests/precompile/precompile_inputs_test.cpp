@@ -130,10 +130,11 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
   expand_shape(s, all_layouts(), all_index_types(), &specs);
   // token_major has no index: (1 + gather_map x 2) x {prefill, decode geometry}, plus
   // token_index x 2 index types x (the list path's two modules, prefill and decode / mid-size, +
-  // the single-launch module + the one-token module + the list helpers' module): with 8 rows per
-  // token the single launch has one geometry for every size, and the list path's mid-size calls
-  // share the decode geometry's module.
-  ASSERT_EQ(specs.size(), 16u);
+  // the single-launch module and its small-call form (decode calls of up to 16 tokens) + the
+  // one-token module + the list helpers' module): with 8 rows per token the single launch has
+  // one geometry for every size, and the list path's mid-size calls share the decode geometry's
+  // module.
+  ASSERT_EQ(specs.size(), 18u);
   for (moejit_layout l : all_layouts())
     for (moejit_index_type t : all_index_types())
       for (int64_t tokens : {kAnyTokens, int64_t{1}, int64_t{512}, int64_t{2048}, int64_t{4096}}) {
@@ -150,11 +151,15 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
             EXPECT_NE(std::find(specs.begin(), specs.end(), want.with_one_token_kernel()),
                       specs.end())
                 << want.describe();
+            EXPECT_NE(std::find(specs.begin(), specs.end(),
+                                single_launch_spec(want, tokens).with_small_scan()),
+                      specs.end())
+                << want.describe();
           }
         }
       }
   expand_shape(s, all_layouts(), all_index_types(), &specs);  // no duplicates
-  EXPECT_EQ(specs.size(), 16u);
+  EXPECT_EQ(specs.size(), 18u);
 
   // Short rows (128-wide fp32: 32 threads per token) with two rows per token: the single launch
   // packs 16 tokens per 512-thread block beyond decode sizes and 4 per 128-thread block at
@@ -203,16 +208,18 @@ TEST(Manifest, ExactAndShapeLines) {
                            "hidden=4096 topk=2 dtype=bf16 layout=gather_map index_type=int32\n"
                            "hidden=2048 topk=4 layout=token_major,token_index index_type=int64\n" +
                            exact_scan.describe() + "\n" + exact_scan.helpers_spec().describe() +
-                           "\n" + exact_one_token.describe() + "\n";
+                           "\n" + exact_one_token.describe() + "\n" +
+                           exact_scan.with_small_scan().describe() + "\n";
   ManifestDefaults d;
   d.dtype = MOEJIT_DTYPE_FLOAT32;
   std::vector<KernelSpec> specs;
   parse_manifest(text, "m.txt", d, &specs);
   // Shape lines expand to every geometry: prefill, decode, then mid-size; for the token index each
   // geometry's list-path module, then its single-launch module, and once the list helpers; the
-  // decode geometry's one-token module. (Four rows per token: two slots per thread past decode
-  // sizes, in 128-thread blocks past mid-size, so three list-path modules.)
-  ASSERT_EQ(specs.size(), 15u);
+  // decode geometry's small-call single launch and one-token module. (Four rows per token: two
+  // slots per thread past decode sizes, in 128-thread blocks past mid-size, so three list-path
+  // modules; mid-size calls have more than 128 rows, so no small-call form there.)
+  ASSERT_EQ(specs.size(), 17u);
   EXPECT_EQ(specs[0], exact);
   EXPECT_EQ(specs[1], spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                      MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256));
@@ -230,16 +237,18 @@ TEST(Manifest, ExactAndShapeLines) {
   EXPECT_EQ(specs[8], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 1));
   EXPECT_EQ(specs[9], single_launch_spec(specs[8], 1));
-  EXPECT_EQ(specs[10], specs[8].with_one_token_kernel());
-  EXPECT_EQ(specs[11], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+  EXPECT_EQ(specs[10], specs[9].with_small_scan());
+  EXPECT_EQ(specs[11], specs[8].with_one_token_kernel());
+  EXPECT_EQ(specs[12], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                       MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 65));
-  EXPECT_EQ(specs[11].tpt, 64);
-  EXPECT_EQ(specs[11].upt, 2);
+  EXPECT_EQ(specs[12].tpt, 64);
+  EXPECT_EQ(specs[12].upt, 2);
   EXPECT_EQ(specs[5].tpt, 128);
-  EXPECT_EQ(single_launch_spec(specs[11], 65), specs[6]);
-  EXPECT_EQ(specs[12], exact_scan);                 // an exact scan line round-trips
-  EXPECT_EQ(specs[13], exact_scan.helpers_spec());  // and a helpers line (int32)
-  EXPECT_EQ(specs[14], exact_one_token);            // and a one-token line
+  EXPECT_EQ(single_launch_spec(specs[12], 65), specs[6]);
+  EXPECT_EQ(specs[13], exact_scan);                    // an exact scan line round-trips
+  EXPECT_EQ(specs[14], exact_scan.helpers_spec());     // and a helpers line (int32)
+  EXPECT_EQ(specs[15], exact_one_token);               // and a one-token line
+  EXPECT_EQ(specs[16], exact_scan.with_small_scan());  // and a small-call single launch
 
   auto bad = [&](const std::string& line) {
     return error_of([&] {
@@ -273,6 +282,17 @@ TEST(Manifest, ExactAndShapeLines) {
   EXPECT_NE(bad(one_token + " scan=1").find("or one_token=1"), std::string::npos);
   EXPECT_NE(bad(std::regex_replace(one_token, std::regex("one_token=1"), "one_token=2"))
                 .find("one_token = 2"),
+            std::string::npos);
+  // The small-call form: only with scan=1, 0 or 1, and only for one token per block.
+  const std::string small = exact_scan.with_small_scan().describe();
+  EXPECT_NE(small.find(" scan=1 small_scan=1"), std::string::npos) << small;
+  EXPECT_NE(bad(std::regex_replace(small, std::regex(" scan=1"), "")).find("with small_scan=1"),
+            std::string::npos);
+  EXPECT_NE(bad(std::regex_replace(small, std::regex("small_scan=1"), "small_scan=2"))
+                .find("small_scan = 2: expected 0 or 1"),
+            std::string::npos);
+  EXPECT_NE(bad(std::regex_replace(small, std::regex("tpb=1"), "tpb=2"))
+                .find("only a single-launch module with one token per block"),
             std::string::npos);
   EXPECT_NE(bad("hidden").find("expected key=value"), std::string::npos);
   EXPECT_NE(bad("layout=gather_map idx=int32 helpers=1").find("only the token_index layout"),
@@ -394,7 +414,7 @@ TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
   std::istringstream in(text.out);
   for (std::string l; std::getline(in, l);)
     if (std::regex_match(l, line)) ++lines;
-  EXPECT_EQ(lines, 32u) << text.out;  // 16 specs x 2 targets
+  EXPECT_EQ(lines, 36u) << text.out;  // 18 specs x 2 targets
 
   const test::ToolRun js =
       run("--dry-run --json --model-config '" + configs("qwen3-30b-a3b.json") +
@@ -402,10 +422,10 @@ TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
   ASSERT_EQ(js.rc, 0) << js.err;
   const nlohmann::json j = nlohmann::json::parse(js.out);
   // 2 index types x (gather_map x 2 geometries + token_index: two list modules (prefill; decode
-  // and mid-size, which share one with 8 rows per token) and one single-launch module, the
-  // one-token module, the list helpers).
-  EXPECT_EQ(j["total"], 14);
-  EXPECT_EQ(j["missing"], 14);
+  // and mid-size, which share one with 8 rows per token) and one single-launch module with its
+  // small-call form, the one-token module, the list helpers).
+  EXPECT_EQ(j["total"], 16);
+  EXPECT_EQ(j["missing"], 16);
   EXPECT_EQ(j["cached"], 0);
   // The keys are the runtime's own: recompute them through KernelStore::request_for.
   Settings settings;

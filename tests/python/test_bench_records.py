@@ -39,6 +39,8 @@ def bench_json():
                 {"spec": "layout=token_index in=bf16 cap=8", "ms": 300.0,
                  "later_median_ms": 25.0},
                 {"spec": "layout=token_index in=bf16 cap=16 scan=1", "ms": 28.0},
+                {"spec": "layout=token_index in=bf16 cap=16 scan=1 small_scan=1", "ms": 21.0,
+                 "later_median_ms": 19.0},
             ],
             "disk_cache_available": True, "disk_hit_ms": 0.02, "module_load_ms": 0.04,
         },
@@ -125,6 +127,7 @@ def test_jit_line_names_each_module_kind(merge_results):
     assert "token-index lists 300 / 25 ms" in line
     # An older record without the later median shows its first compile twice.
     assert "token-index single launch 28 / 28 ms" in line
+    assert "token-index single launch (small calls) 21 / 19 ms" in line
 
 
 def test_launch_adjusted_table_reads_the_floor_plus_one_empty_kernel(merge_results):

@@ -68,7 +68,11 @@ std::vector<Case> matrix() {
                 spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, static_cast<moejit_dtype>(in),
                                static_cast<moejit_dtype>(out), static_cast<moejit_index_type>(idx),
                                hidden, top_ks[n % 3], 1);
-            cases.push_back({single_launch_spec(d, 1), archs[(n + 2) % 3]});
+            const KernelSpec single_decode = single_launch_spec(d, 1);
+            cases.push_back({single_decode, archs[(n + 2) % 3]});
+            // Its small-call form, where it lists rows in order (one token per block).
+            if (single_decode.ordered_scan())
+              cases.push_back({single_decode.with_small_scan(), archs[(n + 1) % 3]});
             // And the one-token kernel (decode geometry).
             cases.push_back({d.with_one_token_kernel(), archs[n % 3]});
           }

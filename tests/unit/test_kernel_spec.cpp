@@ -101,9 +101,9 @@ TEST(KernelSpec, DecodeSizedCallsSpreadATokenOverMoreBlocks) {
   EXPECT_EQ(ti.tpt, 64);
   EXPECT_EQ(ti.tpb, 1);
   EXPECT_EQ(ti.with_one_token_kernel().tpt, 64);
-  EXPECT_EQ(
-      single_launch_spec(ti, 3).name_expressions(),
-      std::vector<std::string>{"&moejit::combine_scan<2, 2, int, 7168, 8, 8, 128, 1, 1, 16>"});
+  EXPECT_EQ(single_launch_spec(ti, 3).name_expressions(),
+            std::vector<std::string>{
+                "&moejit::combine_scan<2, 2, int, 7168, 8, 8, 128, 1, 1, 16, false>"});
   // Rows narrower than 128 threads: the decode geometry as before.
   const KernelSpec ti_narrow =
       spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
@@ -229,7 +229,20 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   expect_module(scan,
                 "layout=token_index in=fp16 out=fp32 idx=int64 H=2048 vec=4 K=8 tpt=128 tpb=1 "
                 "upt=1 cap=16 scan=1",
-                "&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 128, 1, 1, 16>");
+                "&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 128, 1, 1, 16, false>");
+  // Its small-call form (every warp reads all of token_idx; calls with at most 128 rows): a
+  // module, spec and cache entry of its own.
+  ASSERT_TRUE(scan.ordered_scan());
+  const KernelSpec small = scan.with_small_scan();
+  EXPECT_NE(small, scan);
+  EXPECT_NE(small.hash(), scan.hash());
+  expect_module(small,
+                "layout=token_index in=fp16 out=fp32 idx=int64 H=2048 vec=4 K=8 tpt=128 tpb=1 "
+                "upt=1 cap=16 scan=1 small_scan=1",
+                "&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 128, 1, 1, 16, true>");
+  EXPECT_EQ(single_launch_for_rows(scan, 1), small);
+  EXPECT_EQ(single_launch_for_rows(scan, 128), small);
+  EXPECT_EQ(single_launch_for_rows(scan, 129), scan);
   // At decode and mid sizes the list path takes 64-thread blocks (streaming row loads); the single
   // launch keeps 128 (each warp then reads all of a call's token_idx up to 128 rows): with eight
   // rows per token it is the prefill geometry's module, one module for both.
@@ -263,8 +276,12 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_EQ(tiny.tpt, 4);
   EXPECT_EQ(tiny.tpb, 32);
   EXPECT_EQ(tiny.name_expressions().size(), 1u);
-  EXPECT_EQ(single_launch_spec(tiny, kAnyTokens).name_expressions(),
-            std::vector<std::string>{"&moejit::combine_scan<0, 0, int, 8, 4, 2, 4, 128, 1, 8>"});
+  EXPECT_EQ(
+      single_launch_spec(tiny, kAnyTokens).name_expressions(),
+      std::vector<std::string>{"&moejit::combine_scan<0, 0, int, 8, 4, 2, 4, 128, 1, 8, false>"});
+  // Several tokens per block: not an ordered scan, so no small-call form.
+  EXPECT_FALSE(single_launch_spec(tiny, 64).ordered_scan());
+  EXPECT_EQ(single_launch_for_rows(single_launch_spec(tiny, 64), 2), single_launch_spec(tiny, 64));
   EXPECT_EQ(single_launch_spec(tiny, 64).tpb, 32);
   EXPECT_EQ(single_launch_spec(tiny, 65).tpb, 128);
   // The one-token kernel: a module of its own too, without a list, in the decode geometry.
@@ -321,6 +338,59 @@ TEST(KernelSpec, OneTokenCallsPlanTheOneTokenModule) {
   a.layout = MOEJIT_LAYOUT_GATHER_MAP;
   a.num_tokens = 1;
   EXPECT_FALSE(plan_combine(&a).one_token());
+}
+
+// The single launch with one token per block has a small-call form (every warp reads all of
+// token_idx and lists every row: no slab scan, no walk) for calls with at most one block's threads
+// in rows; the precompile tool warms it wherever a decode or mid-size call of the shape takes it.
+TEST(KernelSpec, CallsWithAtMostABlockOfRowsTakeTheSmallScanForm) {
+  auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
+  a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+  a.workspace = reinterpret_cast<void*>(0x300000);
+  a.workspace_bytes = size_t{1} << 30;
+  // Rows of 896 vectors: 128-thread blocks; rows of 64 vectors (H = 512): 64-thread blocks at
+  // decode sizes (past them several tokens per 512-thread block: no ordered scan).
+  for (const int hidden : {7168, 512}) {
+    a.hidden_dim = hidden;
+    const int block = hidden == 7168 ? 128 : 64;
+    for (const int64_t tokens : {1, 2, 16, 17, 64, 65, 100}) {
+      for (const int64_t rows : {int64_t{block}, int64_t{block} + 1}) {
+        a.num_tokens = tokens;
+        a.num_rows = rows;
+        const CombinePlan plan = plan_combine(&a);
+        if (!plan.token_scan()) continue;  // T = 1 with few rows: the one-token kernel
+        const std::string at =
+            std::to_string(hidden) + " " + std::to_string(tokens) + " " + std::to_string(rows);
+        if (tokens <= 64 || hidden == 7168) {
+          EXPECT_EQ(plan.spec.block_threads(), block) << at;
+          EXPECT_TRUE(plan.spec.ordered_scan()) << at;
+        }
+        EXPECT_EQ(plan.spec.small_scan, plan.spec.ordered_scan() && rows <= block) << at;
+      }
+    }
+    // Every decode and mid-size call with K rows per token: its module is among those warmed.
+    for (const int k : {1, 2, 4, 8}) {
+      const auto warmed =
+          specs_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                          MOEJIT_INDEX_INT32, hidden, k, 256);
+      for (int64_t tokens = 1; tokens <= 300; ++tokens) {
+        a.num_tokens = tokens;
+        a.num_rows = tokens * k;
+        const KernelSpec planned = plan_combine(&a).spec;
+        EXPECT_NE(std::find(warmed.begin(), warmed.end(), planned), warmed.end())
+            << planned.describe() << " for T = " << tokens;
+      }
+    }
+  }
+  // Several tokens per block (rows shorter than a warp) have no small-call form.
+  a.hidden_dim = 8;
+  a.expert_dtype = a.out_dtype = MOEJIT_DTYPE_FLOAT32;
+  a.num_tokens = 4;
+  a.num_rows = 8;
+  const CombinePlan tiny = plan_combine(&a);
+  EXPECT_TRUE(tiny.token_scan());
+  EXPECT_FALSE(tiny.spec.ordered_scan());
+  EXPECT_FALSE(tiny.spec.small_scan);
 }
 
 TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {

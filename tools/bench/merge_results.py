@@ -174,6 +174,8 @@ def markdown(merged):
                         return "token-index list helpers (one module per index type)"
                     if "one_token=1" in spec:
                         return "token-index one token"
+                    if "small_scan=1" in spec:
+                        return "token-index single launch (small calls)"
                     return "token-index single launch" if "scan=1" in spec else "token-index lists"
                 return layout.replace("_", "-")
             cache = jit.get("compute_cache")

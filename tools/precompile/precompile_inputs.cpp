@@ -133,12 +133,13 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
                        ": exact spec lines need all of layout in out idx H vec K tpt tpb "
                        "upt cap (the KernelSpec::describe() format); \"" +
                        k + "\" is missing");
-  const size_t flags = kv.count("scan") + kv.count("one_token");
-  if (flags > 1 || kv.size() != 11u + flags)
+  const size_t flags = kv.count("scan") + kv.count("small_scan") + kv.count("one_token");
+  if (kv.count("one_token") + kv.count("scan") > 1 || kv.count("small_scan") > kv.count("scan") ||
+      kv.size() != 11u + flags)
     throw InputError(where +
                      ": exact spec lines take only layout in out idx H vec K tpt tpb upt cap "
-                     "(and scan=1 for a token-index single-launch module, or one_token=1 for a "
-                     "token-index one-token module)");
+                     "(and scan=1 for a token-index single-launch module, with small_scan=1 for "
+                     "its small-call form, or one_token=1 for a token-index one-token module)");
   KernelSpec s;
   s.layout = parse_layout(kv["layout"], where + ": layout");
   s.in_dtype = parse_dtype(kv["in"], where + ": in");
@@ -152,6 +153,8 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
   s.upt = parse_int(kv["upt"], where + ": upt");
   s.list_cap = parse_int(kv["cap"], where + ": cap");
   const int scan = kv.count("scan") != 0 ? parse_int(kv["scan"], where + ": scan") : 0;
+  const int small_scan =
+      kv.count("small_scan") != 0 ? parse_int(kv["small_scan"], where + ": small_scan") : 0;
   const int one_token =
       kv.count("one_token") != 0 ? parse_int(kv["one_token"], where + ": one_token") : 0;
 
@@ -189,6 +192,12 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
   if (scan == 1 && !s.token_index())
     fail("scan", scan, "only the token_index layout has a single-launch module");
   s.scan = scan == 1;
+  if (small_scan != 0 && small_scan != 1) fail("small_scan", small_scan, "expected 0 or 1");
+  if (small_scan == 1 && !s.ordered_scan())
+    fail("small_scan", small_scan,
+         "only a single-launch module with one token per block (scan=1, tpb=1, tpt a multiple of "
+         "32) has a small-call form");
+  s.small_scan = small_scan == 1;
   if (one_token == 1 && !s.token_index())
     fail("one_token", one_token, "only the token_index layout has a one-token module");
   s.one_token = one_token == 1;
