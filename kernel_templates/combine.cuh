@@ -887,9 +887,16 @@ __global__ void __launch_bounds__(TPT* TPB, (CombineMinBlocks<LAYOUT, TPT, TPB, 
 // exactly as the list path does (same sorted order, same slow paths: bitwise the same result).
 // The host picks it while that re-reading stays cheap (src/combine_plan.cpp), and SMALL (one
 // token per block, whole warps) for calls with at most TPT rows.
+// SMALL promises four blocks per SM (up to 128 registers), as the fixed layouts do (above): without
+// it ptxas gave the form's windowed scan loop 40 registers at K = 1 with two slots per thread by
+// loading a row's second slot only after adding its first (nvdisasm: LDG, FFMA, LDG, FFMA), two
+// round trips per row; on the H200 T = 96-128 K = 1 ran 0.3-0.45 us slower than the pre-split
+// kernel. With the promise the loads are back to back at every small-form geometry (K = 1-8) and
+// nothing spills (eight blocks, 64 registers, spilled at K = 8). Small-form grids are small: at
+// most a few blocks per SM at the benchmark's shapes.
 template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT, int TPB,
           int UPT, int LIST_CAP, bool SMALL>
-__global__ void __launch_bounds__(TPT* TPB) combine_scan(const CombineParams p) {
+__global__ void __launch_bounds__(TPT* TPB, SMALL ? 4 : 0) combine_scan(const CombineParams p) {
   detail::combine_tokens<kLayoutTokenIndex, IN_DT, OUT_DT, IdxT, HIDDEN, VEC, TOP_K, TPT, TPB, UPT,
                          LIST_CAP, true, SMALL>(p);
 }
