@@ -443,9 +443,9 @@ __device__ __forceinline__ void scan_token_rows(const CombineParams& p, long lon
 //    skewed routing) has the combine scan again for each later window (4 loads at BLOCK 128).
 //    Against the slabs (T = 1: 562 -> 504 instructions per warp, Nsight Compute; on the H200,
 //    A B B A x 3, us: T = 1 5.90 -> 5.55, T = 8 6.32 -> 6.07, T = 16 K = 4 H = 2880 5.47 ->
-//    5.22). As a module of its own, without the slab code, it compiles in about 95 ms locally
-//    where the two forms together took 137 (the slab form alone 128), and both forms ran
-//    0.02-0.10 us faster at T = 2-256 on the H200 (NOTES, version 27).
+//    5.22). As a module of its own, without the slab code, it compiles in 99 ms locally
+//    where the two forms together took 137 (the slab form alone 129), and it runs 0.09-0.23 us
+//    faster than the one-module kernel at T = 2-128 on the H200 (NOTES, versions 27-28).
 //    Why a window and not a list long enough for every row of the call: that list took 2 KB of
 //    shared memory per block (BLOCK 128), and after a producer kernel that uses none a dependent
 //    launch (p.dependent_launch) got 0.5-0.9 us slower, slower than a plain one (T = 64 K = 2
