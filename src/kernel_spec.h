@@ -28,10 +28,10 @@ struct KernelSpec {
   // differ (single_launch_spec in combine_plan.h).
   bool scan = false;
   // Token index, single launch with one token per block (ordered_scan()): the form for calls with
-  // at most block_threads() rows, where every warp reads all of token_idx and lists every row of
-  // the call (no slab scan, no merge, no walk past the list). Its own module: a quarter smaller
-  // and faster to compile than the slab form (95 against 128 ms locally), and faster at decode
-  // (combine.cuh, scan_token_rows_ordered). The host sets it from the call's rows
+  // at most block_threads() rows, where every warp reads all of token_idx and lists the token's
+  // rows a LIST_CAP window at a time (no slab scan, no merge, no walk of token_idx). Its own
+  // module: a quarter faster to compile than the slab form (99 against 129 ms locally), and faster
+  // at decode (combine.cuh, scan_token_rows_ordered). The host sets it from the call's rows
   // (single_launch_for_rows in combine_plan.h).
   bool small_scan = false;
   // Token index, one-token calls: the module is combine_one_token alone (no scan, no lists: every

@@ -341,8 +341,9 @@ TEST(KernelSpec, OneTokenCallsPlanTheOneTokenModule) {
 }
 
 // The single launch with one token per block has a small-call form (every warp reads all of
-// token_idx and lists every row: no slab scan, no walk) for calls with at most one block's threads
-// in rows; the precompile tool warms it wherever a decode or mid-size call of the shape takes it.
+// token_idx and lists a window of rows: no slab scan, no walk) for calls with at most one block's
+// threads in rows; the precompile tool warms it wherever a decode or mid-size call of the shape
+// takes it.
 TEST(KernelSpec, CallsWithAtMostABlockOfRowsTakeTheSmallScanForm) {
   auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
   a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
