@@ -38,33 +38,28 @@ moejit::Settings settings_without_disk() {
 
 // The specializations compiled cold, in this order. The first is the DeepSeek-V3 shape, the most
 // likely first call of a real process; then one module of each other kind: the token index's
-// list-path combine, its single-launch kernel (a decode-sized call), a short fp32 row, the
-// token index's list helpers (compiled once per index type, whatever the shape) and its one-token
-// kernel (single-sequence decode).
+// list-path combine, its single-launch kernel for a decode-sized call (the slab form, then the
+// small-call form that calls of at most 128 rows take), a short fp32 row, the token index's list
+// helpers (compiled once per index type, whatever the shape) and its one-token kernel
+// (single-sequence decode).
 std::vector<moejit::KernelSpec> cold_specs() {
+  const moejit::KernelSpec mixtral_list =
+      moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
+                             MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256);
+  const moejit::KernelSpec deepseek_decode_list =
+      moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
+                             MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256, 1);
+  const moejit::KernelSpec deepseek_single = moejit::single_launch_spec(deepseek_decode_list, 1);
   return {
       moejit::spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
                              MOEJIT_INDEX_INT32, 7168, 8, 256),
-      moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
-                             MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256),
-      moejit::single_launch_spec(
-          moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
-                                 MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256, 1),
-          1),
-      // The same in its small-call form (decode calls with at most 128 rows: T <= 16 at K = 8).
-      moejit::single_launch_spec(
-          moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
-                                 MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256, 1),
-          1)
-          .with_small_scan(),
+      mixtral_list,
+      deepseek_single,
+      deepseek_single.with_small_scan(),
       moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
                              MOEJIT_INDEX_INT32, 128, 2, 256),
-      moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
-                             MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256)
-          .helpers_spec(),
-      moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
-                             MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256, 1)
-          .with_one_token_kernel(),
+      mixtral_list.helpers_spec(),
+      deepseek_decode_list.with_one_token_kernel(),
   };
 }
 
