@@ -598,6 +598,12 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   // the masking, in every thread).
   constexpr int kHeldCap = kTokenIndex ? detail::kBatch : kRowsPerBatch;
   constexpr int kHeld = TOP_K < kHeldCap ? TOP_K : kHeldCap;
+  // Rows of one batch of the held path: never more than are held. A batch of kRowsPerBatch with
+  // fewer held rows (K <= 4 with one slot per thread, K = 1 with two) added its compile-time
+  // absent rows too in the fixed layouts' branch-free adds: zeros times weight 0, which the
+  // compiler must keep (fmaf(0, 0, -0.0f) is +0.0f), 24-48 useless FFMAs per thread between the
+  // row loads and the store (nvdisasm: `FFMA R14, RZ, RZ, R14`, six per sum register at K = 2).
+  constexpr int kBatchRows = kRowsPerBatch < kHeld ? kRowsPerBatch : kHeld;
   // Row loads through L1 for the bandwidth blocks (a whole 128-thread group per token) when every
   // chunk of a row is full; streaming for decode-sized groups, short rows, the single launch, and
   // rows whose last chunk is partial (H=2880 and H=3584 measured 1-2% slower through L1 in both
@@ -765,11 +771,11 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
     // before its first add. (One batch for the fixed layouts.)
     if (held_all) {
 #pragma unroll
-      for (int b = 0; b < kHeld; b += kRowsPerBatch) {
-        detail::Pack<S, VEC> v[kRowsPerBatch][UPT];
-        bool present[kRowsPerBatch];
+      for (int b = 0; b < kHeld; b += kBatchRows) {
+        detail::Pack<S, VEC> v[kBatchRows][UPT];
+        bool present[kBatchRows];
 #pragma unroll
-        for (int i = 0; i < kRowsPerBatch; ++i) {
+        for (int i = 0; i < kBatchRows; ++i) {
           const int j = b + i, k = j < kHeld ? j : 0;
           if constexpr (LAYOUT != kLayoutTokenMajor) {
             // The row's address from this thread's first slot: one unsigned 32 x 64-bit product
@@ -802,7 +808,7 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
         // warp at T = 1, but the compiler then reused load registers and interleaved loads with
         // adds: 5.64 -> 6.28 us on the H200.)
 #pragma unroll
-        for (int i = 0; i < kRowsPerBatch; ++i) {
+        for (int i = 0; i < kBatchRows; ++i) {
           const float w = present[i] ? gate[b + i < kHeld ? b + i : 0] : 0.0f;
           if (!kTokenIndex || present[i]) detail::add_row_slots<IN_DT, VEC, UPT>(w, v[i], sum);
         }
