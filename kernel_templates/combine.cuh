@@ -897,7 +897,10 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
 template <int LAYOUT, int TPT, int TPB, int UPT>
 struct CombineMinBlocks {
   enum {
-    value = LAYOUT != kLayoutTokenIndex && UPT == 1 && TPT * TPB >= 128 ? 1024 / (TPT * TPB) : 0
+    value = LAYOUT == kLayoutTokenIndex || TPT * TPB < 128 ? 0
+            : UPT == 1                                     ? 1024 / (TPT * TPB)
+            : UPT == 4 && LAYOUT == kLayoutGatherMap       ? 1280 / (TPT * TPB)
+                                                           : 0
   };
 };
 
