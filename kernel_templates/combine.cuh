@@ -623,7 +623,7 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   // Rows of one batch of the held path: never more than are held. A batch of kRowsPerBatch with
   // fewer held rows (K <= 4 with one slot per thread, K = 1 with two) added its compile-time
   // absent rows too in the fixed layouts' branch-free adds: zeros times weight 0, which the
-  // compiler must keep (fmaf(0, 0, -0.0f) is +0.0f), 24-48 useless FFMAs per thread between the
+  // compiler must keep (fmaf(0, 0, -0.0f) is +0.0f), 24-56 useless FFMAs per thread between the
   // row loads and the store (nvdisasm: `FFMA R14, RZ, RZ, R14`, six per sum register at K = 2).
   constexpr int kBatchRows = kRowsPerBatch < kHeld ? kRowsPerBatch : kHeld;
   // Row loads through L1 for the bandwidth blocks (a whole 128-thread group per token) when every
