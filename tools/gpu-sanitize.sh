@@ -23,20 +23,19 @@ fi
 tests=build-gpu/tests/gpu/moejit_gpu_tests
 failed=()
 run() {  # tool, gtest filter, output name, seconds
-  timeout "$4" compute-sanitizer --error-exitcode 9 --print-limit 30 --tool "$1" \
-    $([ "$1" = racecheck ] && echo --racecheck-report hazard) "$tests" --gtest_filter="$2" \
-    >"$out/$3.txt" 2>&1
-  local rc=$?
   # racecheck alone sometimes stalls in a process's first seconds (a test that takes 5-6 s ran
-  # into 120 s; the same test again, right after: 6 s). One more try, said out loud; a second
-  # stall or any report still fails the run.
-  if [ $rc -eq 124 ] && [ "$1" = racecheck ]; then
+  # into 120 s; the same test again, right after: 6 s). A stalled racecheck run gets one more
+  # try, said out loud; a second stall or any report still fails the run.
+  local rc attempt
+  for attempt in 1 2; do
+    timeout "$4" compute-sanitizer --error-exitcode 9 --print-limit 30 --tool "$1" \
+      $([ "$1" = racecheck ] && echo --racecheck-report hazard) "$tests" --gtest_filter="$2" \
+      >"$out/$3.txt" 2>&1
+    rc=$?
+    [ $rc -eq 124 ] && [ "$1" = racecheck ] && [ $attempt -eq 1 ] || break
     echo "$3: timed out after $4 s; trying once more"
     mv "$out/$3.txt" "$out/$3.stalled.txt"
-    timeout "$4" compute-sanitizer --error-exitcode 9 --print-limit 30 --tool racecheck \
-      --racecheck-report hazard "$tests" --gtest_filter="$2" >"$out/$3.txt" 2>&1
-    rc=$?
-  fi
+  done
   [ $rc -eq 124 ] && echo "$3: timed out after $4 s"
   [ $rc -ne 0 ] && failed+=("$3")
   grep -E "OK \]|FAILED|SKIPPED|ERROR SUMMARY|RACECHECK SUMMARY" "$out/$3.txt" | head -n 20
