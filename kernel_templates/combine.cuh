@@ -279,10 +279,20 @@ __device__ __forceinline__ void store_row_slots(typename Elem<OUT_DT>::storage* 
 // stream drains). A dependent kernel calls wait_for_predecessor() before it touches memory (it
 // returns once the previous kernel finished and its writes are visible); allow_dependents() lets
 // the next kernel's blocks be scheduled as this one's drain (scheduling only: a dependent still
-// waits for this whole kernel before touching memory). Both are no-ops for a plain launch and on
-// older GPUs, but not free: at the start of every kernel they cost 0.1-0.27 us at decode sizes on
-// the H200 (A B B A, tools/bench/NOTES.md, version 25), so a call's first kernel runs them only
-// when the caller asked for the dependent launch (a uniform branch on p.dependent_launch).
+// waits for this whole kernel before touching memory). The wait is a no-op for a plain launch and
+// on older GPUs, but not free: at the start of every kernel it cost 0.1-0.27 us at decode sizes on
+// the H200 (A B B A, tools/bench/NOTES.md, version 25), so a call's first kernel waits only when
+// the caller asked for the dependent launch (a uniform branch on p.dependent_launch).
+// Only the chain's helpers (token_index_clear, token_index_assign) allow their dependents, which
+// are the chain's next kernels: without their triggers the list path was 0.2-1.8% slower at
+// prefill. The combine kernels never allow the caller's next kernel early: triggered at their
+// start, a decode step of a PDL-aware producer, the combine and the next producer took up to
+// 0.43 us longer (token-major T64 K2 H4096 0.26, T64 K1 H5120 0.35-0.41, gather map and
+// token-major T64 K2 H7168 0.38-0.43) and at most 0.21 us less elsewhere; a stand-alone probe
+// (producer, combine-like consumer, producer, all dependents) lost 0.13-0.38 us per step to the
+// consumer's early trigger at every grid from 64 to 448 blocks, the next producer's blocks placed
+// alike (four per SM) either way. A trigger just before the stores was worse than both (NOTES,
+// version 30). Without it the next dependent kernel is scheduled when the combine ends.
 __device__ __forceinline__ void wait_for_predecessor() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -295,10 +305,7 @@ __device__ __forceinline__ void allow_dependents() {
 }
 // The start of a call's first kernel.
 __device__ __forceinline__ void start_call(const CombineParams& p) {
-  if (p.dependent_launch != 0) {
-    wait_for_predecessor();
-    allow_dependents();
-  }
+  if (p.dependent_launch != 0) wait_for_predecessor();
 }
 
 // Rows in flight per thread: enough independent 16-byte loads to cover memory latency without
@@ -692,7 +699,6 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   } else {
     if constexpr (kTokenIndex) {
       detail::wait_for_predecessor();  // token_index_assign's lists
-      if (p.dependent_launch != 0) detail::allow_dependents();
     }
     if (tok >= p.num_tokens) return;  // no barrier below: idle token groups may leave
     if constexpr (kTokenIndex) {

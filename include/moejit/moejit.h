@@ -189,11 +189,12 @@ typedef struct moejit_combine_args {
      scheduled while that kernel drains, and they wait for it to finish (griddepcontrol.wait)
      before touching any memory: results are the same either way. This pays when that kernel
      lets its dependents start early (griddepcontrol.launch_dependents, as PDL-aware kernels do):
-     on the H200 a decode step of such a producer and a combine in a CUDA graph took 0.30-0.43 us
-     less (tools/bench/NOTES.md, version 25). After a kernel that does not, nothing is gained,
+     on the H200 a decode step of such a producer and a combine in a CUDA graph took 0.27-0.44 us
+     less (tools/bench/NOTES.md, version 30). After a kernel that does not, nothing is gained,
      hence off by default (the kernels then skip the wait, which costs 0.1-0.27 us at decode
-     sizes). With 1 the call's kernels also let the caller's next kernel start early if that one
-     is launched as a dependent. */
+     sizes). The call's kernels do not let the caller's next kernel start early: a next kernel
+     launched as a dependent is scheduled when the call ends (an early trigger from the combine
+     cost up to 0.43 us per decode step; NOTES, version 30). */
   int dependent_launch;
 } moejit_combine_args;
 
