@@ -303,9 +303,14 @@ __device__ __forceinline__ void allow_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
-// The start of a call's first kernel.
-__device__ __forceinline__ void start_call(const CombineParams& p) {
-  if (p.dependent_launch != 0) wait_for_predecessor();
+// A hint that the line holding `at` is wanted soon: fetched into L2 (not L1) and nothing returned,
+// so it is safe on memory the previous kernel may still be writing (L2 is where every SM's writes
+// land; a load after wait_for_predecessor() sees them whatever the hint fetched). A dependent
+// launch issues it for the call's routing before it waits, so that the routing's round trip
+// after the wait is an L2 hit even where the kernels before it evicted the routing (see
+// prefetch_routing below).
+__device__ __forceinline__ void prefetch_l2(const void* at) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(__cvta_generic_to_global(at)));
 }
 
 // Rows in flight per thread: enough independent 16-byte loads to cover memory latency without
@@ -593,6 +598,58 @@ __device__ __forceinline__ void sort_rows(int (&r)[N]) {
     }
 }
 
+// A dependent launch's routing prefetch (prefetch_l2), issued before the wait: what each kernel
+// reads first that the previous kernel is unlikely to have written. In an engine the routing (the
+// gather map or token_idx, and the gates) comes from the router, several kernels before the
+// combine, and the expert GEMMs between stream enough weights through L2 to evict it; the rows
+// come from the kernel just before, still in L2. One request per line is enough, and every
+// block repeating them measured slower (up to 0.2 us per step at 224-320 blocks): fixed layouts,
+// the token's map entries and gates from its first chunk's block; single launch, the token_idx
+// entries of the first scan batch from the first block only (every block reads the same ones).
+// The token index's gates are read by row, known only after the scan, and the list path's first
+// kernel (the clear) reads no routing.
+template <int LAYOUT, typename IdxT, int TOP_K, int TPT, int TPB, bool SMALL_SCAN>
+__device__ __forceinline__ void prefetch_routing(const CombineParams& p, long long tok, int chunk,
+                                                 int lane) {
+  const IdxT* routing = static_cast<const IdxT*>(p.indices);
+  if constexpr (LAYOUT != kLayoutTokenIndex) {
+    if (lane != 0 || chunk != 0 || tok >= p.num_tokens) return;
+    if constexpr (LAYOUT == kLayoutGatherMap) {
+      prefetch_l2(routing + tok * TOP_K);
+      if (TOP_K > 1) prefetch_l2(routing + tok * TOP_K + (TOP_K - 1));
+    }
+    if (p.gates != nullptr) {
+      prefetch_l2(p.gates + tok * TOP_K);
+      if (TOP_K > 1) prefetch_l2(p.gates + tok * TOP_K + (TOP_K - 1));
+    }
+  } else {
+    if (blockIdx.x != 0 || blockIdx.y != 0) return;
+    if constexpr (TPB == 1 && TPT % 32 == 0) {  // the ordered scan
+      const int warp = static_cast<int>(threadIdx.x) / 32,
+                wlane = static_cast<int>(threadIdx.x) % 32;
+      const int rows = static_cast<int>(p.num_rows);
+      if constexpr (SMALL_SCAN) {
+        if (warp != 0) return;
+#pragma unroll
+        for (int i = 0; i < TPT / 32; ++i)
+          if (i * 32 + wlane < rows) prefetch_l2(routing + i * 32 + wlane);
+      } else {
+        constexpr int kWarps = TPT / 32;
+        const int slab = (rows + 32 * kWarps - 1) / (32 * kWarps) * 32;
+        const int begin = warp * slab, end = min(begin + slab, rows);
+#pragma unroll
+        for (int i = 0; i < kScanBatch; ++i)
+          if (begin + i * 32 + wlane < end) prefetch_l2(routing + begin + i * 32 + wlane);
+      }
+    } else {
+      const long long tid = threadIdx.x;
+#pragma unroll
+      for (int i = 0; i < kScanBatch; ++i)
+        if (i * (TPT * TPB) + tid < p.num_rows) prefetch_l2(routing + i * (TPT * TPB) + tid);
+    }
+  }
+}
+
 // One block per work item (a group of TPB tokens x a chunk of TPT * UPT vector slots; the grid is
 // described in combine_tokens). Each thread reads its token's routing, issues the loads
 // of a whole batch of rows (up to kBatch 16-byte vectors) before the first use, sums in fp32 in a
@@ -646,10 +703,6 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   // scanned again past its end.
   constexpr int kScanWindow = LIST_CAP / kHeld * kHeld;
 
-  // Before any memory access: the routing, the rows and (accumulating) out may be the previous
-  // kernel's output, and out may be its input. The list path always waits (below): its previous
-  // kernel is token_index_assign, whose lists it reads.
-  if constexpr (!kTokenIndex || SCAN) detail::start_call(p);
   const IdxT* __restrict__ indices = static_cast<const IdxT*>(p.indices);
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
   const int sub = static_cast<int>(threadIdx.x) / TPT;
@@ -679,6 +732,16 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   }
   const long long tok = group * TPB + sub;
   const int first_slot = chunk * (TPT * UPT) + lane;
+  // A dependent launch waits before any memory access (only hints before it): the routing, the
+  // rows and (accumulating) out may be the previous kernel's output, and out may be its input.
+  // The list path always waits (below): its previous kernel is token_index_assign, whose lists
+  // it reads.
+  if constexpr (!kTokenIndex || SCAN) {
+    if (p.dependent_launch != 0) {
+      prefetch_routing<LAYOUT, IdxT, TOP_K, TPT, TPB, SMALL_SCAN>(p, tok, chunk, lane);
+      wait_for_predecessor();
+    }
+  }
   // Token index: this token's rows (in arrival order; ascending from the ordered scan) and how
   // many there are.
   int count = TOP_K;
@@ -963,7 +1026,14 @@ __global__ void __launch_bounds__(TPT* TPB) combine_one_token(const CombineParam
   constexpr int kRowsPerBatch = TOP_K < kMostPerBatch ? TOP_K : kMostPerBatch;
   const int sub = static_cast<int>(threadIdx.x) / TPT;
   const int lane = static_cast<int>(threadIdx.x) % TPT;
-  detail::start_call(p);                    // before any memory access
+  if (p.dependent_launch != 0) {  // token_idx and the gates first (detail::prefetch_routing)
+    if (blockIdx.x == 0 && blockIdx.y == 0)
+      for (int r = static_cast<int>(threadIdx.x) * 32; r < p.num_rows; r += TPT * TPB * 32) {
+        detail::prefetch_l2(static_cast<const IdxT*>(p.indices) + r);
+        if (p.gates != nullptr) detail::prefetch_l2(p.gates + r);
+      }
+    detail::wait_for_predecessor();  // before any memory access
+  }
   if (blockIdx.x * TPB + sub != 0) return;  // token 0 is the only one; no barrier below
   const int first_slot = static_cast<int>(blockIdx.y) * (TPT * UPT) + lane;
   const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);

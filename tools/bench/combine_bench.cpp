@@ -216,11 +216,16 @@ std::vector<PipelineResult> run_pipeline(const Shape& shape,
                                          const HelperKernels& helpers, cudaStream_t stream) {
   constexpr int kSteps = 100, kReplays = 15;
   constexpr double kProducerUs = 2.0;
+  // The routing-evicted steps read this much first (more than any GPU's L2 so far; zeros, so the
+  // sweep never writes its sink).
+  constexpr size_t kSweepBytes = size_t{256} << 20;
   const HostInputs in = make_inputs(shape, settings.seed);
   const DeviceInputs d(in);
   const size_t row_bytes = static_cast<size_t>(shape.rows() * shape.hidden) *
                            static_cast<size_t>(dtype_bytes(shape.in_dtype));
   DeviceBuffer pristine(row_bytes);
+  DeviceBuffer sweep(kSweepBytes), sink(sizeof(unsigned));
+  BENCH_CUDA(cudaMemsetAsync(sweep.get(), 0, kSweepBytes, stream));
   std::vector<PipelineResult> results;
   for (moejit_layout layout : layouts) {
     PipelineResult r;
@@ -245,7 +250,11 @@ std::vector<PipelineResult> run_pipeline(const Shape& shape,
       std::vector<uint8_t> expected(out_bytes), got(out_bytes);
       d.out.download(expected.data(), out_bytes);
 
-      auto step = [&](bool dependent, int what) {  // what: 0 producer only, 1 combine, 2 empty
+      // what: 0 producer only, 1 combine, 2 empty. evict: a sweep through L2 before the producer,
+      // so the routing (written once, before the steps) comes from DRAM, as after the expert
+      // GEMMs of a real step; the producer's rows are still in L2.
+      auto step = [&](bool dependent, int what, bool evict = false) {
+        if (evict) helpers.launch_sweep(stream, sweep.get(), kSweepBytes, sink.get());
         helpers.launch_produce(stream, pristine.get(), rows, row_bytes, kProducerUs, dependent);
         if (what == 1) {
           moejit_combine_args a = args;
@@ -275,6 +284,11 @@ std::vector<PipelineResult> run_pipeline(const Shape& shape,
             graph_us_per_step(stream, kSteps, kReplays, [&] { step(dep, 1); }) - *producer;
         *with_empty =
             graph_us_per_step(stream, kSteps, kReplays, [&] { step(dep, 2); }) - *producer;
+        const double producer_evicted =
+            graph_us_per_step(stream, kSteps, kReplays, [&] { step(dep, 0, true); });
+        (dep ? r.combine_dependent_evicted_us : r.combine_plain_evicted_us) =
+            graph_us_per_step(stream, kSteps, kReplays, [&] { step(dep, 1, true); }) -
+            producer_evicted;
       }
       d.out.download(got.data(), out_bytes);
       r.correct = r.correct && std::memcmp(expected.data(), got.data(), out_bytes) == 0;

@@ -65,6 +65,9 @@ struct PipelineResult {
   double producer_plain_us = 0.0, producer_dependent_us = 0.0;  // the producer alone, per step
   double combine_plain_us = 0.0, combine_dependent_us = 0.0;
   double empty_plain_us = 0.0, empty_dependent_us = 0.0;
+  // The same with the routing evicted from L2 before each step (a sweep kernel before the
+  // producer, not counted): the combine reads its routing from DRAM, its rows from L2.
+  double combine_plain_evicted_us = 0.0, combine_dependent_evicted_us = 0.0;
   bool correct = false;  // the dependent step's output == a plain call's, bitwise (rows poisoned)
   std::string error;
 };

@@ -15,6 +15,19 @@ namespace {
 constexpr const char* kSource = R"(
 extern "C" __global__ void moejit_bench_empty() {}
 
+// Reads n 16-byte words and keeps nothing (a word no input holds stops the compiler from dropping
+// the loads): stands for the expert GEMMs' weight stream, which leaves little of what was in L2.
+extern "C" __global__ void moejit_bench_sweep(const uint4* src, unsigned long long n,
+                                              unsigned* sink) {
+  unsigned acc = 0;
+  for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+       i += (unsigned long long)gridDim.x * blockDim.x) {
+    const uint4 v = src[i];
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x6d6f656au) *sink = acc;
+}
+
 extern "C" __global__ void moejit_bench_spin(unsigned long long nanoseconds) {
   unsigned long long start, now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
@@ -45,6 +58,8 @@ HelperKernels::HelperKernels(const moejit::Target& target, bool load) {
                      "cuModuleGetFunction(moejit_bench_spin)");
   moejit::check_cuda(d.cuModuleGetFunction(&produce_, module_, "moejit_bench_produce"),
                      "cuModuleGetFunction(moejit_bench_produce)");
+  moejit::check_cuda(d.cuModuleGetFunction(&sweep_, module_, "moejit_bench_sweep"),
+                     "cuModuleGetFunction(moejit_bench_sweep)");
 }
 
 HelperKernels::~HelperKernels() {
@@ -85,6 +100,13 @@ void HelperKernels::launch_produce(CUstream stream, const void* src, void* dst, 
   unsigned long long nanoseconds = static_cast<unsigned long long>(microseconds * 1e3);
   void* args[] = {&src, &dst, &words, &nanoseconds};
   launch_1d(produce_, 528, 256, stream, args, dependent, "launch(moejit_bench_produce)");
+}
+
+void HelperKernels::launch_sweep(CUstream stream, const void* src, size_t bytes, void* sink) const {
+  if (bytes % 16 != 0) throw std::runtime_error("moejit_bench_sweep: bytes must be 16-aligned");
+  unsigned long long words = bytes / 16;
+  void* args[] = {&src, &words, &sink};
+  launch_1d(sweep_, 528, 256, stream, args, false, "launch(moejit_bench_sweep)");
 }
 
 void HelperKernels::launch_spin(CUstream stream, double microseconds) const {

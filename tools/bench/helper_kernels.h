@@ -4,6 +4,8 @@
 //   spin   keeps the GPU busy for a while without touching memory (separates L2-warm runs);
 //   produce  the kernel before the combine in a decode step (--pipeline): allows its dependents
 //          at once, spins, then copies the combine's input rows into place.
+//   sweep  reads a buffer larger than L2 (--pipeline, routing evicted): what the expert GEMMs'
+//          weight stream does to the router's output before the combine.
 #pragma once
 
 #include <cuda.h>
@@ -30,6 +32,9 @@ class HelperKernels {
   void launch_empty_ex(CUstream stream, bool dependent) const;
   void launch_produce(CUstream stream, const void* src, void* dst, size_t bytes,
                       double microseconds, bool dependent) const;
+  // A plain launch reading `bytes` of src (16-byte aligned); sink is written only if the bytes
+  // XOR to a value no bench input has.
+  void launch_sweep(CUstream stream, const void* src, size_t bytes, void* sink) const;
 
   double compile_ms() const { return compile_ms_; }
   size_t image_bytes() const { return image_.size(); }
@@ -41,6 +46,7 @@ class HelperKernels {
   CUfunction empty_ = nullptr;
   CUfunction spin_ = nullptr;
   CUfunction produce_ = nullptr;
+  CUfunction sweep_ = nullptr;
 };
 
 }  // namespace moejit_bench
