@@ -446,7 +446,7 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   p.num_rows = a.num_rows;
   p.scale = a.scale;
   p.accumulate = a.accumulate;
-  p.dependent_launch = a.dependent_launch;  // the kernels wait (and allow) only then
+  p.dependent_launch = a.dependent_launch;  // the first kernel prefetches and waits only then
 
   if (s.token_index()) {
     const size_t needed = workspace_bytes(a);
