@@ -296,6 +296,55 @@ TEST(KernelCompile, LaunchBoundsPromiseBlocksPerSmOnlyWhereMeasured) {
   }
 }
 
+// Programmatic dependent launch, as measured in version 30 (tools/bench/NOTES.md): a call's first
+// kernel asks L2 for its routing before it waits (prefetch.global.L2, then griddepcontrol.wait);
+// no combine kernel lets the caller's next kernel start early (griddepcontrol.launch_dependents
+// from a short kernel cost up to 0.43 us per decode step); the list helpers do trigger, since
+// their dependents are the chain's own next kernels. Read from the PTX.
+TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone) {
+  MemoryStore memory;
+  auto ptx = [&](const KernelSpec& spec) {
+    return compile(memory.store.request_for(spec, Target{90, true})).image;
+  };
+  auto shape = [](moejit_layout layout, int hidden, int top_k, int64_t tokens) {
+    return spec_for_shape(layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32,
+                          hidden, top_k, 256, tokens);
+  };
+  const KernelSpec decode_index = shape(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, 1);
+  const KernelSpec single = single_launch_spec(decode_index, 1);
+  ASSERT_TRUE(single.ordered_scan());
+  const KernelSpec first_kernels[] = {
+      shape(MOEJIT_LAYOUT_GATHER_MAP, 7168, 8, 1),           // decode geometry
+      shape(MOEJIT_LAYOUT_GATHER_MAP, 4096, 2, kAnyTokens),  // prefill geometry
+      shape(MOEJIT_LAYOUT_TOKEN_MAJOR, 7168, 8, 1),
+      single,                    // the slab form
+      single.with_small_scan(),  // the small-call form
+      decode_index.with_one_token_kernel(),
+      single_launch_spec(shape(MOEJIT_LAYOUT_TOKEN_INDEX, 128, 2, kAnyTokens), kAnyTokens),
+  };
+  for (const KernelSpec& spec : first_kernels) {
+    SCOPED_TRACE(spec.describe());
+    const std::string code = ptx(spec);
+    const size_t prefetch = code.find("prefetch.global.L2");
+    const size_t wait = code.find("griddepcontrol.wait");
+    EXPECT_NE(prefetch, std::string::npos);
+    EXPECT_NE(wait, std::string::npos);
+    EXPECT_LT(prefetch, wait);  // the hint goes out while the previous kernel drains
+    EXPECT_EQ(code.find("griddepcontrol.launch_dependents"), std::string::npos);
+  }
+  // The list path's combine waits for token_index_assign and triggers nothing either.
+  const std::string list_combine = ptx(shape(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, kAnyTokens));
+  EXPECT_NE(list_combine.find("griddepcontrol.wait"), std::string::npos);
+  EXPECT_EQ(list_combine.find("griddepcontrol.launch_dependents"), std::string::npos);
+  // Its helpers let the chain's next kernel be scheduled early, each of them.
+  const std::string helpers = ptx(decode_index.helpers_spec());
+  size_t triggers = 0;
+  for (size_t at = helpers.find("griddepcontrol.launch_dependents"); at != std::string::npos;
+       at = helpers.find("griddepcontrol.launch_dependents", at + 1))
+    ++triggers;
+  EXPECT_EQ(triggers, 2u);
+}
+
 TEST(KernelCompile, CompileErrorCarriesTheLog) {
   MemoryStore memory;
   KernelStore& store = memory.store;
