@@ -463,6 +463,15 @@ __device__ __forceinline__ void scan_token_rows(const CombineParams& p, long lon
   __syncthreads();
 }
 
+// The ordered scan's slab for warp `warp` of WARPS: whole 32-entry groups of token_idx (coalesced,
+// aligned loads), [begin, end). Shared with prefetch_routing, which hints the same entries.
+template <int WARPS>
+__device__ __forceinline__ void scan_slab(int rows, int warp, int& begin, int& end) {
+  const int slab = (rows + 32 * WARPS - 1) / (32 * WARPS) * 32;
+  begin = warp * slab;
+  end = min(begin + slab, rows);
+}
+
 // Token index, single launch, one token per block (TPB == 1, whole warps: every decode-sized and
 // wide-row call): the same scan without atomics or a sort. A warp reads 32 entries of token_idx
 // per load instruction; each match learns its rank among the warp's matches from a ballot and
@@ -531,9 +540,8 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
     list = s_rows[warp];
     return found;
   } else {
-    // Slabs of whole 32-entry groups: coalesced, aligned loads.
-    const int slab = (rows + 32 * kWarps - 1) / (32 * kWarps) * 32;
-    const int begin = warp * slab, end = min(begin + slab, rows);
+    int begin, end;
+    scan_slab<kWarps>(rows, warp, begin, end);
 #pragma unroll 1
     for (int base = begin; base < end; base += 32 * kScanBatch) {
       IdxT t[kScanBatch];
@@ -634,9 +642,8 @@ __device__ __forceinline__ void prefetch_routing(const CombineParams& p, long lo
         for (int i = 0; i < TPT / 32; ++i)
           if (i * 32 + wlane < rows) prefetch_l2(routing + i * 32 + wlane);
       } else {
-        constexpr int kWarps = TPT / 32;
-        const int slab = (rows + 32 * kWarps - 1) / (32 * kWarps) * 32;
-        const int begin = warp * slab, end = min(begin + slab, rows);
+        int begin, end;
+        scan_slab<TPT / 32>(rows, warp, begin, end);
 #pragma unroll
         for (int i = 0; i < kScanBatch; ++i)
           if (begin + i * 32 + wlane < end) prefetch_l2(routing + begin + i * 32 + wlane);
