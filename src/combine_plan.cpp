@@ -519,6 +519,10 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
     throw Error(MOEJIT_ERROR_INTERNAL, "launch_combine: the list helpers' module is missing");
   const DriverApi& d = driver();
   CombineParams params = plan.params;
+  // Where the first kernel cannot be launched as a dependent (before sm_90, or a driver without
+  // cuLaunchKernelEx) it runs in plain stream order: clearing the flag spares it the routing
+  // prefetch and the wait, which would buy nothing there.
+  if (!kernels.dependent_launch) params.dependent_launch = 0;
   void* kernel_args[] = {&params};
   // Each kernel after the first of the token-index chain may start while its predecessor drains
   // (programmatic dependent launch): it waits in griddepcontrol.wait before touching memory, so
@@ -539,7 +543,7 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
     stats.launches.fetch_add(1, std::memory_order_relaxed);
   };
   const unsigned threads = static_cast<unsigned>(plan.spec.block_threads());
-  const bool first_dependent = plan.params.dependent_launch != 0;  // the caller asked
+  const bool first_dependent = params.dependent_launch != 0;  // the caller asked, and it can
   if (plan.token_scan() || plan.one_token()) {
     launch(kernels, kCombineKernel, plan.combine_grid_x, plan.combine_grid_y, threads,
            first_dependent, plan.one_token() ? "combine_one_token" : "combine_scan");
