@@ -128,6 +128,20 @@ def test_jit_line_names_each_module_kind(merge_results):
     # An older record without the later median shows its first compile twice.
     assert "token-index single launch 28 / 28 ms" in line
     assert "token-index single launch (small calls) 21 / 19 ms" in line
+    assert "(their minimum)" not in line  # records before the minimum was measured
+
+
+def test_jit_line_gives_the_minimum_of_later_compiles_where_measured(merge_results):
+    bench = bench_json()
+    cold = bench["jit"]["cold_compiles"]
+    cold[0]["later_min_ms"] = 18.0
+    cold[1]["later_min_ms"] = 22.0
+    text = merge_results.markdown(merge_results.merge(bench, peers_json()))
+    line = [line for line in text.splitlines() if line.startswith("JIT (")][0]
+    assert "first compile / median of later compiles (their minimum): " in line
+    assert "gather-map 30 / 20 (18) ms" in line
+    assert "token-index lists 300 / 25 (22) ms" in line
+    assert "token-index single launch 28 / 28 ms" in line  # none measured: no parentheses
 
 
 def test_launch_adjusted_table_reads_the_floor_plus_one_empty_kernel(merge_results):

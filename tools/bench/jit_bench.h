@@ -2,9 +2,11 @@
 // own internals so each cost is isolated:
 //   cold compiles  KernelStore::obtain() with the disk cache disabled: the first NVRTC compile in
 //                  the process (NVRTC's own start-up included), then later, different ones; each
-//                  spec is compiled again a few times (fresh stores: nothing is reused) and the
-//                  median of those later compiles is reported too, so one noisy sample on a shared
-//                  host does not make the figure;
+//                  spec is compiled again a few times (fresh stores: nothing is reused), in
+//                  rounds over all specs so that a drift in the host's speed hits each alike, and
+//                  the median and the minimum of those later compiles are reported too: the
+//                  median is what a caller waits, the minimum what the compile costs on this
+//                  host unloaded (the H200's host varied by up to 30% between runs);
 //   module pair    the token index's list-path combine and its list helpers, built one after the
 //                  other and built concurrently (what a first list-path call does), fresh stores;
 //   disk-cache hit a fresh KernelStore on a directory another store has just filled (read +
@@ -30,10 +32,11 @@ struct CompileFigure {
   std::string spec;              // KernelSpec::describe()
   double ms = 0.0;               // its first compile (for the first spec: the process's first)
   double later_median_ms = 0.0;  // median of kLaterCompiles more compiles of the same spec
+  double later_min_ms = 0.0;     // and the fastest of them
   size_t image_bytes = 0;
 };
 
-constexpr int kLaterCompiles = 3;
+constexpr int kLaterCompiles = 5;
 
 struct JitFigures {
   std::string target;  // "sm_90"

@@ -186,9 +186,12 @@ def markdown(merged):
                               else f"; compute cache: {cache}")
             out.append(f"JIT ({jit.get('target')}, NVRTC {jit.get('nvrtc_version')}{cache_note}): cold "
                        f"compile {cold[0]['ms']:.0f} ms first in process; then per module kind, "
-                       "first compile / median of later compiles: "
-                       + ", ".join(f"{kind(c['spec'])} {c['ms']:.0f} / "
-                                   f"{c.get('later_median_ms', c['ms']):.0f} ms" for c in cold)
+                       "first compile / median of later compiles"
+                       + (" (their minimum)" if any("later_min_ms" in c for c in cold) else "")
+                       + ": " + ", ".join(f"{kind(c['spec'])} {c['ms']:.0f} / "
+                                          f"{c.get('later_median_ms', c['ms']):.0f}"
+                                          + (f" ({c['later_min_ms']:.0f})" if "later_min_ms" in c
+                                             else "") + " ms" for c in cold)
                        + ".")
         if jit.get("pair_serial_ms"):
             out.append(f"The token index's list-path combine and list helpers (K=8 H=7168), which a "
