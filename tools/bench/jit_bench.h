@@ -6,7 +6,7 @@
 //                  rounds over all specs so that a drift in the host's speed hits each alike, and
 //                  the median and the minimum of those later compiles are reported too: the
 //                  median is what a caller waits, the minimum what the compile costs on this
-//                  host unloaded (the H200's host varied by up to 30% between runs);
+//                  host unloaded (the H200's host varied by up to 60% between runs);
 //   module pair    the token index's list-path combine and its list helpers, built one after the
 //                  other and built concurrently (what a first list-path call does), fresh stores;
 //   disk-cache hit a fresh KernelStore on a directory another store has just filled (read +
