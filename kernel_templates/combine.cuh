@@ -647,9 +647,10 @@ __device__ __forceinline__ void prefetch_routing(const CombineParams& p, long lo
     if constexpr (TPB == 1 && TPT % 32 == 0) {  // the ordered scan: each warp its first batch
       const int warp = static_cast<int>(threadIdx.x) / 32,
                 wlane = static_cast<int>(threadIdx.x) % 32;
-      int begin = 0, end = static_cast<int>(rows < TPT ? rows : TPT);  // small: all in one
+      int begin = 0, end = 0;  // the entries this warp's first batch reads
       if constexpr (SMALL_SCAN) {
-        if (warp != 0) return;  // every warp reads the same entries
+        if (warp != 0) return;  // every warp reads the same ones: all rows, at most TPT
+        end = static_cast<int>(rows < TPT ? rows : TPT);
       } else {
         scan_slab<TPT / 32>(static_cast<int>(rows), warp, begin, end);
         end = min(end, begin + 32 * kScanBatch);
