@@ -487,15 +487,6 @@ __device__ __forceinline__ unsigned warp_or(unsigned v) {
 #endif
 }
 
-// The ordered scan's slab for warp `warp` of WARPS: whole 32-entry groups of token_idx (coalesced,
-// aligned loads), [begin, end). Shared with prefetch_routing, which hints the same entries.
-template <int WARPS>
-__device__ __forceinline__ void scan_slab(int rows, int warp, int& begin, int& end) {
-  const int slab = (rows + 32 * WARPS - 1) / (32 * WARPS) * 32;
-  begin = warp * slab;
-  end = min(begin + slab, rows);
-}
-
 // Token index, single launch, one token per block (TPB == 1, whole warps: every decode-sized and
 // wide-row call): the same scan without atomics or a sort. A warp reads 32 entries of token_idx
 // per load instruction; each match learns its rank among the warp's matches from a ballot and
@@ -564,8 +555,9 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
     list = s_rows[warp];
     return found;
   } else {
-    int begin, end;
-    scan_slab<kWarps>(rows, warp, begin, end);
+    // This warp's slab: whole 32-entry groups of token_idx (coalesced, aligned loads).
+    const int slab = (rows + 32 * kWarps - 1) / (32 * kWarps) * 32;
+    const int begin = warp * slab, end = min(begin + slab, rows);
 #pragma unroll 1
     for (int base = begin; base < end; base += 32 * kScanBatch) {
       IdxT t[kScanBatch];
@@ -650,10 +642,10 @@ __device__ __forceinline__ void sort_rows(int (&r)[N]) {
 // come from the kernel just before, still in L2. One request per line is enough, and every
 // block repeating them measured slower (up to 0.2 us per step at 224-320 blocks): fixed layouts,
 // the token's map entries and gates from its first chunk's block; single launch, the token_idx
-// entries of the first scan batch from the first block only (every block reads the same ones).
+// entries it scans first, from the first block only (every block reads the same ones).
 // The token index's gates are read by row, known only after the scan, and the list path's first
 // kernel (the clear) reads no routing.
-template <int LAYOUT, typename IdxT, int TOP_K, int TPT, int TPB, bool SMALL_SCAN>
+template <int LAYOUT, typename IdxT, int TOP_K, int TPT, int TPB>
 __device__ __forceinline__ void prefetch_routing(const CombineParams& p, long long tok, int chunk,
                                                  int lane) {
   const IdxT* routing = static_cast<const IdxT*>(p.indices);
@@ -670,26 +662,14 @@ __device__ __forceinline__ void prefetch_routing(const CombineParams& p, long lo
   } else {
     const long long rows = p.num_rows;
     if (blockIdx.x != 0 || blockIdx.y != 0 || rows <= 0) return;
-    if constexpr (TPB == 1 && TPT % 32 == 0) {  // the ordered scan: each warp its first batch
-      const int warp = static_cast<int>(threadIdx.x) / 32,
-                wlane = static_cast<int>(threadIdx.x) % 32;
-      int begin = 0, end = 0;  // the entries this warp's first batch reads
-      if constexpr (SMALL_SCAN) {
-        if (warp != 0) return;  // every warp reads the same ones: all rows, at most TPT
-        end = static_cast<int>(rows < TPT ? rows : TPT);
-      } else {
-        scan_slab<TPT / 32>(static_cast<int>(rows), warp, begin, end);
-        end = min(end, begin + 32 * kScanBatch);
-        if (end <= begin) return;  // an empty slab
-      }
-      prefetch_l2_line(routing + begin, (end - begin) * static_cast<long long>(sizeof(IdxT)),
-                       wlane);
-    } else {  // the atomic scan: the block's first batch
-      const long long batch = static_cast<long long>(kScanBatch) * TPT * TPB;
-      prefetch_l2_line(routing,
-                       (rows < batch ? rows : batch) * static_cast<long long>(sizeof(IdxT)),
-                       static_cast<int>(threadIdx.x));
-    }
+    // The ordered scan (one token per block, both forms): all of token_idx, one line per thread
+    // (24 * BLOCK entries at most, so every line of an int32 index). Asking for each warp's first
+    // slab batch instead took the slab form's compile 4 ms longer (142 -> 146 ms locally). The
+    // atomic scan: the block's first batch.
+    const long long batch = static_cast<long long>(kScanBatch) * TPT * TPB;
+    const long long entries = (TPB == 1 && TPT % 32 == 0) || rows < batch ? rows : batch;
+    prefetch_l2_line(routing, entries * static_cast<long long>(sizeof(IdxT)),
+                     static_cast<int>(threadIdx.x));
   }
 }
 
@@ -781,7 +761,7 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   // it reads.
   if constexpr (!kTokenIndex || SCAN) {
     if (p.dependent_launch != 0) {
-      prefetch_routing<LAYOUT, IdxT, TOP_K, TPT, TPB, SMALL_SCAN>(p, tok, chunk, lane);
+      prefetch_routing<LAYOUT, IdxT, TOP_K, TPT, TPB>(p, tok, chunk, lane);
       wait_for_predecessor();
     }
   }
