@@ -142,6 +142,17 @@ def test_jit_line_gives_the_minimum_of_later_compiles_where_measured(merge_resul
     assert "gather-map 30 / 20 (18) ms" in line
     assert "token-index lists 300 / 25 (22) ms" in line
     assert "token-index single launch 28 / 28 ms" in line  # none measured: no parentheses
+    assert "CPU time in those later compiles" not in text  # not measured in this record
+
+
+def test_jit_cpu_time_of_later_compiles_where_measured(merge_results):
+    bench = bench_json()
+    cold = bench["jit"]["cold_compiles"]
+    cold[0]["later_cpu_median_ms"] = 19.4
+    cold[1]["later_cpu_median_ms"] = 24.6
+    text = merge_results.markdown(merge_results.merge(bench, peers_json()))
+    line = [line for line in text.splitlines() if "CPU time in those later compiles" in line][0]
+    assert line.endswith(": gather-map 19, token-index lists 25 ms.")
 
 
 def test_launch_adjusted_table_reads_the_floor_plus_one_empty_kernel(merge_results):

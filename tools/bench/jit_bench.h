@@ -33,6 +33,9 @@ struct CompileFigure {
   double ms = 0.0;               // its first compile (for the first spec: the process's first)
   double later_median_ms = 0.0;  // median of kLaterCompiles more compiles of the same spec
   double later_min_ms = 0.0;     // and the fastest of them
+  // The process's CPU time in those compiles, median: next to the wall time it says whether a
+  // slow run waited for a CPU (wall well above CPU: other load on the host) or ran slower on one.
+  double later_cpu_median_ms = 0.0;
   size_t image_bytes = 0;
 };
 

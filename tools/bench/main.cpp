@@ -353,6 +353,7 @@ void write_json(const std::string& path, const std::string& device, const Floors
       j.member("ms", c.ms);
       j.member("later_median_ms", c.later_median_ms);
       j.member("later_min_ms", c.later_min_ms);
+      j.member("later_cpu_median_ms", c.later_cpu_median_ms);
       j.member("image_bytes", static_cast<uint64_t>(c.image_bytes));
       j.end_object();
     }

@@ -193,6 +193,12 @@ def markdown(merged):
                                           + (f" ({c['later_min_ms']:.0f})" if "later_min_ms" in c
                                              else "") + " ms" for c in cold)
                        + ".")
+            with_cpu = [c for c in cold if "later_cpu_median_ms" in c]
+            if with_cpu:
+                out.append("The process's CPU time in those later compiles, median (well under the "
+                           "wall time: the compile waited for a CPU): "
+                           + ", ".join(f"{kind(c['spec'])} {c['later_cpu_median_ms']:.0f}"
+                                       for c in with_cpu) + " ms.")
         if jit.get("pair_serial_ms"):
             out.append(f"The token index's list-path combine and list helpers (K=8 H=7168), which a "
                        f"first list-path call needs together: {jit['pair_serial_ms']:.0f} ms one "
