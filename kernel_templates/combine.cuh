@@ -570,8 +570,8 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
       // matched are appended, in ascending order: most batches of a mid-size call hold none of
       // the token's rows, and one unrolled append per entry was most of the slab loop's code.
       // DeepSeek-V3 module (sm_90): 840 -> 664 SASS instructions, one VOTE where there were 16,
-      // compile 157 -> 145 ms locally; on the H200 T = 256 and 384 at K = 8 1.8-2.0% faster,
-      // T = 24-128 level (tools/bench/NOTES.md, version 32).
+      // compile 157 -> 145 ms locally; on the H200 T = 256 and 384 at K = 8 1.5-2.0% faster,
+      // T = 24-128 at K = 8 level, T = 64 K = 4 H = 2880 0.08 us slower (NOTES, version 32).
       unsigned mine = 0;
 #pragma unroll
       for (int i = 0; i < kScanBatch; ++i)
