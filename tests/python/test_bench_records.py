@@ -131,12 +131,17 @@ def test_jit_line_names_each_module_kind(merge_results):
     assert "(their minimum)" not in line  # records before the minimum was measured
 
 
-def test_jit_line_gives_the_minimum_of_later_compiles_where_measured(merge_results):
+def markdown_with_first_two_cold(merge_results, field, first, second):
+    """The record rendered with `field` set on its first two cold compiles only."""
     bench = bench_json()
     cold = bench["jit"]["cold_compiles"]
-    cold[0]["later_min_ms"] = 18.0
-    cold[1]["later_min_ms"] = 22.0
-    text = merge_results.markdown(merge_results.merge(bench, peers_json()))
+    cold[0][field] = first
+    cold[1][field] = second
+    return merge_results.markdown(merge_results.merge(bench, peers_json()))
+
+
+def test_jit_line_gives_the_minimum_of_later_compiles_where_measured(merge_results):
+    text = markdown_with_first_two_cold(merge_results, "later_min_ms", 18.0, 22.0)
     line = [line for line in text.splitlines() if line.startswith("JIT (")][0]
     assert "first compile / median of later compiles (their minimum): " in line
     assert "gather-map 30 / 20 (18) ms" in line
@@ -146,11 +151,7 @@ def test_jit_line_gives_the_minimum_of_later_compiles_where_measured(merge_resul
 
 
 def test_jit_cpu_time_of_later_compiles_where_measured(merge_results):
-    bench = bench_json()
-    cold = bench["jit"]["cold_compiles"]
-    cold[0]["later_cpu_median_ms"] = 19.4
-    cold[1]["later_cpu_median_ms"] = 24.6
-    text = merge_results.markdown(merge_results.merge(bench, peers_json()))
+    text = markdown_with_first_two_cold(merge_results, "later_cpu_median_ms", 19.4, 24.6)
     line = [line for line in text.splitlines() if "CPU time in those later compiles" in line][0]
     assert line.endswith(": gather-map 19, token-index lists 25 ms.")
 
