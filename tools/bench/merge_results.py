@@ -195,10 +195,9 @@ def markdown(merged):
                        + ".")
             with_cpu = [c for c in cold if "later_cpu_median_ms" in c]
             if with_cpu:
-                out.append("The process's CPU time in those later compiles, median (well under the "
-                           "wall time: the compile waited for a CPU): "
+                out.append("The process's CPU time in those later compiles, median: "
                            + ", ".join(f"{kind(c['spec'])} {c['later_cpu_median_ms']:.0f}"
-                                       for c in with_cpu) + " ms.")
+                                       for c in with_cpu) + " ms; " + cpu_reading(with_cpu, kind))
         if jit.get("pair_serial_ms"):
             out.append(f"The token index's list-path combine and list helpers (K=8 H=7168), which a "
                        f"first list-path call needs together: {jit['pair_serial_ms']:.0f} ms one "
@@ -311,6 +310,18 @@ def is_merged_record(data):
     """A record merge() wrote (results/h200.json) rather than moejit-bench's own JSON: its peers
     section is a summary, not peers.py's shapes."""
     return isinstance(data.get("peers"), dict) and "configs" in data["peers"]
+
+
+def cpu_reading(with_cpu, kind):
+    """What the CPU time says about the wall time, from the figures (a fixed sentence once
+    claimed waits in a record where CPU and wall time were equal)."""
+    waited = [c for c in with_cpu
+              if c["later_cpu_median_ms"] < 0.9 * c.get("later_median_ms", c["ms"])]
+    if waited:
+        return ("under 90% of the wall time for " + ", ".join(kind(c["spec"]) for c in waited)
+                + ": those compiles waited for a CPU.")
+    return ("each within 10% of its wall time: the compiles took that long on a CPU, "
+            "they did not wait for one.")
 
 
 def main():
