@@ -313,8 +313,8 @@ def is_merged_record(data):
 
 
 def cpu_reading(with_cpu, kind):
-    """What the CPU time says about the wall time, from the figures (a fixed sentence once
-    claimed waits in a record where CPU and wall time were equal)."""
+    """What the CPU time says about the wall time, read from the figures, so that a record never
+    claims waits its figures do not show."""
     waited = [c for c in with_cpu
               if c["later_cpu_median_ms"] < 0.9 * c.get("later_median_ms", c["ms"])]
     if waited:
