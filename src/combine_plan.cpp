@@ -64,14 +64,23 @@ int next_pow2(int x) {
   return p;
 }
 
-// Rows kept per token in the token-index workspace lists: room for at least twice the average,
-// so only a skewed routing overflows (and then takes the slow, still exact path). Small lists
-// keep the combine's registers (and so its occupancy) in check.
+// Rows listed per token (the workspace lists of the list path, the single launch's lists in shared
+// memory): four times the average or more, so that a routing whose counts vary at random, not only
+// one with exactly K rows per token, stays on the listed paths. A token past its list takes the
+// slowest path, a walk of all of token_idx (combine.cuh, add_rows_by_walk): on the H200 with every
+// row's token drawn uniformly (about Poisson(K) rows per token), lists of twice the average
+// overflowed for a few tokens per call and took T = 4096, K = 8 from 135 us to 2.8 ms, T = 8192,
+// K = 2 from 58 us to 1.5 ms, T = 384, K = 8 (single launch) from 20 to 188 us. At four times the
+// average a token overflows with probability under 1e-9 for K = 1..8 (Poisson tails). The cost is
+// workspace (T * cap * 4 bytes: 512 KB at T = 4096, K = 8; balanced calls at K <= 4 0.3-0.6%
+// slower, K = 8 level) and a longer shared list in the single launch's slab form (656 bytes of
+// shared memory at K = 8; its calls, dependent ones too, level): not registers or code (NOTES,
+// version 34).
 int list_capacity(int64_t rows_per_token) {
-  if (rows_per_token <= 4) return 8;
-  if (rows_per_token <= 8) return 16;
-  if (rows_per_token <= 16) return 32;
-  return 64;
+  if (rows_per_token <= 2) return 16;
+  if (rows_per_token <= 8) return 32;
+  if (rows_per_token <= 16) return 64;
+  return 128;
 }
 
 // Token index: rows per token the combine holds (and sorts) in registers, the expected count
@@ -144,7 +153,7 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   }
   // Token index with short lists (<= 4 rows per token on average): two slots per thread, so
   // each block's routing round trip (count and list, then rows and gates) carries twice the rows.
-  if (s->token_index() && !decode && s->list_cap <= 8 && slots >= 2 * s->tpt) s->upt = 2;
+  if (s->token_index() && !decode && s->top_k <= 4 && slots >= 2 * s->tpt) s->upt = 2;
   // Token index, list path at prefill: 64-thread blocks where a row fills 128 threads, as at decode
   // (twice the blocks, half the work each). Swept on the 1-D grid, H200, A B B A x 2, all shapes,
   // us: K1 H5120 31.07 -> 30.43 (a 640-slot row in five 128-slot chunks, not 2.5 of 256), K2 bf16

@@ -51,10 +51,15 @@ struct KernelSpec {
   // A single launch that lists each token's rows in ascending order (one token per block, whole
   // warps): the scan that has a small-call form. combine.cuh (kOrderedScan) applies the same rule.
   bool ordered_scan() const { return scan && tpb == 1 && tpt % 32 == 0; }
-  // This ordered scan's small-call form (calls with at most block_threads() rows).
+  // This ordered scan's small-call form (calls with at most block_threads() rows). It lists a
+  // window of a token's rows and scans again past it (no slow path), so its list stays at twice
+  // the expected count, at least 8 (half the single launch's list_capacity() in combine_plan.cpp):
+  // its shared memory matters after a producer kernel that uses none (combine.cuh,
+  // scan_token_rows_ordered).
   KernelSpec with_small_scan() const {
     KernelSpec s = *this;
     s.small_scan = true;
+    s.list_cap = top_k <= 4 ? 8 : list_cap / 2;
     return s;
   }
   // The one-token kernel's spec for this geometry (token index only): no list.

@@ -488,10 +488,10 @@ TEST_F(CombineGpu, FullMatrixAgainstFloat64Reference) {
 TEST_F(CombineGpu, TokenIndexWithAHotToken) {
   std::vector<Case> cases;
   uint64_t seed = 5000;
-  // Half of all rows go to token 0: T=64 x 8 rows puts ~256 rows on it against a 16-entry list.
+  // Half of all rows go to token 0: T=64 x 8 rows puts ~256 rows on it against a 32-entry list.
   // T=4, 8 and 16 (32, 64 and 128 rows) take the single launch's small-call form, where every warp
   // reads all of token_idx and lists its token's rows a 16-entry window at a time, with ~20, ~40
-  // and ~70 rows on token 0; T=17 (136 rows) the slab form, past its 16-entry list.
+  // and ~70 rows on token 0; T=17 (136 rows) the slab form, past its 32-entry list.
   for (moejit_dtype in : {MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_FLOAT32})
     for (moejit_index_type idx : {MOEJIT_INDEX_INT32, MOEJIT_INDEX_INT64})
       for (int64_t tokens : {2, 4, 8, 16, 17, 64, 1000}) {
@@ -504,29 +504,52 @@ TEST_F(CombineGpu, TokenIndexWithAHotToken) {
   expect_cases_pass(cases, 4);
 }
 
-// The single launch's small-call form (calls with at most 128 rows) lists a token's rows a window
-// of list entries at a time (8 at K <= 2, 16 at K = 8) and scans token_idx again for each later
-// window: token 0 gets exactly n rows, on and around the window edges and up to every row.
-TEST_F(CombineGpu, SmallCallScanWindowsAHotTokensRows) {
+// Token-index shapes (bf16) whose token 0 gets exactly n rows for each n in `hot`, the other rows
+// spread over the other tokens; both index types, the other arguments varied.
+struct HotTokenShape {
+  int64_t hidden, tokens, top_k;
+  std::vector<int64_t> hot;
+};
+std::vector<Case> hot_token_cases(const std::vector<HotTokenShape>& shapes, uint64_t seed,
+                                  bool aligned_rows) {
   std::vector<Case> cases;
-  uint64_t seed = 6000;
-  struct Shape {
-    int64_t hidden, tokens, top_k;
-    std::vector<int64_t> hot;
-  };
-  const Shape shapes[] = {{4096, 64, 2, {1, 7, 8, 9, 16, 17, 100, 128}},
-                          {2880, 16, 4, {7, 8, 9, 33, 64}},
-                          {7168, 16, 8, {15, 16, 17, 32, 33, 127, 128}},
-                          {7168, 9, 8, {16, 17, 72}}};
-  for (const Shape& sh : shapes)
+  for (const HotTokenShape& sh : shapes)
     for (moejit_index_type idx : {MOEJIT_INDEX_INT32, MOEJIT_INDEX_INT64})
       for (int64_t n : sh.hot) {
         Case c = vary(Case{MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
                            idx, sh.hidden, sh.tokens, sh.top_k, seed++});
         c.hot_rows = n;
+        if (aligned_rows) c.expert_pad = c.out_pad = c.expert_offset = c.out_offset = 0;
         cases.push_back(c);
       }
-  expect_cases_pass(cases, 4);
+  return cases;
+}
+
+// The single launch's small-call form (calls with at most 128 rows) lists a token's rows a window
+// of list entries at a time (8 at K <= 4, 16 at K = 8) and scans token_idx again for each later
+// window: token 0 gets exactly n rows, on and around the window edges and up to every row.
+TEST_F(CombineGpu, SmallCallScanWindowsAHotTokensRows) {
+  expect_cases_pass(hot_token_cases({{4096, 64, 2, {1, 7, 8, 9, 16, 17, 100, 128}},
+                                     {2880, 16, 4, {7, 8, 9, 33, 64}},
+                                     {7168, 16, 8, {15, 16, 17, 32, 33, 127, 128}},
+                                     {7168, 9, 8, {16, 17, 72}}},
+                                    6000, false),
+                    4);
+}
+
+// The single launch's slab form (calls with more rows than a block has threads): token 0 gets
+// exactly n rows, on and around its list's capacity (16 at K = 2, 32 at K = 4 and 8: the merged
+// list of the warps' slabs, in one warp's slab or across several) and past it (the walk of
+// token_idx), up to every row of the call. KernelSpec.SlabListTestShapesTakeTheSlabForm checks
+// that these shapes take that form with those capacities, for 16-byte rows (other vector widths
+// may change the geometry).
+TEST_F(CombineGpu, SlabScanListsAHotTokensRows) {
+  expect_cases_pass(hot_token_cases({{7168, 17, 8, {16, 31, 32, 33, 136}},
+                                     {7168, 64, 8, {17, 31, 32, 33, 48, 300, 512}},
+                                     {4096, 256, 2, {8, 15, 16, 17, 100, 512}},
+                                     {2880, 64, 4, {16, 31, 32, 33, 256}}},
+                                    6500, true),
+                    4);
 }
 
 // More rows than token_index_assign has threads (at most 4096 blocks of 256): each thread loads its

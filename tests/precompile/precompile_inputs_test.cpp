@@ -283,6 +283,19 @@ TEST(Manifest, ExactAndShapeLines) {
   EXPECT_NE(bad(std::regex_replace(one_token, std::regex("one_token=1"), "one_token=2"))
                 .find("one_token = 2"),
             std::string::npos);
+  // List capacities: 8 (small-call forms) up to 128 (more than 16 rows per token on average).
+  const KernelSpec wide = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
+                                         MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 40, 256);
+  ASSERT_EQ(wide.list_cap, 128);
+  {
+    std::vector<KernelSpec> s;
+    parse_manifest(wide.describe() + "\n", "m.txt", ManifestDefaults{}, &s);
+    ASSERT_EQ(s.size(), 1u);
+    EXPECT_EQ(s[0], wide);
+  }
+  EXPECT_NE(bad(std::regex_replace(wide.describe(), std::regex("cap=128"), "cap=256"))
+                .find("cap = 256: the token_index layout takes cap 8, 16, 32, 64 or 128"),
+            std::string::npos);
   // The small-call form: only with scan=1, 0 or 1, and only for one token per block.
   const std::string small = exact_scan.with_small_scan().describe();
   EXPECT_NE(small.find(" scan=1 small_scan=1"), std::string::npos) << small;

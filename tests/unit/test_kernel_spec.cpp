@@ -103,7 +103,7 @@ TEST(KernelSpec, DecodeSizedCallsSpreadATokenOverMoreBlocks) {
   EXPECT_EQ(ti.with_one_token_kernel().tpt, 64);
   EXPECT_EQ(single_launch_spec(ti, 3).name_expressions(),
             std::vector<std::string>{
-                "&moejit::combine_scan<2, 2, int, 7168, 8, 8, 128, 1, 1, 16, false>"});
+                "&moejit::combine_scan<2, 2, int, 7168, 8, 8, 128, 1, 1, 32, false>"});
   // Rows narrower than 128 threads: the decode geometry as before.
   const KernelSpec ti_narrow =
       spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
@@ -183,25 +183,32 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   const KernelSpec s = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT16,
                                       MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256);
   EXPECT_EQ(s.top_k, 8);  // rows held in registers: 8 expected per token
-  EXPECT_EQ(s.list_cap, 16);
-  // Held rows: the expected count rounded up to 1, 2, 4 or 8; the list holds at least 8 and twice
-  // the expected count, up to 64.
+  EXPECT_EQ(s.list_cap, 32);
+  // Held rows: the expected count rounded up to 1, 2, 4 or 8; the list holds at least 16 and four
+  // times the expected count, up to 128 (random counts per token then stay within it). The
+  // single launch's small-call form, which scans again past its window, keeps twice the expected
+  // count, at least 8.
   const struct {
-    int rows_per_token, held, cap;
-  } sizes[] = {{0, 1, 8}, {1, 1, 8},  {2, 2, 8},   {3, 4, 8},
-               {4, 4, 8}, {5, 8, 16}, {16, 8, 32}, {40, 8, 64}};
+    int rows_per_token, held, cap, small_cap;
+  } sizes[] = {{0, 1, 16, 8},   {1, 1, 16, 8},    {2, 2, 16, 8},   {3, 4, 32, 8},
+               {4, 4, 32, 8},   {5, 8, 32, 16},   {8, 8, 32, 16},  {9, 8, 64, 32},
+               {16, 8, 64, 32}, {17, 8, 128, 64}, {40, 8, 128, 64}};
   for (const auto& z : sizes) {
     const KernelSpec t =
         spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
                        MOEJIT_INDEX_INT32, 4096, z.rows_per_token, 256);
     EXPECT_EQ(t.top_k, z.held) << z.rows_per_token;
     EXPECT_EQ(t.list_cap, z.cap) << z.rows_per_token;
+    const KernelSpec single = single_launch_spec(t, 3);
+    EXPECT_EQ(single.list_cap, z.cap) << z.rows_per_token;
+    ASSERT_TRUE(single.ordered_scan()) << z.rows_per_token;
+    EXPECT_EQ(single.with_small_scan().list_cap, z.small_cap) << z.rows_per_token;
   }
   EXPECT_EQ(s.vec, 4);  // fp32 output limits the vector to 16 bytes of output
   // Prefill: 512 slots in whole 128-thread chunks, the bandwidth blocks (rows through L1).
   EXPECT_EQ(
       s.name_expressions(),
-      std::vector<std::string>{"&moejit::combine<2, 1, 0, long long, 2048, 4, 8, 128, 1, 1, 16>"});
+      std::vector<std::string>{"&moejit::combine<2, 1, 0, long long, 2048, 4, 8, 128, 1, 1, 32>"});
   // The list helpers: one module per index type, whatever the shape.
   const KernelSpec h = s.helpers_spec();
   const auto names = h.name_expressions();
@@ -228,10 +235,10 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_NE(scan.hash(), s.hash());
   expect_module(scan,
                 "layout=token_index in=fp16 out=fp32 idx=int64 H=2048 vec=4 K=8 tpt=128 tpb=1 "
-                "upt=1 cap=16 scan=1",
-                "&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 128, 1, 1, 16, false>");
+                "upt=1 cap=32 scan=1",
+                "&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 128, 1, 1, 32, false>");
   // Its small-call form (every warp reads all of token_idx; calls with at most 128 rows): a
-  // module, spec and cache entry of its own.
+  // module, spec and cache entry of its own, with half the list (it scans again past a window).
   ASSERT_TRUE(scan.ordered_scan());
   const KernelSpec small = scan.with_small_scan();
   EXPECT_NE(small, scan);
@@ -278,7 +285,7 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_EQ(tiny.name_expressions().size(), 1u);
   EXPECT_EQ(
       single_launch_spec(tiny, kAnyTokens).name_expressions(),
-      std::vector<std::string>{"&moejit::combine_scan<0, 0, int, 8, 4, 2, 4, 128, 1, 8, false>"});
+      std::vector<std::string>{"&moejit::combine_scan<0, 0, int, 8, 4, 2, 4, 128, 1, 16, false>"});
   // Several tokens per block: not an ordered scan, so no small-call form.
   EXPECT_FALSE(single_launch_spec(tiny, 64).ordered_scan());
   EXPECT_EQ(single_launch_for_rows(single_launch_spec(tiny, 64), 2), single_launch_spec(tiny, 64));
@@ -297,6 +304,37 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
                 "upt=1 cap=0 one_token=1",
                 "&moejit::combine_one_token<1, 0, long long, 2048, 4, 8, 64, 1, 1>");
   EXPECT_NE(s.source().find("#include \"combine.cuh\""), std::string::npos);
+}
+
+// The shapes of the GPU test CombineGpu.SlabScanListsAHotTokensRows take the single launch's slab
+// form (one token per block, more rows than the block has threads), with the list capacities that
+// test puts its hot token's row counts around.
+TEST(KernelSpec, SlabListTestShapesTakeTheSlabForm) {
+  auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
+  a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+  a.workspace = reinterpret_cast<void*>(0x300000);
+  a.workspace_bytes = size_t{1} << 30;
+  struct Shape {
+    int64_t hidden, tokens, top_k;
+    int list_cap;
+  };
+  for (const Shape& sh : {Shape{7168, 17, 8, 32}, Shape{7168, 64, 8, 32}, Shape{4096, 256, 2, 16},
+                          Shape{2880, 64, 4, 32}}) {
+    for (const moejit_index_type idx : {MOEJIT_INDEX_INT32, MOEJIT_INDEX_INT64}) {
+      const std::string at = std::to_string(sh.hidden) + " " + std::to_string(sh.tokens) + " " +
+                             std::to_string(sh.top_k) + " " + std::to_string(idx);
+      a.hidden_dim = sh.hidden;
+      a.num_tokens = sh.tokens;
+      a.num_rows = sh.tokens * sh.top_k;
+      a.index_type = idx;
+      const CombinePlan plan = plan_combine(&a);
+      EXPECT_TRUE(plan.token_scan()) << at;
+      EXPECT_TRUE(plan.spec.ordered_scan()) << at;
+      EXPECT_FALSE(plan.spec.small_scan) << at;
+      EXPECT_GT(a.num_rows, plan.spec.block_threads()) << at;
+      EXPECT_EQ(plan.spec.list_cap, sh.list_cap) << at;
+    }
+  }
 }
 
 // One token (single-sequence decode) with few rows: combine_one_token, which loads rows and
@@ -416,7 +454,7 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   EXPECT_FALSE(large.token_scan());
   EXPECT_FALSE(large.spec.scan);
   EXPECT_TRUE(large.list_helpers());
-  EXPECT_EQ(large.params.list_capacity, 64);  // 200 rows per token: the workspace lists' stride
+  EXPECT_EQ(large.params.list_capacity, 128);  // 200 rows per token: the workspace lists' stride
   EXPECT_EQ(large.spec.name_expressions().size(), 1u);
   EXPECT_EQ(large.spec.helpers_spec().describe(), "layout=token_index idx=int32 helpers=1");
   EXPECT_EQ(large.spec.tpt, 64);

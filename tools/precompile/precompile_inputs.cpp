@@ -178,8 +178,8 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
     if (one_token == 1 && s.list_cap != 0)
       fail("cap", s.list_cap, "a one-token module keeps no list; write cap=0");
     if (one_token != 1 && s.list_cap != 8 && s.list_cap != 16 && s.list_cap != 32 &&
-        s.list_cap != 64)
-      fail("cap", s.list_cap, "the token_index layout takes cap 8, 16, 32 or 64");
+        s.list_cap != 64 && s.list_cap != 128)
+      fail("cap", s.list_cap, "the token_index layout takes cap 8, 16, 32, 64 or 128");
   } else {
     if (s.top_k < 1 || s.top_k > MOEJIT_MAX_TOP_K)
       fail("K", s.top_k, "expected 1.." + std::to_string(MOEJIT_MAX_TOP_K));
