@@ -80,7 +80,8 @@ def main():
         t = sorted(s.elapsed_time(e) * 1000.0 for s, e in zip(starts, stops))
         return t[len(t) // 2]
 
-    print(f"{'case':<40}{'max rows':>9}{'moejit us':>11}{'index_add_ us':>15}{'x':>7}{'rel err':>10}")
+    print(f"{'case':<40}{'max rows':>9}{'moejit us':>11}{'index_add_ us':>15}{'x':>7}"
+          f"{'rel err':>10}")
     failed = False
     for T, K, H, lo, hi in CASES:
         seed = T * 31 + K * 7 + H + (lo if lo is not None else 99)
