@@ -56,7 +56,9 @@ struct KernelSpec {
   // the expected count, at least 8 (half the single launch's list_capacity() in combine_plan.cpp):
   // its shared memory matters after a producer kernel that uses none (combine.cuh,
   // scan_token_rows_ordered).
+  // Idempotent: the list is halved once, from the single launch's spec.
   KernelSpec with_small_scan() const {
+    if (small_scan) return *this;
     KernelSpec s = *this;
     s.small_scan = true;
     s.list_cap = top_k <= 4 ? 8 : list_cap / 2;

@@ -203,6 +203,8 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
     EXPECT_EQ(single.list_cap, z.cap) << z.rows_per_token;
     ASSERT_TRUE(single.ordered_scan()) << z.rows_per_token;
     EXPECT_EQ(single.with_small_scan().list_cap, z.small_cap) << z.rows_per_token;
+    EXPECT_EQ(single.with_small_scan().with_small_scan(), single.with_small_scan())
+        << z.rows_per_token;
   }
   EXPECT_EQ(s.vec, 4);  // fp32 output limits the vector to 16 bytes of output
   // Prefill: 512 slots in whole 128-thread chunks, the bandwidth blocks (rows through L1).
