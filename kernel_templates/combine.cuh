@@ -377,7 +377,9 @@ __device__ __forceinline__ void add_row(const CombineParams& p, long long r, flo
 
 // More rows for one token than its list holds (a skewed routing): walk token_idx in row order
 // and add this token's rows, in the same ascending order as the listed path. Slow but bounded,
-// and bitwise identical to what a longer list would give.
+// and bitwise identical to what a longer list would give. The list path and the single launch
+// with several tokens per block; the ordered scan lists later windows instead
+// (relist_slab_window).
 template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT, typename IdxT>
 __device__ __forceinline__ void add_rows_by_walk(const CombineParams& p, long long tok,
                                                  int first_slot, float (&sum)[UPT][VEC]) {
@@ -487,6 +489,59 @@ __device__ __forceinline__ unsigned warp_or(unsigned v) {
 #endif
 }
 
+// The slab form's count of the block's token's rows in each warp's slab, from its first scan
+// (scan_token_rows_ordered), kept for later windows (relist_slab_window): one array per kernel.
+template <int WARPS>
+__device__ __forceinline__ int* slab_counts() {
+  __shared__ int s_found[WARPS];
+  return s_found;
+}
+
+// The slab form past its list (a token with more than LIST_CAP rows: four times the average):
+// lists the token's rows at positions [from, from + LIST_CAP) of its ascending list into `list`,
+// the block's merged list, which the held rounds then add like the first window. Each warp scans
+// its slab again; its rows follow those of the warps before it (slab_counts), so every match is
+// written straight to its position: no per-warp list, no merge. One load per 32 entries per step,
+// a warp's scan ending once past the window. Against the walk of token_idx it replaces (one
+// dependent load per entry in every thread), on the H200: see NOTES, version 35.
+// Not inlined: inlined, it changed how ptxas scheduled the first scan's batch (7 of its 8 loads
+// before the compares, the 8th after them: a second round trip per batch in every call). As a
+// call it costs the slab form's compile 4-5 ms locally (NOTES, version 35).
+// Every thread of the block calls it (barriers).
+template <typename IdxT, int BLOCK, int LIST_CAP>
+__device__ __noinline__ void relist_slab_window(const IdxT* __restrict__ token_idx, int rows,
+                                                long long tok, int from, int count, int* list) {
+  enum { kWarps = BLOCK / 32 };
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  unsigned below;  // lanes below this one
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(below));
+  const IdxT want = static_cast<IdxT>(tok);  // nameable: the token has rows
+  int at = -from;    // the window position of this warp's next row (negative: before the window)
+  int mine = count;  // this warp's rows
+  if constexpr (kWarps > 1) {
+    const int* found = slab_counts<kWarps>();
+#pragma unroll 1
+    for (int w = 0; w < warp; ++w) at += found[w];
+    mine = found[warp];
+  }
+  // The first scan's slabs (scan_token_rows_ordered).
+  const int slab = (rows + 32 * kWarps - 1) / (32 * kWarps) * 32;
+  const int begin = warp * slab, end = min(begin + slab, rows);
+  __syncthreads();      // every thread has read the previous window
+  if (at + mine > 0) {  // warp-uniform: some of this warp's rows are in or past the window
+#pragma unroll 1
+    for (int base = begin; base < end && at < LIST_CAP; base += 32) {
+      const int r = base + lane;
+      const bool match = r < end && __ldg(token_idx + r) == want;
+      const unsigned m = __ballot_sync(0xffffffffu, match);
+      const int pos = at + __popc(m & below);
+      if (match && pos >= 0 && pos < LIST_CAP) list[pos] = r;
+      at += __popc(m);
+    }
+  }
+  __syncthreads();
+}
+
 // Token index, single launch, one token per block (TPB == 1, whole warps: every decode-sized and
 // wide-row call): the same scan without atomics or a sort. A warp reads 32 entries of token_idx
 // per load instruction; each match learns its rank among the warp's matches from a ballot and
@@ -513,11 +568,11 @@ __device__ __forceinline__ unsigned warp_or(unsigned v) {
 //  - Otherwise warp w reads its own contiguous slab (kScanBatch loads in flight) and the warps'
 //    lists, one after another, are the token's rows in ascending order (merged in shared memory).
 // Returns the token's row count; `list` then holds its rows (in the slab form the first LIST_CAP
-// of them; more are counted, and the combine walks token_idx). The host scans only calls with
-// R <= 24 * BLOCK entries, so row ids fit an int.
+// of them; more are counted, and the combine lists them a window at a time, relist_slab_window).
+// The host scans only calls with R <= 24 * BLOCK entries, so row ids fit an int.
 template <typename IdxT, int BLOCK, int LIST_CAP, bool SMALL>
 __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, long long tok,
-                                                       const int*& list, int from = 0) {
+                                                       int*& list, int from = 0) {
   static_assert(BLOCK % 32 == 0, "whole warps");
   enum { kWarps = BLOCK / 32 };
   __shared__ __align__(16) int s_rows[kWarps][LIST_CAP];
@@ -587,7 +642,7 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
       list = s_rows[0];
       return found;
     } else {
-      __shared__ int s_found[kWarps];
+      int* s_found = slab_counts<kWarps>();
       __shared__ __align__(16) int s_list[LIST_CAP];
       if (lane == 0) s_found[warp] = found;
       __syncthreads();
@@ -598,8 +653,7 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
         total += s_found[w];
       }
       // One list for the combine (the held rows are read from it as vectors): the token's first
-      // LIST_CAP rows, all of which some warp listed. (Past LIST_CAP rows the combine walks
-      // token_idx, but it still reads the held entries' gates: they must be real rows.)
+      // LIST_CAP rows, all of which some warp listed.
       const int k = static_cast<int>(threadIdx.x);
       if (k < total && k < LIST_CAP) {
         int from_warp = 0, from = k;
@@ -615,6 +669,24 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
       list = s_list;
       return total;
     }
+  }
+}
+
+// N consecutive entries of an ordered scan's list (shared memory, 16-byte aligned) from `at`, a
+// multiple of N entries: as whole vectors. The compiler issued them so by itself only while the
+// list's start was fixed; the slab form's later windows (relist_slab_window) move it.
+template <int N>
+__device__ __forceinline__ void load_list_entries(const int* at, int (&row)[N]) {
+  constexpr int kPerLoad = N < 4 ? N : 4;
+  static_assert(N % kPerLoad == 0, "1, 2, 4 or 8 held rows");
+  struct __align__(4 * kPerLoad) Entries {
+    int v[kPerLoad];
+  };
+#pragma unroll
+  for (int i = 0; i < N / kPerLoad; ++i) {
+    const Entries e = reinterpret_cast<const Entries*>(at)[i];
+#pragma unroll
+    for (int j = 0; j < kPerLoad; ++j) row[i * kPerLoad + j] = e.v[j];
   }
 }
 
@@ -722,8 +794,9 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   // Token index, single launch with one token per block: the scan lists rows in ascending order
   // (detail::scan_token_rows_ordered), so the combine need not sort them.
   constexpr bool kOrderedScan = SCAN && TPB == 1 && TPT % 32 == 0;
-  // The small-call form's list is a window of the token's rows, whole rounds of kHeld entries,
-  // scanned again past its end.
+  // The ordered scan's list is a window of the token's rows, whole rounds of kHeld entries, listed
+  // again past its end: the small-call form from the start of the window (it has no slab scan),
+  // the slab form only past its first LIST_CAP rows.
   constexpr int kScanWindow = LIST_CAP / kHeld * kHeld;
 
   const IdxT* __restrict__ indices = static_cast<const IdxT*>(p.indices);
@@ -768,7 +841,7 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   // Token index: this token's rows (in arrival order; ascending from the ordered scan) and how
   // many there are.
   int count = TOP_K;
-  const int* list = nullptr;
+  int* list = nullptr;
   if constexpr (kOrderedScan) {
     // The small-call form scans in the held rounds below (its first window there): one copy of
     // the scan in the module, not two.
@@ -801,16 +874,15 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
 
   // Token index: every row of the token is among the held (sorted) ones. Otherwise (a skewed
   // routing) the slow paths below add them, in the same order. The ordered scan's list (ascending,
-  // in shared memory) needs no slow path up to LIST_CAP rows (the small-call form reaches every
-  // row of the call through its windows, so it has no slow path at all): its rows are held in
-  // rounds of kHeld list entries, each round the held path below (a whole batch of loads per round
-  // trip, where the in-order slow path loaded two rows per round trip and selected each next row).
-  // Locally that took the single-launch module's compile from 144 to 131 ms (DeepSeek-V3 decode
-  // geometry) and from 143 to 123 ms (K = 2, prefill geometry); on the H200, A B B A x 2 against
-  // the slow-path form, T = 8-256 within -1.2% / +1.5%.
-  const bool held_all = !kTokenIndex || SMALL_SCAN || count <= (kOrderedScan ? LIST_CAP : kHeld);
+  // in shared memory) needs no slow path: it reaches every row of the token through its windows,
+  // and its rows are held in rounds of kHeld list entries, each round the held path below (a
+  // whole batch of loads per round trip, where the in-order slow path loaded two rows per round
+  // trip and selected each next row). Locally that took the single-launch module's compile from
+  // 144 to 131 ms (DeepSeek-V3 decode geometry) and from 143 to 123 ms (K = 2, prefill geometry);
+  // on the H200, A B B A x 2 against the slow-path form, T = 8-256 within -1.2% / +1.5%.
+  const bool held_all = !kTokenIndex || kOrderedScan || count <= kHeld;
   int held_from = 0;    // list position of this round's first held row
-  int window_from = 0;  // list position of `list`'s first entry (the small-call form's window)
+  int window_from = 0;  // list position of `list`'s first entry (the ordered scan's window)
   do {                  // one round, except for the ordered scan's longer lists
     // Routing of the held rows: row ids (R < 2^31; token index: -1 when dropped or absent) and
     // gates. Gather map: `mapped` says whether the entry names a row; row[] is 0 where it does not,
@@ -828,13 +900,23 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
           count =
               detail::scan_token_rows_ordered<IdxT, TPT, LIST_CAP, true>(p, tok, list, window_from);
         }
+      } else if constexpr (kOrderedScan) {
+        if (held_from - window_from == kScanWindow) {  // uniform: past the list (rare)
+          window_from = held_from;
+          detail::relist_slab_window<IdxT, TPT, LIST_CAP>(indices, static_cast<int>(p.num_rows),
+                                                          tok, window_from, count, list);
+        }
       }
+      if constexpr (kOrderedScan) {
+        detail::load_list_entries(list + (held_from - window_from), row);  // shared memory
+      } else {
 #pragma unroll
-      for (int k = 0; k < kHeld; ++k) {
-        if constexpr (SCAN)
-          row[k] = list[held_from - window_from + k];  // shared memory
-        else
-          row[k] = __ldg(list + k);
+        for (int k = 0; k < kHeld; ++k) {
+          if constexpr (SCAN)
+            row[k] = list[k];  // shared memory
+          else
+            row[k] = __ldg(list + k);
+        }
       }
       if constexpr (!kOrderedScan) {
 #pragma unroll
@@ -962,9 +1044,9 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
         if (present[j]) detail::add_row_slots<IN_DT, VEC, UPT>(w[j], v[j], sum);
     }
   }
-  if constexpr (kTokenIndex && !SMALL_SCAN) {
+  if constexpr (kTokenIndex && !kOrderedScan) {
     if (!held_all) {
-      if (!kOrderedScan && count <= LIST_CAP)  // the ordered scan: past LIST_CAP only
+      if (count <= LIST_CAP)
         detail::add_listed_rows_in_order<IN_DT, VEC, HIDDEN, UPT, TPT>(p, list, count, first_slot,
                                                                        sum);
       else

@@ -4,11 +4,13 @@
 moejit-bench and peers.py give every token exactly K rows. The token-index layout exists for
 routings that do not (expert-choice routing, capacity drops, ...), and a token with more rows than
 the kernel holds in registers takes a slower path (kernel_templates/combine.cuh,
-add_listed_rows_in_order; past its list's capacity, add_rows_by_walk). This script times that case:
-per token a count drawn uniformly from [lo, hi] (paired so that the total is exactly T * K: the
-kernel is then specialized exactly as for K rows per token), rows shuffled; and random routing,
-every row's token drawn uniformly (about Poisson(K) rows per token, a few tokens with 2-3x K: what
-lists of twice the average did not hold, version 34 in NOTES.md).
+add_listed_rows_in_order; past its list's capacity, add_rows_by_walk, or in the single launch's
+slab form relist_slab_window). This script times that case: per token a count drawn uniformly from
+[lo, hi] (paired so that the total is exactly T * K: the kernel is then specialized exactly as for
+K rows per token), rows shuffled; random routing, every row's token drawn uniformly (about
+Poisson(K) rows per token, a few tokens with 2-3x K: what lists of twice the average did not hold,
+version 34 in NOTES.md); and one hot token, token 0 with a given number of rows past its list's
+capacity (four times the average), the other rows on the other tokens at random (version 35).
 
 Per case: libmoejit's median us (L2 flushed between runs, CUDA events, like moejit-bench), torch
 index_add_ on the same inputs (rows weighted beforehand, untimed: a generous peer), and the
@@ -39,6 +41,9 @@ CASES = [  # T, K (mean rows per token), H, lo, hi
     (4096, 4, 2880, None, None),
     (4096, 1, 5120, None, None),
     (384, 8, 7168, None, None),  # the single launch's slab form
+    (64, 8, 7168, "hot", 256),  # one hot token: the slab form (mid-size calls)
+    (384, 8, 7168, "hot", 100),
+    (4096, 8, 7168, "hot", 64),  # the list path (prefill): the walk of token_idx
 ]
 
 
@@ -46,6 +51,10 @@ def token_idx_for(T, K, lo, hi, seed):
     g = torch.Generator().manual_seed(seed)
     if lo is None:  # random routing
         return torch.randint(0, T, (T * K,), generator=g)
+    if lo == "hot":  # token 0 has exactly hi rows, the others the rest at random
+        rest = torch.randint(1, T, (T * K - hi,), generator=g)
+        tok = torch.cat([torch.zeros(hi, dtype=torch.long), rest])
+        return tok[torch.randperm(tok.numel(), generator=g)]
     half = torch.randint(lo, hi + 1, (T // 2,), generator=g)
     counts = torch.cat([half, 2 * K - half])  # pairs sum to 2K: T * K rows in all
     if T % 2:
@@ -80,11 +89,11 @@ def main():
         t = sorted(s.elapsed_time(e) * 1000.0 for s, e in zip(starts, stops))
         return t[len(t) // 2]
 
-    print(f"{'case':<40}{'max rows':>9}{'moejit us':>11}{'index_add_ us':>15}{'x':>7}"
+    print(f"{'case':<44}{'max rows':>9}{'moejit us':>11}{'index_add_ us':>15}{'x':>7}"
           f"{'rel err':>10}")
     failed = False
     for T, K, H, lo, hi in CASES:
-        seed = T * 31 + K * 7 + H + (lo if lo is not None else 99)
+        seed = T * 31 + K * 7 + H + (lo if isinstance(lo, int) else 99)
         tok = token_idx_for(T, K, lo, hi, seed).to(dev)
         most = torch.bincount(tok, minlength=T).max().item()
         tok32 = tok.to(torch.int32)
@@ -103,9 +112,10 @@ def main():
         peer_out = torch.empty(T, H, device=dev, dtype=torch.bfloat16)
         peer = lambda: peer_out.zero_().index_add_(0, tok, weighted)
         lib_us, peer_us = median_us(lib), median_us(peer)
-        rows = f"rows/token {lo}-{hi}" if lo is not None else "random routing"
+        rows = ("random routing" if lo is None else f"token 0 with {hi} rows" if lo == "hot" else
+                f"rows/token {lo}-{hi}")
         label = f"T{T} K{K} H{H} bf16 {rows}"
-        print(f"{label:<40}{most:>9}{lib_us:>11.2f}{peer_us:>15.2f}{peer_us / lib_us:>7.2f}"
+        print(f"{label:<44}{most:>9}{lib_us:>11.2f}{peer_us:>15.2f}{peer_us / lib_us:>7.2f}"
               f"{err:>10.1e}", flush=True)
     return 3 if failed else 0
 
