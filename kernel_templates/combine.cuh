@@ -377,9 +377,9 @@ __device__ __forceinline__ void add_row(const CombineParams& p, long long r, flo
 
 // More rows for one token than its list holds (a skewed routing): walk token_idx in row order
 // and add this token's rows, in the same ascending order as the listed path. Slow but bounded,
-// and bitwise identical to what a longer list would give. The list path and the single launch
-// with several tokens per block; the ordered scan lists later windows instead
-// (relist_slab_window).
+// and bitwise identical to what a longer list would give. Token groups narrower than a warp (short
+// rows); whole warps walk 32 entries per step (add_rows_by_warp_walk), and the ordered scan lists
+// later windows instead (relist_slab_window).
 template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT, typename IdxT>
 __device__ __forceinline__ void add_rows_by_walk(const CombineParams& p, long long tok,
                                                  int first_slot, float (&sum)[UPT][VEC]) {
@@ -389,6 +389,30 @@ __device__ __forceinline__ void add_rows_by_walk(const CombineParams& p, long lo
     if (static_cast<long long>(__ldg(token_idx + r)) != tok) continue;
     add_row<IN_DT, VEC, HIDDEN, UPT, TPT>(p, r, p.gates != nullptr ? __ldg(p.gates + r) : 1.0f,
                                           first_slot, sum);
+  }
+}
+
+// The same walk by whole warps (TPT a multiple of 32: every lane of a warp adds the same token's
+// rows, each to its own slots): a step loads 32 entries with one instruction, and the warp's
+// ballot names the token's rows among them; those rows are then added one at a time in ascending
+// order. 32 entries per round trip instead of one (NOTES, version 35).
+template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT, typename IdxT>
+__device__ __forceinline__ void add_rows_by_warp_walk(const CombineParams& p, long long tok,
+                                                      int first_slot, float (&sum)[UPT][VEC]) {
+  static_assert(TPT % 32 == 0, "whole warps of one token");
+  const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
+  const IdxT want = static_cast<IdxT>(tok);  // the token has rows: nameable
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll 1
+  for (long long base = 0; base < p.num_rows; base += 32) {
+    const long long r = base + lane;
+    unsigned bits = __ballot_sync(0xffffffffu, r < p.num_rows && __ldg(token_idx + r) == want);
+#pragma unroll 1  // one copy of the row's adds
+    for (; bits != 0; bits &= bits - 1) {
+      const long long row = base + (__ffs(static_cast<int>(bits)) - 1);
+      add_row<IN_DT, VEC, HIDDEN, UPT, TPT>(
+          p, row, p.gates != nullptr ? __ldg(p.gates + row) : 1.0f, first_slot, sum);
+    }
   }
 }
 
@@ -1049,6 +1073,8 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
       if (count <= LIST_CAP)
         detail::add_listed_rows_in_order<IN_DT, VEC, HIDDEN, UPT, TPT>(p, list, count, first_slot,
                                                                        sum);
+      else if constexpr (TPT % 32 == 0)
+        detail::add_rows_by_warp_walk<IN_DT, VEC, HIDDEN, UPT, TPT, IdxT>(p, tok, first_slot, sum);
       else
         detail::add_rows_by_walk<IN_DT, VEC, HIDDEN, UPT, TPT, IdxT>(p, tok, first_slot, sum);
     }

@@ -553,6 +553,17 @@ TEST_F(CombineGpu, SlabScanListsAHotTokensRows) {
                     4);
 }
 
+// The list path (calls past the single launch's limit): token 0 gets exactly n rows, on and around
+// its workspace list's capacity (16 at K = 1, 32 at K = 8) and past it, where whole warps of the
+// token walk token_idx 32 entries per step (add_rows_by_warp_walk): 128-thread groups loading rows
+// through L1 (T8200 H2048, K = 1) and 64-thread groups (T1000 H2880, K = 8).
+// KernelSpec.ListWalkTestShapesTakeWholeWarps checks those geometries.
+TEST_F(CombineGpu, ListPathWalksPastAHotTokensList) {
+  expect_cases_pass(
+      hot_token_cases({{2048, 8200, 1, {16, 17, 100}}, {2880, 1000, 8, {32, 33, 300}}}, 6800, true),
+      4);
+}
+
 // More rows than token_index_assign has threads (at most 4096 blocks of 256): each thread loads its
 // first token_idx entry before waiting for the clear, and every later one in its grid-stride loop.
 // 140000 tokens x 8 rows = 1,120,000 rows.

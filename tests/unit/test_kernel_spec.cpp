@@ -339,6 +339,36 @@ TEST(KernelSpec, SlabListTestShapesTakeTheSlabForm) {
   }
 }
 
+// The shapes of CombineGpu.ListPathWalksPastAHotTokensList: the list path, in whole warps per token
+// (the warp walk past a list), 128-thread groups with L1 row loads and 64-thread groups, with the
+// list capacities that test's row counts sit around.
+TEST(KernelSpec, ListWalkTestShapesTakeWholeWarps) {
+  auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 2048);
+  a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+  a.workspace = reinterpret_cast<void*>(0x300000);
+  a.workspace_bytes = size_t{1} << 30;
+  struct Shape {
+    int64_t hidden, tokens, top_k;
+    int tpt, list_cap;
+  };
+  for (const Shape& sh : {Shape{2048, 8200, 1, 128, 16}, Shape{2880, 1000, 8, 64, 32}}) {
+    for (const moejit_index_type idx : {MOEJIT_INDEX_INT32, MOEJIT_INDEX_INT64}) {
+      const std::string at =
+          std::to_string(sh.hidden) + " " + std::to_string(sh.tokens) + " " + std::to_string(idx);
+      a.hidden_dim = sh.hidden;
+      a.num_tokens = sh.tokens;
+      a.num_rows = sh.tokens * sh.top_k;
+      a.index_type = idx;
+      const CombinePlan plan = plan_combine(&a);
+      EXPECT_FALSE(plan.token_scan()) << at;
+      EXPECT_TRUE(plan.spec.needs_list_helpers()) << at;
+      EXPECT_EQ(plan.spec.tpt, sh.tpt) << at;
+      EXPECT_EQ(plan.spec.tpb, 1) << at;
+      EXPECT_EQ(plan.spec.list_cap, sh.list_cap) << at;
+    }
+  }
+}
+
 // One token (single-sequence decode) with few rows: combine_one_token, which loads rows and
 // token_idx together instead of scanning first. More rows, or more tokens: the scan.
 TEST(KernelSpec, OneTokenCallsPlanTheOneTokenModule) {
