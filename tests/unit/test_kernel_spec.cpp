@@ -308,14 +308,23 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_NE(s.source().find("#include \"combine.cuh\""), std::string::npos);
 }
 
+// The plan of a token-index call on 16-byte-aligned bf16 rows (VEC 8) with a workspace.
+CombinePlan plan_token_index(int64_t hidden, int64_t tokens, int64_t rows, moejit_index_type idx) {
+  auto a =
+      gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), hidden);
+  a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+  a.workspace = reinterpret_cast<void*>(0x300000);
+  a.workspace_bytes = size_t{1} << 30;
+  a.num_tokens = tokens;
+  a.num_rows = rows;
+  a.index_type = idx;
+  return plan_combine(&a);
+}
+
 // The shapes of the GPU test CombineGpu.SlabScanListsAHotTokensRows take the single launch's slab
 // form (one token per block, more rows than the block has threads), with the list capacities that
 // test puts its hot token's row counts around.
 TEST(KernelSpec, SlabListTestShapesTakeTheSlabForm) {
-  auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
-  a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
-  a.workspace = reinterpret_cast<void*>(0x300000);
-  a.workspace_bytes = size_t{1} << 30;
   struct Shape {
     int64_t hidden, tokens, top_k;
     int list_cap;
@@ -325,15 +334,11 @@ TEST(KernelSpec, SlabListTestShapesTakeTheSlabForm) {
     for (const moejit_index_type idx : {MOEJIT_INDEX_INT32, MOEJIT_INDEX_INT64}) {
       const std::string at = std::to_string(sh.hidden) + " " + std::to_string(sh.tokens) + " " +
                              std::to_string(sh.top_k) + " " + std::to_string(idx);
-      a.hidden_dim = sh.hidden;
-      a.num_tokens = sh.tokens;
-      a.num_rows = sh.tokens * sh.top_k;
-      a.index_type = idx;
-      const CombinePlan plan = plan_combine(&a);
+      const CombinePlan plan = plan_token_index(sh.hidden, sh.tokens, sh.tokens * sh.top_k, idx);
       EXPECT_TRUE(plan.token_scan()) << at;
       EXPECT_TRUE(plan.spec.ordered_scan()) << at;
       EXPECT_FALSE(plan.spec.small_scan) << at;
-      EXPECT_GT(a.num_rows, plan.spec.block_threads()) << at;
+      EXPECT_GT(sh.tokens * sh.top_k, plan.spec.block_threads()) << at;
       EXPECT_EQ(plan.spec.list_cap, sh.list_cap) << at;
     }
   }
@@ -343,10 +348,6 @@ TEST(KernelSpec, SlabListTestShapesTakeTheSlabForm) {
 // (the warp walk past a list), 128-thread groups with L1 row loads and 64-thread groups, with the
 // list capacities that test's row counts sit around.
 TEST(KernelSpec, ListWalkTestShapesTakeWholeWarps) {
-  auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 2048);
-  a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
-  a.workspace = reinterpret_cast<void*>(0x300000);
-  a.workspace_bytes = size_t{1} << 30;
   struct Shape {
     int64_t hidden, tokens, top_k;
     int tpt, list_cap;
@@ -355,11 +356,7 @@ TEST(KernelSpec, ListWalkTestShapesTakeWholeWarps) {
     for (const moejit_index_type idx : {MOEJIT_INDEX_INT32, MOEJIT_INDEX_INT64}) {
       const std::string at =
           std::to_string(sh.hidden) + " " + std::to_string(sh.tokens) + " " + std::to_string(idx);
-      a.hidden_dim = sh.hidden;
-      a.num_tokens = sh.tokens;
-      a.num_rows = sh.tokens * sh.top_k;
-      a.index_type = idx;
-      const CombinePlan plan = plan_combine(&a);
+      const CombinePlan plan = plan_token_index(sh.hidden, sh.tokens, sh.tokens * sh.top_k, idx);
       EXPECT_FALSE(plan.token_scan()) << at;
       EXPECT_TRUE(plan.spec.needs_list_helpers()) << at;
       EXPECT_EQ(plan.spec.tpt, sh.tpt) << at;
