@@ -553,15 +553,21 @@ TEST_F(CombineGpu, SlabScanListsAHotTokensRows) {
                     4);
 }
 
-// The list path (calls past the single launch's limit): token 0 gets exactly n rows, on and around
-// its workspace list's capacity (16 at K = 1, 32 at K = 8) and past it, where whole warps of the
-// token walk token_idx 32 entries per step (add_rows_by_warp_walk): 128-thread groups loading rows
-// through L1 (T8200 H2048, K = 1) and 64-thread groups (T1000 H2880, K = 8).
-// KernelSpec.ListWalkTestShapesTakeWholeWarps checks those geometries.
-TEST_F(CombineGpu, ListPathWalksPastAHotTokensList) {
-  expect_cases_pass(
-      hot_token_cases({{2048, 8200, 1, {16, 17, 100}}, {2880, 1000, 8, {32, 33, 300}}}, 6800, true),
-      4);
+// Past a token's list outside the slab form: token 0 gets exactly n rows, on and around the list's
+// capacity (16 at K <= 2, 32 at K = 8) and past it, where the token's rows are found by walking
+// token_idx. Whole warps per token walk 32 entries per step (add_rows_by_warp_walk): the list path
+// in 128-thread groups loading rows through L1 (T8200 H2048, K = 1) and in 64-thread groups
+// (T1000 H2880, K = 8), and the single launch with 32-thread groups, 16 tokens per block (T1536
+// H256, K = 2). Groups narrower than a warp walk one entry per thread and step (add_rows_by_walk):
+// the single launch with 8-thread groups (T1536 H64). KernelSpec.WalkTestShapesTakeTheirGroups
+// checks those geometries.
+TEST_F(CombineGpu, WalksPastAHotTokensList) {
+  expect_cases_pass(hot_token_cases({{2048, 8200, 1, {16, 17, 100}},
+                                     {2880, 1000, 8, {32, 33, 300}},
+                                     {256, 1536, 2, {16, 17, 200}},
+                                     {64, 1536, 2, {16, 17, 200}}},
+                                    6800, true),
+                    4);
 }
 
 // More rows than token_index_assign has threads (at most 4096 blocks of 256): each thread loads its

@@ -344,23 +344,27 @@ TEST(KernelSpec, SlabListTestShapesTakeTheSlabForm) {
   }
 }
 
-// The shapes of CombineGpu.ListPathWalksPastAHotTokensList: the list path, in whole warps per token
-// (the warp walk past a list), 128-thread groups with L1 row loads and 64-thread groups, with the
-// list capacities that test's row counts sit around.
-TEST(KernelSpec, ListWalkTestShapesTakeWholeWarps) {
+// The shapes of CombineGpu.WalksPastAHotTokensList: the list path in 128- and 64-thread token
+// groups, the single launch (several tokens per block, not the ordered scan) in 32- and 8-thread
+// groups, with the list capacities that test's row counts sit around.
+TEST(KernelSpec, WalkTestShapesTakeTheirGroups) {
   struct Shape {
     int64_t hidden, tokens, top_k;
-    int tpt, list_cap;
+    bool scan;
+    int tpt, tpb, list_cap;
   };
-  for (const Shape& sh : {Shape{2048, 8200, 1, 128, 16}, Shape{2880, 1000, 8, 64, 32}}) {
+  for (const Shape& sh :
+       {Shape{2048, 8200, 1, false, 128, 1, 16}, Shape{2880, 1000, 8, false, 64, 1, 32},
+        Shape{256, 1536, 2, true, 32, 16, 16}, Shape{64, 1536, 2, true, 8, 64, 16}}) {
     for (const moejit_index_type idx : {MOEJIT_INDEX_INT32, MOEJIT_INDEX_INT64}) {
       const std::string at =
           std::to_string(sh.hidden) + " " + std::to_string(sh.tokens) + " " + std::to_string(idx);
       const CombinePlan plan = plan_token_index(sh.hidden, sh.tokens, sh.tokens * sh.top_k, idx);
-      EXPECT_FALSE(plan.token_scan()) << at;
-      EXPECT_TRUE(plan.spec.needs_list_helpers()) << at;
+      EXPECT_EQ(plan.token_scan(), sh.scan) << at;
+      EXPECT_FALSE(plan.spec.ordered_scan()) << at;
+      EXPECT_EQ(plan.spec.needs_list_helpers(), !sh.scan) << at;
       EXPECT_EQ(plan.spec.tpt, sh.tpt) << at;
-      EXPECT_EQ(plan.spec.tpb, 1) << at;
+      EXPECT_EQ(plan.spec.tpb, sh.tpb) << at;
       EXPECT_EQ(plan.spec.list_cap, sh.list_cap) << at;
     }
   }
