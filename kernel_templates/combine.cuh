@@ -677,17 +677,22 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
         total += s_found[w];
       }
       // One list for the combine (the held rows are read from it as vectors): the token's first
-      // LIST_CAP rows, all of which some warp listed.
-      const int k = static_cast<int>(threadIdx.x);
-      if (k < total && k < LIST_CAP) {
-        int from_warp = 0, from = k;
+      // LIST_CAP rows, all of which some warp listed. A list longer than the block (LIST_CAP 128
+      // in 64-thread blocks: more than 16 rows per token on average, rows of 33-64 vectors) takes
+      // a thread two entries.
 #pragma unroll
-        for (int w = 1; w < kWarps; ++w)
-          if (k >= start[w]) {
-            from_warp = w;
-            from = k - start[w];
-          }
-        s_list[k] = s_rows[from_warp][from];
+      for (int i = 0; i < (LIST_CAP + BLOCK - 1) / BLOCK; ++i) {
+        const int k = static_cast<int>(threadIdx.x) + i * BLOCK;
+        if (k < total && k < LIST_CAP) {
+          int from_warp = 0, from = k;
+#pragma unroll
+          for (int w = 1; w < kWarps; ++w)
+            if (k >= start[w]) {
+              from_warp = w;
+              from = k - start[w];
+            }
+          s_list[k] = s_rows[from_warp][from];
+        }
       }
       __syncthreads();
       list = s_list;

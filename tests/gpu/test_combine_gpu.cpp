@@ -541,14 +541,16 @@ TEST_F(CombineGpu, SmallCallScanWindowsAHotTokensRows) {
 // exactly n rows, on and around its list's capacity (16 at K = 2, 32 at K = 4 and 8: the merged
 // list of the warps' slabs, in one warp's slab or across several) and past it, where later
 // windows of the list are listed again (relist_slab_window): on and around the second window's
-// end, and up to every row of the call. KernelSpec.SlabListTestShapesTakeTheSlabForm checks
-// that these shapes take that form with those capacities, for 16-byte rows (other vector widths
-// may change the geometry).
+// end, and up to every row of the call. Also a list longer than the block (128 entries, 64
+// threads: 40 rows per token on average, H = 512), merged two entries per thread.
+// KernelSpec.SlabListTestShapesTakeTheSlabForm checks that these shapes take that form with those
+// capacities, for 16-byte rows (other vector widths may change the geometry).
 TEST_F(CombineGpu, SlabScanListsAHotTokensRows) {
   expect_cases_pass(hot_token_cases({{7168, 17, 8, {16, 31, 32, 33, 136}},
                                      {7168, 64, 8, {17, 31, 32, 33, 48, 63, 64, 65, 300, 512}},
                                      {4096, 256, 2, {8, 15, 16, 17, 32, 33, 100, 512}},
-                                     {2880, 64, 4, {16, 31, 32, 33, 256}}},
+                                     {2880, 64, 4, {16, 31, 32, 33, 256}},
+                                     {512, 4, 40, {40, 64, 65, 100, 128, 129, 160}}},
                                     6500, true),
                     4);
 }

@@ -327,10 +327,11 @@ CombinePlan plan_token_index(int64_t hidden, int64_t tokens, int64_t rows, moeji
 TEST(KernelSpec, SlabListTestShapesTakeTheSlabForm) {
   struct Shape {
     int64_t hidden, tokens, top_k;
-    int list_cap;
+    int tpt, list_cap;
   };
-  for (const Shape& sh : {Shape{7168, 17, 8, 32}, Shape{7168, 64, 8, 32}, Shape{4096, 256, 2, 16},
-                          Shape{2880, 64, 4, 32}}) {
+  for (const Shape& sh :
+       {Shape{7168, 17, 8, 128, 32}, Shape{7168, 64, 8, 128, 32}, Shape{4096, 256, 2, 128, 16},
+        Shape{2880, 64, 4, 128, 32}, Shape{512, 4, 40, 64, 128}}) {
     for (const moejit_index_type idx : {MOEJIT_INDEX_INT32, MOEJIT_INDEX_INT64}) {
       const std::string at = std::to_string(sh.hidden) + " " + std::to_string(sh.tokens) + " " +
                              std::to_string(sh.top_k) + " " + std::to_string(idx);
@@ -339,6 +340,7 @@ TEST(KernelSpec, SlabListTestShapesTakeTheSlabForm) {
       EXPECT_TRUE(plan.spec.ordered_scan()) << at;
       EXPECT_FALSE(plan.spec.small_scan) << at;
       EXPECT_GT(sh.tokens * sh.top_k, plan.spec.block_threads()) << at;
+      EXPECT_EQ(plan.spec.tpt, sh.tpt) << at;
       EXPECT_EQ(plan.spec.list_cap, sh.list_cap) << at;
     }
   }
