@@ -21,6 +21,9 @@ constexpr int kShortRowScanThreads = 512;  // token-index single launch, rows sh
 constexpr int kHelperThreads = 256;        // token-index clear / assign
 constexpr unsigned kMaxHelperBlocks = 4096;
 constexpr int64_t kMaxRows = INT32_MAX;  // token-index lists store row ids as int32
+// Token-index single launch with several tokens per block: the most bytes of row lists it keeps in
+// shared memory (choose_geometry). Static shared memory stops at 48 KB per block.
+constexpr int kScanListBytes = 32 * 1024;
 // MOEJIT_MAX_NUM_TOKENS (2^40): far beyond what one launch takes (2^31 - 1 token groups, at most
 // 32 tokens each), and small enough that no size computed from it (slots, lists, workspace bytes)
 // can overflow 64 bits.
@@ -189,6 +192,14 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   // blocks are few anyway: there 512 threads were 0.25-0.4 us slower (A B B A x 2, T32 and T64 K2
   // 5.40 / 5.34 against 5.09 / 5.07, T64 K8 7.50 against 7.08; T8 K2 level).
   if (s->scan && !decode && s->tpb > 1) s->tpb = kShortRowScanThreads / s->tpt;
+  // That launch keeps every token's list in shared memory (combine.cuh, scan_token_rows): tpb *
+  // list_cap ints. With lists of four times the average (list_capacity) 4-thread groups of
+  // 128-entry lists (rows of at most 4 vectors, more than 16 rows per token on average) took 64
+  // KB and did not compile: fewer tokens per block there.
+  while (s->scan && s->tpb > 1 &&
+         static_cast<int64_t>(s->tpb) * s->list_cap * static_cast<int64_t>(sizeof(int)) >
+             kScanListBytes)
+    s->tpb /= 2;
   // Fixed layouts with one row per token: two slots per thread as well (one 16-byte load in
   // flight per thread is too few). On the H200, two runs: 0.4-5% faster at K=1 for H = 2048-7168
   // bf16 in both layouts, level for fp32; four slots no better.

@@ -561,13 +561,15 @@ TEST_F(CombineGpu, SlabScanListsAHotTokensRows) {
 // in 128-thread groups loading rows through L1 (T8200 H2048, K = 1) and in 64-thread groups
 // (T1000 H2880, K = 8), and the single launch with 32-thread groups, 16 tokens per block (T1536
 // H256, K = 2). Groups narrower than a warp walk one entry per thread and step (add_rows_by_walk):
-// the single launch with 8-thread groups (T1536 H64). KernelSpec.WalkTestShapesTakeTheirGroups
-// checks those geometries.
+// the single launch with 8-thread groups (T1536 H64) and with 4-thread groups and 128-entry lists
+// (T100 H32, 20 rows per token on average: 64 tokens per block, so that the lists fit shared
+// memory). KernelSpec.WalkTestShapesTakeTheirGroups checks those geometries.
 TEST_F(CombineGpu, WalksPastAHotTokensList) {
   expect_cases_pass(hot_token_cases({{2048, 8200, 1, {16, 17, 100}},
                                      {2880, 1000, 8, {32, 33, 300}},
                                      {256, 1536, 2, {16, 17, 200}},
-                                     {64, 1536, 2, {16, 17, 200}}},
+                                     {64, 1536, 2, {16, 17, 200}},
+                                     {32, 100, 20, {20, 100, 128, 129}}},
                                     6800, true),
                     4);
 }

@@ -78,6 +78,24 @@ std::vector<Case> matrix() {
           }
           ++n;
         }
+  // Token-index lists longer than the matrix's (its top-k values give at most 32 entries): 64 for
+  // 9-16 rows per token on average, 128 past 16 (list_capacity). The single launch keeps them in
+  // shared memory, one per token of the block; with short rows many tokens share a block (4-thread
+  // groups at H=1: 128 tokens of 128-entry lists took 64 KB and did not compile before
+  // choose_geometry bounded them).
+  int m = 0;
+  for (int hidden : {1, 7, 128})
+    for (int rows_per_token : {12, 40}) {
+      for (int64_t tokens : {kAnyTokens, int64_t{1}}) {
+        const KernelSpec s =
+            spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                           MOEJIT_INDEX_INT32, hidden, rows_per_token, 256, tokens);
+        cases.push_back({s, archs[m++ % 3]});
+        const KernelSpec single = single_launch_spec(s, tokens);
+        cases.push_back({single, archs[m++ % 3]});
+        if (single.ordered_scan()) cases.push_back({single.with_small_scan(), archs[m++ % 3]});
+      }
+    }
   // The token index's list helpers (one module per index type), for every arch.
   for (int index_bytes : {4, 8})
     for (int sm : archs) {

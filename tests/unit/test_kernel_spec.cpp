@@ -347,8 +347,10 @@ TEST(KernelSpec, SlabListTestShapesTakeTheSlabForm) {
 }
 
 // The shapes of CombineGpu.WalksPastAHotTokensList: the list path in 128- and 64-thread token
-// groups, the single launch (several tokens per block, not the ordered scan) in 32- and 8-thread
-// groups, with the list capacities that test's row counts sit around.
+// groups, the single launch (several tokens per block, not the ordered scan) in 32-, 8- and
+// 4-thread groups, with the list capacities that test's row counts sit around. The last one has
+// 128-entry lists in shared memory: 64 tokens per block, not 128
+// (ShortRowScanListsFitSharedMemory).
 TEST(KernelSpec, WalkTestShapesTakeTheirGroups) {
   struct Shape {
     int64_t hidden, tokens, top_k;
@@ -357,7 +359,8 @@ TEST(KernelSpec, WalkTestShapesTakeTheirGroups) {
   };
   for (const Shape& sh :
        {Shape{2048, 8200, 1, false, 128, 1, 16}, Shape{2880, 1000, 8, false, 64, 1, 32},
-        Shape{256, 1536, 2, true, 32, 16, 16}, Shape{64, 1536, 2, true, 8, 64, 16}}) {
+        Shape{256, 1536, 2, true, 32, 16, 16}, Shape{64, 1536, 2, true, 8, 64, 16},
+        Shape{32, 100, 20, true, 4, 64, 128}}) {
     for (const moejit_index_type idx : {MOEJIT_INDEX_INT32, MOEJIT_INDEX_INT64}) {
       const std::string at =
           std::to_string(sh.hidden) + " " + std::to_string(sh.tokens) + " " + std::to_string(idx);
@@ -370,6 +373,25 @@ TEST(KernelSpec, WalkTestShapesTakeTheirGroups) {
       EXPECT_EQ(plan.spec.list_cap, sh.list_cap) << at;
     }
   }
+}
+
+// The single launch with several tokens per block keeps a row list per token in shared memory
+// (combine.cuh, scan_token_rows): at most 32 KB of lists per block, whatever the row length and
+// the rows per token (lists of 16 to 128 entries), at decode and larger sizes. 4-thread groups of
+// 128-entry lists in 512-thread blocks took 64 KB, over the 48 KB of static shared memory.
+TEST(KernelSpec, ShortRowScanListsFitSharedMemory) {
+  int scans = 0;
+  for (int64_t hidden : {1, 8, 16, 32, 64, 128, 256})
+    for (int64_t rows_per_token : {1, 2, 8, 12, 16, 17, 40, 200})
+      for (int64_t tokens : {4, 64, 65, 100, 400}) {
+        const CombinePlan plan =
+            plan_token_index(hidden, tokens, tokens * rows_per_token, MOEJIT_INDEX_INT32);
+        if (!plan.token_scan() || plan.spec.tpb == 1) continue;
+        ++scans;
+        EXPECT_LE(plan.spec.tpb * plan.spec.list_cap * 4, 32 * 1024)
+            << plan.spec.describe() << " T=" << tokens;
+      }
+  EXPECT_GT(scans, 50);  // the loop reaches the several-tokens-per-block single launch
 }
 
 // One token (single-sequence decode) with few rows: combine_one_token, which loads rows and
