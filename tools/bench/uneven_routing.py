@@ -4,13 +4,13 @@
 moejit-bench and peers.py give every token exactly K rows. The token-index layout exists for
 routings that do not (expert-choice routing, capacity drops, ...), and a token with more rows than
 the kernel holds in registers takes a slower path (kernel_templates/combine.cuh,
-add_listed_rows_in_order; past its list's capacity, add_rows_by_warp_walk, or in the single
-launch's slab form relist_slab_window). This script times that case: per token a count drawn
-uniformly from [lo, hi] (paired so that the total is exactly T * K: the kernel is then specialized
-exactly as for K rows per token), rows shuffled; random routing, every row's token drawn uniformly (about
-Poisson(K) rows per token, a few tokens with 2-3x K: what lists of twice the average did not hold,
-version 34 in NOTES.md); and one hot token, token 0 with a given number of rows past its list's
-capacity (four times the average), the other rows on the other tokens at random (version 35).
+add_listed_rows_in_order; past its list's capacity, add_rows_by_warp_walk, or in the single launch's
+slab form relist_slab_window). This script times that case: per token a count drawn uniformly from
+[lo, hi] (paired so that the total is exactly T * K: the kernel is then specialized exactly as for K
+rows per token), rows shuffled; random routing, every row's token drawn uniformly (about Poisson(K)
+rows per token, a few tokens with 2-3x K: what lists of twice the average did not hold, version 34
+in NOTES.md); and one hot token, token 0 with a given number of rows past its list's capacity (four
+times the average), the other rows on the other tokens at random (version 35).
 
 Per case: libmoejit's median us (L2 flushed between runs, CUDA events, like moejit-bench), torch
 index_add_ on the same inputs (rows weighted beforehand, untimed: a generous peer), and the
