@@ -500,6 +500,29 @@ __device__ __forceinline__ void scan_token_rows(const CombineParams& p, long lon
   __syncthreads();
 }
 
+// The lanes below this one, as a mask (for a lane's rank among a ballot's set bits).
+__device__ __forceinline__ unsigned lanes_below() {
+  unsigned below;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(below));
+  return below;
+}
+
+// One step of a warp's ordered list (scan_token_rows_ordered, relist_slab_window): the lanes
+// where `match` holds append their row r, in lane order, to a shared-memory list at shared
+// address `list`: the warp's earlier matches number `listed`, and the list starts at its match
+// number `skip` (both warp-uniform). Matches before or past the list are counted, not stored.
+// Returns how many lanes matched.
+template <int LIST_CAP>
+__device__ __forceinline__ int list_matches(bool match, int r, int listed, int skip, unsigned below,
+                                            unsigned list) {
+  const unsigned m = __ballot_sync(0xffffffffu, match);
+  // Before the list: negative, so past the cap as unsigned.
+  const unsigned at = static_cast<unsigned>(listed + __popc(m & below) - skip);
+  if (match && at < LIST_CAP)
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(list + 4u * at), "r"(r) : "memory");
+  return __popc(m);
+}
+
 // The OR of v over the warp (every lane active).
 __device__ __forceinline__ unsigned warp_or(unsigned v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -537,8 +560,8 @@ __device__ __noinline__ void relist_slab_window(const IdxT* __restrict__ token_i
                                                 long long tok, int from, int count, int* list) {
   enum { kWarps = BLOCK / 32 };
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  unsigned below;  // lanes below this one
-  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(below));
+  const unsigned below = lanes_below();
+  const unsigned list_at = static_cast<unsigned>(__cvta_generic_to_shared(list));
   const IdxT want = static_cast<IdxT>(tok);  // nameable: the token has rows
   int at = -from;    // the window position of this warp's next row (negative: before the window)
   int mine = count;  // this warp's rows
@@ -557,10 +580,7 @@ __device__ __noinline__ void relist_slab_window(const IdxT* __restrict__ token_i
     for (int base = begin; base < end && at < LIST_CAP; base += 32) {
       const int r = base + lane;
       const bool match = r < end && __ldg(token_idx + r) == want;
-      const unsigned m = __ballot_sync(0xffffffffu, match);
-      const int pos = at + __popc(m & below);
-      if (match && pos >= 0 && pos < LIST_CAP) list[pos] = r;
-      at += __popc(m);
+      at += list_matches<LIST_CAP>(match, r, at, 0, below, list_at);
     }
   }
   __syncthreads();
@@ -602,8 +622,7 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
   __shared__ __align__(16) int s_rows[kWarps][LIST_CAP];
   const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  unsigned below;  // lanes below this one
-  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(below));
+  const unsigned below = lanes_below();
   // A token id no IdxT can hold (past 2^31 with int32 indices) has no rows.
   const IdxT want = static_cast<IdxT>(tok);
   const bool nameable = static_cast<long long>(want) == tok;
@@ -615,11 +634,7 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
   // Appends row r to the warp's list where `match` holds (this lane's entry names the token;
   // dropped ids, negative, never do).
   auto append = [&](bool match, int r) {
-    const unsigned m = __ballot_sync(0xffffffffu, match);
-    const unsigned at = static_cast<unsigned>(found + __popc(m & below) - from);  // in the window
-    if (match && at < LIST_CAP)
-      asm volatile("st.shared.u32 [%0], %1;" ::"r"(warp_rows + 4u * at), "r"(r) : "memory");
-    found += __popc(m);
+    found += list_matches<LIST_CAP>(match, r, found, from, below, warp_rows);
   };
   if constexpr (SMALL) {
     IdxT t[kWarps];
