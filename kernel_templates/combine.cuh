@@ -699,14 +699,14 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
       for (int i = 0; i < (LIST_CAP + BLOCK - 1) / BLOCK; ++i) {
         const int k = static_cast<int>(threadIdx.x) + i * BLOCK;
         if (k < total && k < LIST_CAP) {
-          int from_warp = 0, from = k;
+          int in_warp = 0, at = k;  // entry `at` of warp `in_warp`'s list
 #pragma unroll
           for (int w = 1; w < kWarps; ++w)
             if (k >= start[w]) {
-              from_warp = w;
-              from = k - start[w];
+              in_warp = w;
+              at = k - start[w];
             }
-          s_list[k] = s_rows[from_warp][from];
+          s_list[k] = s_rows[in_warp][at];
         }
       }
       __syncthreads();
