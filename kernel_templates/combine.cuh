@@ -1233,6 +1233,107 @@ __global__ void __launch_bounds__(TPT* TPB) combine_one_token(const CombineParam
                                                          p);  // token 0's row
 }
 
+// ---- gather map, one token: one launch, rows loaded with the map ------------------------------
+// A call with one token (single-sequence decode) whose buffer holds at most top_k rows (the
+// token's own expert outputs, as an engine passes them at decode): every row may be one of the
+// token's, so the rows, the map entries and the gates are loaded together, one round trip to
+// memory before the adds, where the fixed layouts' kernel needs two (the map, then the rows it
+// names). Slot k's row is then picked from the thread's own copies, staged in shared memory
+// (each thread reads back only what it wrote: no barrier), and the slots are added in order k =
+// 0..K-1 with the fixed layouts' fp32 fma chain, a dropped slot as weight 0 times zeros as there:
+// bitwise the fixed layouts' result. The host takes it for num_tokens == 1, num_rows <= top_k <=
+// kBatch (src/combine_plan.cpp, kOneTokenMapMaxTopK); its grid is the fixed layouts' 1-D one (the
+// token's chunks; a second token group of the block leaves at once).
+template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT, int TPB,
+          int UPT>
+__global__ void __launch_bounds__(TPT* TPB) combine_one_token_map(const CombineParams p) {
+  typedef typename detail::Elem<IN_DT>::storage S;
+  typedef typename detail::Elem<OUT_DT>::storage OutS;
+  typedef detail::Pack<S, VEC> P;
+  static_assert(TOP_K >= 1 && TOP_K * UPT <= detail::kBatch, "all rows in flight at once");
+  constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;
+  constexpr unsigned kChunks = (kSlots + TPT * UPT - 1) / (TPT * UPT);
+  // Row r's UPT slots of thread i at stage[r][u][i] (row TOP_K: zeros): a warp's stores and loads
+  // are 16-byte words side by side (no bank conflicts).
+  __shared__ P stage[TOP_K + 1][UPT][TPT * TPB];
+  const int sub = static_cast<int>(threadIdx.x) / TPT;
+  const int lane = static_cast<int>(threadIdx.x) % TPT;
+  const IdxT* __restrict__ map = static_cast<const IdxT*>(p.indices);
+  if (p.dependent_launch != 0) {  // the map and the gates first (detail::prefetch_routing)
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      detail::prefetch_l2(map);
+      detail::prefetch_l2(map + (TOP_K - 1));
+      if (p.gates != nullptr) {
+        detail::prefetch_l2(p.gates);
+        detail::prefetch_l2(p.gates + (TOP_K - 1));
+      }
+    }
+    detail::wait_for_predecessor();  // before any memory access
+  }
+  if (blockIdx.x / kChunks * TPB + sub != 0) return;  // token 0 is the only one; no barrier below
+  const int first_slot = static_cast<int>(blockIdx.x % kChunks) * (TPT * UPT) + lane;
+  const S* __restrict__ expert = static_cast<const S*>(p.expert);
+  const char* slot0 = reinterpret_cast<const char*>(expert + first_slot * VEC);
+  const unsigned long long row_bytes = static_cast<unsigned long long>(p.expert_stride) * sizeof(S);
+  const unsigned rows = static_cast<unsigned>(p.num_rows);  // <= TOP_K (host)
+
+  // One round trip: the map entries, every row, the gates.
+  unsigned m[TOP_K];  // slot k's staged row: TOP_K (zeros) where the slot is dropped
+  bool mapped[TOP_K];
+#pragma unroll
+  for (int k = 0; k < TOP_K; ++k) {
+    const IdxT e = __ldg(map + k);
+    if constexpr (sizeof(IdxT) == 4)  // checked in 32 bits, as the fixed layouts do
+      mapped[k] = static_cast<unsigned>(e) < rows;
+    else
+      mapped[k] = static_cast<unsigned long long>(e) < rows;
+    m[k] = mapped[k] ? static_cast<unsigned>(e) : static_cast<unsigned>(TOP_K);
+  }
+  P v[TOP_K][UPT];
+#pragma unroll
+  for (int r = 0; r < TOP_K; ++r) {
+    const bool exists = static_cast<unsigned>(r) < rows;
+    // Row r's address from this thread's first slot (row 0 past the end: never loaded).
+    const unsigned rid = exists ? static_cast<unsigned>(r) : 0u;
+    detail::load_slots_at<S, VEC, HIDDEN, UPT, TPT>(
+        exists, reinterpret_cast<const S*>(slot0 + rid * row_bytes), first_slot, v[r]);
+  }
+  float gate[TOP_K];
+  if (p.gates != nullptr) {  // one base, one uniform branch (as the fixed layouts read theirs)
+#pragma unroll
+    for (int k = 0; k < TOP_K; ++k) gate[k] = __ldg(p.gates + k);
+  } else {
+#pragma unroll
+    for (int k = 0; k < TOP_K; ++k) gate[k] = 1.0f;
+  }
+  // Stage the rows, then read each slot's row back. A dropped slot reads the zero row and adds it
+  // with weight 0, as the fixed layouts' kernel adds a dropped slot: its row and gate may be
+  // anything (NaN * 0 is NaN), and adds without a branch let every read go out before the first
+  // add (under a branch per slot ptxas issued each read after the adds before it).
+#pragma unroll
+  for (int u = 0; u < UPT; ++u) stage[TOP_K][u][threadIdx.x] = detail::zero_pack<S, VEC>();
+#pragma unroll
+  for (int r = 0; r < TOP_K; ++r)
+#pragma unroll
+    for (int u = 0; u < UPT; ++u) stage[r][u][threadIdx.x] = v[r][u];
+  P x[TOP_K][UPT];
+#pragma unroll
+  for (int k = 0; k < TOP_K; ++k)
+#pragma unroll
+    for (int u = 0; u < UPT; ++u) x[k][u] = stage[m[k]][u][threadIdx.x];
+
+  float sum[UPT][VEC];
+#pragma unroll
+  for (int u = 0; u < UPT; ++u)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) sum[u][e] = 0.0f;
+#pragma unroll
+  for (int k = 0; k < TOP_K; ++k)
+    detail::add_row_slots<IN_DT, VEC, UPT>(mapped[k] ? gate[k] : 0.0f, x[k], sum);
+  detail::store_row_slots<OUT_DT, VEC, HIDDEN, UPT, TPT>(static_cast<OutS*>(p.out), first_slot, sum,
+                                                         p);  // token 0's row
+}
+
 // ---- token-index layout: building the per-token row lists ------------------------------------
 // Two small steps before the combine: per-token lists of row ids in arrival order. The combine
 // sorts each list in registers, so the summation order never depends on the atomics.

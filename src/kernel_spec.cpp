@@ -51,9 +51,9 @@ std::vector<std::string> KernelSpec::name_expressions() const {
             std::string("&moejit::token_index_assign<") + idx + ">"};
   std::ostringstream combine;
   if (one_token) {
-    combine << "&moejit::combine_one_token<" << in_dtype << ", " << out_dtype << ", " << idx << ", "
-            << hidden << ", " << vec << ", " << top_k << ", " << tpt << ", " << tpb << ", " << upt
-            << ">";
+    combine << (token_index() ? "&moejit::combine_one_token<" : "&moejit::combine_one_token_map<")
+            << in_dtype << ", " << out_dtype << ", " << idx << ", " << hidden << ", " << vec << ", "
+            << top_k << ", " << tpt << ", " << tpb << ", " << upt << ">";
     return {combine.str()};
   }
   if (scan) {

@@ -34,8 +34,10 @@ struct KernelSpec {
   // at decode (combine.cuh, scan_token_rows_ordered). The host sets it from the call's rows
   // (single_launch_for_rows in combine_plan.h).
   bool small_scan = false;
-  // Token index, one-token calls: the module is combine_one_token alone (no scan, no lists: every
-  // row whose entry is 0 is the token's). top_k is then the rows per batch; list_cap is 0.
+  // One-token calls with few rows: the module is one kernel that loads every row with the routing
+  // (one round trip before the adds). Token index: combine_one_token (no scan, no lists: every row
+  // whose entry is 0 is the token's), top_k the rows per batch, list_cap 0. Gather map:
+  // combine_one_token_map (at most top_k rows, each slot's row picked from them), top_k the K.
   bool one_token = false;
   // Token index, list path: the module of the two helpers that build the per-token lists
   // (token_index_clear, token_index_assign). They depend on the index type alone, so one module
@@ -64,7 +66,7 @@ struct KernelSpec {
     s.list_cap = top_k <= 4 ? 8 : list_cap / 2;
     return s;
   }
-  // The one-token kernel's spec for this geometry (token index only): no list.
+  // The one-token kernel's spec for this geometry (token index, gather map): no list.
   KernelSpec with_one_token_kernel() const {
     KernelSpec s = *this;
     s.one_token = true;
@@ -76,15 +78,16 @@ struct KernelSpec {
   // A token-index list-path combine: its calls launch the helpers of helpers_spec() first.
   bool needs_list_helpers() const { return token_index() && !scan && !one_token && !helpers; }
   // The combine runs on a 1-D grid (x = token groups * chunks, a token's chunks adjacent) rather
-  // than x = token groups, y = chunks: the fixed layouts, and the token index's list path with two
-  // or more rows per token held. combine.cuh (kOneDimGrid) applies the same rule.
+  // than x = token groups, y = chunks: the fixed layouts (the gather map's one-token kernel too),
+  // and the token index's list path with two or more rows per token held. combine.cuh
+  // (kOneDimGrid, combine_one_token_map) applies the same rule.
   bool one_dim_grid() const {
-    return !helpers && !scan && !one_token && (!token_index() || top_k >= 2);
+    return !helpers && !scan && (!token_index() || (!one_token && top_k >= 2));
   }
 
   // Name expressions, in the order of the slot enums below: the combine (for a scan spec, the
-  // single-launch kernel; for a one-token spec, combine_one_token), or for a helpers spec the
-  // clear and assign kernels.
+  // single-launch kernel; for a one-token spec, combine_one_token or combine_one_token_map), or for
+  // a helpers spec the clear and assign kernels.
   std::vector<std::string> name_expressions() const;
   // The generated translation unit.
   std::string source() const;

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <numeric>
@@ -95,6 +96,9 @@ struct Case {
   // Token index: >= 0 gives token 0 exactly this many rows (none dropped) and the others to the
   // other tokens at random.
   int64_t hot_rows = -1;
+  // Gather map: >= 0 gives the buffer exactly this many rows, which the map names at random
+  // (repeats allowed) or drops: at most top_k of them make a one-token call's own kernel.
+  int64_t gather_rows = -1;
   float scale = 1.0f;
   int64_t expert_pad = 0, out_pad = 0, expert_offset = 0, out_offset = 0;
 
@@ -105,7 +109,7 @@ struct Case {
       << " K=" << top_k << " gates=" << gates << " acc=" << accumulate << " scale=" << scale
       << " pads=" << expert_pad << "/" << out_pad << " offsets=" << expert_offset << "/"
       << out_offset << " random_routing=" << random_routing << " hot_token=" << hot_token
-      << " hot_rows=" << hot_rows;
+      << " hot_rows=" << hot_rows << " gather_rows=" << gather_rows;
     return s.str();
   }
 };
@@ -164,6 +168,19 @@ Routing make_routing(const Case& c, Rng& rng) {
     r.rows = T * K;
     for (int64_t t = 0; t < T; ++t)
       for (int64_t k = 0; k < K; ++k) r.per_token[t].push_back({t * K + k, t * K + k});
+    return r;
+  }
+  if (c.layout == MOEJIT_LAYOUT_GATHER_MAP && c.gather_rows >= 0) {
+    r.rows = c.gather_rows;
+    r.index_values.resize(static_cast<size_t>(T * K));
+    for (int64_t slot = 0; slot < T * K; ++slot) {
+      const int64_t roll = rng.below(10);
+      const int64_t row = roll == 0 || r.rows == 0 ? -1
+                          : roll == 1              ? r.rows + rng.below(1000)  // out of range
+                                                   : rng.below(r.rows);
+      r.index_values[slot] = row;
+      if (row >= 0 && row < r.rows) r.per_token[slot / K].push_back({row, slot});
+    }
     return r;
   }
   // Rows arrive expert-sorted: a random permutation of token-major order, plus unused rows.
@@ -831,18 +848,20 @@ TEST_F(CombineGpu, DependentLaunchSeesThePreviousKernelsWrites) {
   const struct {
     moejit_layout layout;
     int64_t tokens, top_k;
-  } setups[] = {{MOEJIT_LAYOUT_TOKEN_MAJOR, 1, 8},  {MOEJIT_LAYOUT_TOKEN_MAJOR, 512, 2},
-                {MOEJIT_LAYOUT_GATHER_MAP, 32, 8},  {MOEJIT_LAYOUT_GATHER_MAP, 512, 8},
-                {MOEJIT_LAYOUT_TOKEN_INDEX, 1, 8},  {MOEJIT_LAYOUT_TOKEN_INDEX, 33, 8},
-                {MOEJIT_LAYOUT_TOKEN_INDEX, 600, 8}};
+    int64_t gather_rows = -1;  // 8 with T = 1: the gather map's one-token kernel
+  } setups[] = {{MOEJIT_LAYOUT_TOKEN_MAJOR, 1, 8},   {MOEJIT_LAYOUT_TOKEN_MAJOR, 512, 2},
+                {MOEJIT_LAYOUT_GATHER_MAP, 1, 8, 8}, {MOEJIT_LAYOUT_GATHER_MAP, 32, 8},
+                {MOEJIT_LAYOUT_GATHER_MAP, 512, 8},  {MOEJIT_LAYOUT_TOKEN_INDEX, 1, 8},
+                {MOEJIT_LAYOUT_TOKEN_INDEX, 33, 8},  {MOEJIT_LAYOUT_TOKEN_INDEX, 600, 8}};
   for (const auto& setup : setups) {
     const moejit_layout layout = setup.layout;
-    SCOPED_TRACE(std::string(layout_str(layout)) + " T=" + std::to_string(setup.tokens) +
-                 " K=" + std::to_string(setup.top_k));
+    SCOPED_TRACE(std::string(layout_str(layout)) + " T=" + std::to_string(setup.tokens) + " K=" +
+                 std::to_string(setup.top_k) + " rows=" + std::to_string(setup.gather_rows));
     const int64_t T = setup.tokens, K = setup.top_k, H = 7168;
     Rng rng(777);
     Case c{layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, H, T, K, 1};
     c.random_routing = layout == MOEJIT_LAYOUT_TOKEN_INDEX;
+    c.gather_rows = setup.gather_rows;
     const Routing routing = make_routing(c, rng);
     const size_t idx_bytes = std::max<size_t>(routing.index_values.size(), 1) * 4;
     const size_t row_bytes = static_cast<size_t>(routing.rows * H * 2);
@@ -999,6 +1018,32 @@ TEST_F(CombineGpu, DroppedSlotsIgnoreNonFiniteGates) {
   moejit_runtime_destroy(rt);
 }
 
+// Runs a one-token bf16 call (a.out: one row of a.hidden_dim elements) and compares its output
+// with ref(h) within bf16's rounding. Returns how many elements differ (the first five reported),
+// or -1 if the call failed.
+int64_t one_token_mismatches(moejit_runtime_t rt, const moejit_combine_args& a,
+                             const std::function<double(int64_t)>& ref) {
+  if (moejit_runtime_combine(rt, &a, nullptr) != MOEJIT_SUCCESS) {
+    ADD_FAILURE() << moejit_last_error_message();
+    return -1;
+  }
+  const int64_t H = a.hidden_dim;
+  std::vector<uint16_t> out(static_cast<size_t>(H));
+  if (cudaDeviceSynchronize() != cudaSuccess ||
+      cudaMemcpy(out.data(), a.out, H * 2, cudaMemcpyDeviceToHost) != cudaSuccess) {
+    ADD_FAILURE() << "CUDA error after the call";
+    return -1;
+  }
+  int64_t bad = 0;
+  for (int64_t h = 0; h < H; ++h) {
+    const double want = ref(h);
+    const double got = decode(out.data(), MOEJIT_DTYPE_BFLOAT16, static_cast<size_t>(h));
+    if (!(std::fabs(got - want) <= std::fabs(want) / 128 + 1e-6) && ++bad <= 5)
+      ADD_FAILURE() << "h " << h << ": " << got << " vs " << want;
+  }
+  return bad;
+}
+
 // One token: combine_one_token loads every row together with its token_idx entry and adds only
 // those whose entry is 0. A dropped row (-1, or a token past T) is loaded too, so its data and its
 // gate are NaN here: neither may reach the output. 65 rows take the scan instead (the same
@@ -1041,24 +1086,104 @@ TEST_F(CombineGpu, OneTokenSkipsDroppedRowsWhateverTheyHold) {
     CUDA_OK(cudaMalloc(&d_ws, ws));
     a.workspace = d_ws;
     a.workspace_bytes = ws;
-    ASSERT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS)
-        << moejit_last_error_message();
-    CUDA_OK(cudaDeviceSynchronize());
-    std::vector<uint16_t> out(static_cast<size_t>(H));
-    CUDA_OK(cudaMemcpy(out.data(), d_out, H * 2, cudaMemcpyDeviceToHost));
-    int64_t bad = 0;
-    for (int64_t h = 0; h < H; ++h) {
-      double ref = 0;
-      for (int64_t r = 0; r < R; ++r)
-        if (token_idx[r] == 0)
-          ref +=
-              gates[r] * decode(rows.data(), MOEJIT_DTYPE_BFLOAT16, static_cast<size_t>(r * H + h));
-      const double got = decode(out.data(), MOEJIT_DTYPE_BFLOAT16, static_cast<size_t>(h));
-      if (!(std::fabs(got - ref) <= std::fabs(ref) / 128 + 1e-6) && ++bad <= 5)
-        ADD_FAILURE() << "h " << h << ": " << got << " vs " << ref;
-    }
-    EXPECT_EQ(bad, 0);
+    EXPECT_EQ(one_token_mismatches(rt, a,
+                                   [&](int64_t h) {
+                                     double ref = 0;
+                                     for (int64_t r = 0; r < R; ++r)
+                                       if (token_idx[r] == 0)
+                                         ref +=
+                                             gates[r] * decode(rows.data(), MOEJIT_DTYPE_BFLOAT16,
+                                                               static_cast<size_t>(r * H + h));
+                                     return ref;
+                                   }),
+              0);
     for (void* p : {d_idx, d_gates, d_rows, d_out, d_ws}) cudaFree(p);
+  }
+  moejit_runtime_destroy(rt);
+}
+
+// Gather map, one token with at most top_k rows (combine_one_token_map: every row loaded with the
+// map, each slot's row picked from them): every dtype pair's kind, both index types, short rows and
+// a partial tail vector, rows = top_k and fewer, slots that repeat a row or are dropped, and the
+// matrix's variations (no gates, scale, accumulate, padded strides, misaligned pointers), each
+// checked against the fp32 chain in slot order bit for bit.
+TEST_F(CombineGpu, OneTokenGatherMapAgainstFloat64Reference) {
+  const moejit_dtype types[][2] = {{MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16},
+                                   {MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_FLOAT32},
+                                   {MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32},
+                                   {MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_BFLOAT16}};
+  std::vector<Case> cases;
+  uint64_t seed = 9000;
+  for (const auto& t : types)
+    for (int idx = 0; idx < 2; ++idx)
+      for (int64_t hidden : {1, 7, 2880, 7168})
+        for (int64_t top_k : {1, 3, 8})
+          for (int64_t rows : {top_k, top_k / 2}) {
+            Case c = vary(Case{MOEJIT_LAYOUT_GATHER_MAP, t[0], t[1],
+                               static_cast<moejit_index_type>(idx), hidden, 1, top_k, seed++});
+            c.gather_rows = rows;
+            cases.push_back(c);
+          }
+  expect_cases_pass(cases, worker_count());
+}
+
+// The gather map's one-token kernel loads every row of the buffer, named or not, and every slot's
+// gate. Rows no slot names hold NaN here, and dropped slots (-1, past the rows) have NaN or
+// infinite gates: none of it may reach the output. A slot may name a row another slot names too.
+// 9 rows with top_k 8 take the fixed layouts' kernel (the same answer).
+TEST_F(CombineGpu, OneTokenGatherMapIgnoresWhatNoSlotNames) {
+  moejit_runtime_t rt = memory_only_runtime();
+  const int64_t H = 7168, K = 8;
+  for (const int64_t R : {int64_t{0}, int64_t{1}, int64_t{5}, int64_t{8}, int64_t{9}}) {
+    SCOPED_TRACE("R=" + std::to_string(R));
+    Rng rng(static_cast<uint64_t>(R) * 131 + 7);
+    std::vector<int32_t> map(static_cast<size_t>(K));
+    std::vector<float> gates(map.size());
+    std::vector<bool> named(static_cast<size_t>(R), false);
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t roll = rng.below(4);
+      // Slots 0 and 1 name row 0 when there is one (a repeated row); else a quarter dropped, a
+      // quarter past the rows, half a row at random among the first half (so some rows stay
+      // unnamed).
+      int32_t row = -1;
+      if (R > 0 && k < 2)
+        row = 0;
+      else if (R > 0 && roll >= 2)
+        row = static_cast<int32_t>(rng.below((R + 1) / 2));
+      else if (roll == 1)
+        row = static_cast<int32_t>(R + rng.below(100));
+      map[k] = row;
+      const bool kept = row >= 0 && row < R;
+      if (kept) named[row] = true;
+      gates[k] = kept ? rng.uniform(0.0f, 1.0f) : (roll == 0 ? NAN : INFINITY);
+    }
+    std::vector<uint16_t> rows(static_cast<size_t>(std::max<int64_t>(R, 1) * H));
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t h = 0; h < H; ++h)
+        encode(&rows[r * H], MOEJIT_DTYPE_BFLOAT16, h, named[r] ? rng.uniform(-1, 1) : NAN);
+    void *d_map, *d_gates, *d_rows, *d_out;
+    CUDA_OK(cudaMalloc(&d_map, map.size() * 4));
+    CUDA_OK(cudaMalloc(&d_gates, gates.size() * 4));
+    CUDA_OK(cudaMalloc(&d_rows, rows.size() * 2));
+    CUDA_OK(cudaMalloc(&d_out, H * 2));
+    CUDA_OK(cudaMemcpy(d_map, map.data(), map.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_gates, gates.data(), gates.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_rows, rows.data(), rows.size() * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(d_out, 0xFF, H * 2));
+    const moejit_combine_args a = bf16_args(MOEJIT_LAYOUT_GATHER_MAP, 1, K, R, H, d_rows,
+                                            static_cast<const float*>(d_gates), d_map, d_out);
+    EXPECT_EQ(one_token_mismatches(rt, a,
+                                   [&](int64_t h) {
+                                     double ref = 0;
+                                     for (int64_t k = 0; k < K; ++k)
+                                       if (map[k] >= 0 && map[k] < R)
+                                         ref +=
+                                             gates[k] * decode(rows.data(), MOEJIT_DTYPE_BFLOAT16,
+                                                               static_cast<size_t>(map[k] * H + h));
+                                     return ref;
+                                   }),
+              0);
+    for (void* p : {d_map, d_gates, d_rows, d_out}) cudaFree(p);
   }
   moejit_runtime_destroy(rt);
 }

@@ -128,19 +128,24 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
   s.origin = "test";
   std::vector<KernelSpec> specs;
   expand_shape(s, all_layouts(), all_index_types(), &specs);
-  // token_major has no index: (1 + gather_map x 2) x {prefill, decode geometry}, plus
-  // token_index x 2 index types x (the list path's two modules, prefill and decode / mid-size, +
-  // the single-launch module and its small-call form (decode calls of up to 16 tokens) + the
-  // one-token module + the list helpers' module): with 8 rows per token the single launch has
-  // one geometry for every size, and the list path's mid-size calls share the decode geometry's
-  // module.
-  ASSERT_EQ(specs.size(), 18u);
+  // token_major has no index: (1 + gather_map x 2) x {prefill, decode geometry}, the gather
+  // map's one-token module x 2 index types, plus token_index x 2 index types x (the list path's two
+  // modules, prefill and decode / mid-size, + the single-launch module and its small-call form
+  // (decode calls of up to 16 tokens) + the one-token module + the list helpers' module): with 8
+  // rows per token the single launch has one geometry for every size, and the list path's mid-size
+  // calls share the decode geometry's module.
+  ASSERT_EQ(specs.size(), 20u);
   for (moejit_layout l : all_layouts())
     for (moejit_index_type t : all_index_types())
       for (int64_t tokens : {kAnyTokens, int64_t{1}, int64_t{512}, int64_t{2048}, int64_t{4096}}) {
         const KernelSpec want = spec_for_shape(l, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, t,
                                                7168, 8, 256, tokens);
         EXPECT_NE(std::find(specs.begin(), specs.end(), want), specs.end()) << want.describe();
+        if (want.layout == MOEJIT_LAYOUT_GATHER_MAP && tokens == 1) {
+          EXPECT_NE(std::find(specs.begin(), specs.end(), want.with_one_token_kernel()),
+                    specs.end())
+              << want.describe();
+        }
         if (want.token_index()) {
           EXPECT_NE(std::find(specs.begin(), specs.end(), single_launch_spec(want, tokens)),
                     specs.end())
@@ -159,7 +164,7 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
         }
       }
   expand_shape(s, all_layouts(), all_index_types(), &specs);  // no duplicates
-  EXPECT_EQ(specs.size(), 18u);
+  EXPECT_EQ(specs.size(), 20u);
 
   // Short rows (128-wide fp32: 32 threads per token) with two rows per token: the single launch
   // packs 16 tokens per 512-thread block beyond decode sizes and 4 per 128-thread block at
@@ -203,52 +208,60 @@ TEST(Manifest, ExactAndShapeLines) {
       spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_BFLOAT16,
                      MOEJIT_INDEX_INT64, 2880, 4, 256, 1)
           .with_one_token_kernel();
+  const KernelSpec exact_gather_one_token =
+      spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_FLOAT32,
+                     MOEJIT_INDEX_INT64, 7168, 8, 256, 1)
+          .with_one_token_kernel();
   const std::string text = "# warm list\n\n" + exact.describe() +
                            "  # from a log\n"
                            "hidden=4096 topk=2 dtype=bf16 layout=gather_map index_type=int32\n"
                            "hidden=2048 topk=4 layout=token_major,token_index index_type=int64\n" +
                            exact_scan.describe() + "\n" + exact_scan.helpers_spec().describe() +
                            "\n" + exact_one_token.describe() + "\n" +
-                           exact_scan.with_small_scan().describe() + "\n";
+                           exact_scan.with_small_scan().describe() + "\n" +
+                           exact_gather_one_token.describe() + "\n";
   ManifestDefaults d;
   d.dtype = MOEJIT_DTYPE_FLOAT32;
   std::vector<KernelSpec> specs;
   parse_manifest(text, "m.txt", d, &specs);
   // Shape lines expand to every geometry: prefill, decode, then mid-size; for the token index each
   // geometry's list-path module, then its single-launch module, and once the list helpers; the
-  // decode geometry's small-call single launch and one-token module. (Four rows per token: two
-  // slots per thread past decode sizes, in 128-thread blocks past mid-size, so three list-path
-  // modules; mid-size calls have more than 128 rows, so no small-call form there.)
-  ASSERT_EQ(specs.size(), 17u);
+  // decode geometry's small-call single launch and one-token module; for the gather map the
+  // decode geometry's one-token module. (Four rows per token: two slots per thread past decode
+  // sizes, in 128-thread blocks past mid-size, so three list-path modules; mid-size calls have more
+  // than 128 rows, so no small-call form there.)
+  ASSERT_EQ(specs.size(), 19u);
   EXPECT_EQ(specs[0], exact);
   EXPECT_EQ(specs[1], spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                      MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256));
   EXPECT_EQ(specs[2], spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                      MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256, 1));
-  EXPECT_EQ(specs[3], spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32,
-                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256));
+  EXPECT_EQ(specs[3], specs[2].with_one_token_kernel());
   EXPECT_EQ(specs[4], spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32,
-                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 1));
-  EXPECT_EQ(specs[5], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256));
-  EXPECT_EQ(specs[6], single_launch_spec(specs[5], kAnyTokens));
-  EXPECT_EQ(specs[7], specs[5].helpers_spec());
-  EXPECT_EQ(specs[7].describe(), "layout=token_index idx=int64 helpers=1");
-  EXPECT_EQ(specs[8], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+  EXPECT_EQ(specs[5], spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32,
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 1));
-  EXPECT_EQ(specs[9], single_launch_spec(specs[8], 1));
-  EXPECT_EQ(specs[10], specs[9].with_small_scan());
-  EXPECT_EQ(specs[11], specs[8].with_one_token_kernel());
-  EXPECT_EQ(specs[12], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+  EXPECT_EQ(specs[6], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256));
+  EXPECT_EQ(specs[7], single_launch_spec(specs[6], kAnyTokens));
+  EXPECT_EQ(specs[8], specs[6].helpers_spec());
+  EXPECT_EQ(specs[8].describe(), "layout=token_index idx=int64 helpers=1");
+  EXPECT_EQ(specs[9], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 1));
+  EXPECT_EQ(specs[10], single_launch_spec(specs[9], 1));
+  EXPECT_EQ(specs[11], specs[10].with_small_scan());
+  EXPECT_EQ(specs[12], specs[9].with_one_token_kernel());
+  EXPECT_EQ(specs[13], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                       MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 65));
-  EXPECT_EQ(specs[12].tpt, 64);
-  EXPECT_EQ(specs[12].upt, 2);
-  EXPECT_EQ(specs[5].tpt, 128);
-  EXPECT_EQ(single_launch_spec(specs[12], 65), specs[6]);
-  EXPECT_EQ(specs[13], exact_scan);                    // an exact scan line round-trips
-  EXPECT_EQ(specs[14], exact_scan.helpers_spec());     // and a helpers line (int32)
-  EXPECT_EQ(specs[15], exact_one_token);               // and a one-token line
-  EXPECT_EQ(specs[16], exact_scan.with_small_scan());  // and a small-call single launch
+  EXPECT_EQ(specs[13].tpt, 64);
+  EXPECT_EQ(specs[13].upt, 2);
+  EXPECT_EQ(specs[6].tpt, 128);
+  EXPECT_EQ(single_launch_spec(specs[13], 65), specs[7]);
+  EXPECT_EQ(specs[14], exact_scan);                    // an exact scan line round-trips
+  EXPECT_EQ(specs[15], exact_scan.helpers_spec());     // and a helpers line (int32)
+  EXPECT_EQ(specs[16], exact_one_token);               // and a one-token line
+  EXPECT_EQ(specs[17], exact_scan.with_small_scan());  // and a small-call single launch
+  EXPECT_EQ(specs[18], exact_gather_one_token);        // and a gather-map one-token line
 
   auto bad = [&](const std::string& line) {
     return error_of([&] {
@@ -276,8 +289,14 @@ TEST(Manifest, ExactAndShapeLines) {
   EXPECT_NE(bad(std::regex_replace(one_token, std::regex("cap=0"), "cap=8"))
                 .find("a one-token module keeps no list"),
             std::string::npos);
-  EXPECT_NE(bad(std::regex_replace(one_token, std::regex("token_index"), "gather_map"))
-                .find("only the token_index layout has a one-token module"),
+  EXPECT_NE(bad(std::regex_replace(
+                    std::regex_replace(one_token, std::regex("token_index"), "token_major"),
+                    std::regex("int64"), "int32"))
+                .find("only the token_index and gather_map layouts have a one-token module"),
+            std::string::npos);
+  // A gather-map one-token module holds every row at once: K * upt at most 8.
+  EXPECT_NE(bad(std::regex_replace(exact_gather_one_token.describe(), std::regex("K=8"), "K=9"))
+                .find("K * upt at most 8"),
             std::string::npos);
   EXPECT_NE(bad(one_token + " scan=1").find("or one_token=1"), std::string::npos);
   EXPECT_NE(bad(std::regex_replace(one_token, std::regex("one_token=1"), "one_token=2"))
@@ -427,18 +446,18 @@ TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
   std::istringstream in(text.out);
   for (std::string l; std::getline(in, l);)
     if (std::regex_match(l, line)) ++lines;
-  EXPECT_EQ(lines, 36u) << text.out;  // 18 specs x 2 targets
+  EXPECT_EQ(lines, 40u) << text.out;  // 20 specs x 2 targets
 
   const test::ToolRun js =
       run("--dry-run --json --model-config '" + configs("qwen3-30b-a3b.json") +
           "' --arch sm_90 --layout gather_map,token_index --cache-dir '" + cache + "'");
   ASSERT_EQ(js.rc, 0) << js.err;
   const nlohmann::json j = nlohmann::json::parse(js.out);
-  // 2 index types x (gather_map x 2 geometries + token_index: two list modules (prefill; decode
-  // and mid-size, which share one with 8 rows per token) and one single-launch module with its
-  // small-call form, the one-token module, the list helpers).
-  EXPECT_EQ(j["total"], 16);
-  EXPECT_EQ(j["missing"], 16);
+  // 2 index types x (gather_map x 2 geometries and its one-token module + token_index: two list
+  // modules (prefill; decode and mid-size, which share one with 8 rows per token) and one
+  // single-launch module with its small-call form, the one-token module, the list helpers).
+  EXPECT_EQ(j["total"], 18);
+  EXPECT_EQ(j["missing"], 18);
   EXPECT_EQ(j["cached"], 0);
   // The keys are the runtime's own: recompute them through KernelStore::request_for.
   Settings settings;

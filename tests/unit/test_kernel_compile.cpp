@@ -76,6 +76,16 @@ std::vector<Case> matrix() {
             // And the one-token kernel (decode geometry).
             cases.push_back({d.with_one_token_kernel(), archs[n % 3]});
           }
+          if (layout == MOEJIT_LAYOUT_GATHER_MAP) {
+            // The gather map's one-token kernel, in the decode geometry (every row of the call in
+            // flight at once, staged in shared memory).
+            KernelSpec d =
+                spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, static_cast<moejit_dtype>(in),
+                               static_cast<moejit_dtype>(out), static_cast<moejit_index_type>(idx),
+                               hidden, top_ks[n % 3], 256, 1);
+            d.vec = s.vec;
+            cases.push_back({d.with_one_token_kernel(), archs[(n + 1) % 3]});
+          }
           ++n;
         }
   // Token-index lists longer than the matrix's (its top-k values give at most 32 entries): 64 for
@@ -363,6 +373,7 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
       single,                    // the slab form
       single.with_small_scan(),  // the small-call form
       decode_index.with_one_token_kernel(),
+      shape(MOEJIT_LAYOUT_GATHER_MAP, 7168, 8, 1).with_one_token_kernel(),
       single_launch_spec(shape(MOEJIT_LAYOUT_TOKEN_INDEX, 128, 2, kAnyTokens), kAnyTokens),
   };
   for (const KernelSpec& spec : first_kernels) {

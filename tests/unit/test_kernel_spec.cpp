@@ -161,9 +161,11 @@ TEST(KernelSpec, PlanMatchesSpecForShapeOnAlignedBuffers) {
       a.num_tokens = tokens;
       a.num_rows = 2 * tokens;
       const KernelSpec planned = plan_combine(&a).spec;
-      EXPECT_EQ(planned,
-                spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
-                               MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, hidden, 2, 256, tokens))
+      // One token with at most top_k rows: the one-token kernel in the decode geometry.
+      const KernelSpec shape =
+          spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                         MOEJIT_INDEX_INT32, hidden, 2, 256, tokens);
+      EXPECT_EQ(planned, tokens == 1 ? shape.with_one_token_kernel() : shape)
           << "hidden " << hidden << " tokens " << tokens;
       const auto all = specs_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                        MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, hidden, 2, 256);
@@ -429,10 +431,63 @@ TEST(KernelSpec, OneTokenCallsPlanTheOneTokenModule) {
   a.num_rows = 8;
   EXPECT_FALSE(plan_combine(&a).one_token());
   EXPECT_TRUE(plan_combine(&a).token_scan());
-  // The fixed layouts never take it.
-  a.layout = MOEJIT_LAYOUT_GATHER_MAP;
+  // Token-major never takes it.
+  a.layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
   a.num_tokens = 1;
+  a.top_k = 8;
+  a.num_rows = 8;
   EXPECT_FALSE(plan_combine(&a).one_token());
+}
+
+// Gather map, one token whose buffer holds at most top_k rows (an engine's decode step):
+// combine_one_token_map, which loads every row with the map and the gates, on the fixed layouts'
+// 1-D grid in their decode geometry. More rows, more tokens, or more slots than it holds at once
+// (top_k > 8): the fixed layouts' kernel.
+TEST(KernelSpec, OneTokenGatherMapCallsPlanTheirModule) {
+  auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
+  a.num_tokens = 1;
+  for (int64_t k : {1, 2, 3, 8}) {
+    for (int64_t rows : {int64_t{0}, k - 1, k}) {
+      if (rows < 0) continue;
+      const std::string at = "K=" + std::to_string(k) + " rows=" + std::to_string(rows);
+      a.top_k = k;
+      a.num_rows = rows;
+      const CombinePlan plan = plan_combine(&a);
+      EXPECT_TRUE(plan.one_token()) << at;
+      EXPECT_FALSE(plan.token_scan()) << at;
+      EXPECT_FALSE(plan.list_helpers()) << at;
+      EXPECT_EQ(plan.spec.top_k, k) << at;
+      EXPECT_EQ(plan.params.list_capacity, 0) << at;
+      EXPECT_EQ(
+          plan.spec.name_expressions(),
+          std::vector<std::string>{"&moejit::combine_one_token_map<2, 2, int, 7168, 8, " +
+                                   std::to_string(k) + (k <= 2 ? ", 128, 1, 1>" : ", 16, 2, 1>")})
+          << at;
+      // The fixed layouts' decode geometry and grid: 896 vectors in 7 chunks of 128 (K <= 2) or
+      // 56 of 16, one after the other on x.
+      EXPECT_TRUE(plan.spec.one_dim_grid()) << at;
+      EXPECT_EQ(plan.combine_grid_x, k <= 2 ? 7u : 56u) << at;
+      EXPECT_EQ(plan.combine_grid_y, 1u) << at;
+      const auto warmed =
+          specs_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                          MOEJIT_INDEX_INT32, 7168, static_cast<int>(k), 256);
+      EXPECT_NE(std::find(warmed.begin(), warmed.end(), plan.spec), warmed.end()) << at;
+    }
+  }
+  a.top_k = 8;
+  a.num_rows = 9;  // a row the map may not name: the fixed layouts' kernel
+  EXPECT_FALSE(plan_combine(&a).one_token());
+  a.num_rows = 8;
+  a.num_tokens = 2;
+  EXPECT_FALSE(plan_combine(&a).one_token());
+  a.num_tokens = 1;
+  a.top_k = 9;  // more slots than it holds in flight
+  a.num_rows = 9;
+  EXPECT_FALSE(plan_combine(&a).one_token());
+  const auto warmed = specs_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
+                                      MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 9, 256);
+  EXPECT_TRUE(
+      std::none_of(warmed.begin(), warmed.end(), [](const KernelSpec& s) { return s.one_token; }));
 }
 
 // The single launch with one token per block has a small-call form (every warp reads all of

@@ -136,10 +136,12 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
   const size_t flags = kv.count("scan") + kv.count("small_scan") + kv.count("one_token");
   if (kv.count("one_token") + kv.count("scan") > 1 || kv.count("small_scan") > kv.count("scan") ||
       kv.size() != 11u + flags)
-    throw InputError(where +
-                     ": exact spec lines take only layout in out idx H vec K tpt tpb upt cap "
-                     "(and scan=1 for a token-index single-launch module, with small_scan=1 for "
-                     "its small-call form, or one_token=1 for a token-index one-token module)");
+    throw InputError(
+        where +
+        ": exact spec lines take only layout in out idx H vec K tpt tpb upt cap "
+        "(and scan=1 for a token-index single-launch module, with small_scan=1 for "
+        "its small-call form, or one_token=1 for a token-index or gather-map one-token "
+        "module)");
   KernelSpec s;
   s.layout = parse_layout(kv["layout"], where + ": layout");
   s.in_dtype = parse_dtype(kv["in"], where + ": in");
@@ -198,8 +200,12 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
          "only a single-launch module with one token per block (scan=1, tpb=1, tpt a multiple of "
          "32) has a small-call form");
   s.small_scan = small_scan == 1;
-  if (one_token == 1 && !s.token_index())
-    fail("one_token", one_token, "only the token_index layout has a one-token module");
+  if (one_token == 1 && s.layout == MOEJIT_LAYOUT_TOKEN_MAJOR)
+    fail("one_token", one_token,
+         "only the token_index and gather_map layouts have a one-token module");
+  if (one_token == 1 && s.layout == MOEJIT_LAYOUT_GATHER_MAP && s.top_k * s.upt > 8)
+    fail("K", s.top_k,
+         "a gather_map one-token module holds all its rows at once: K * upt at most 8");
   s.one_token = one_token == 1;
   return s;
 }
