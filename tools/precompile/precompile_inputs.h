@@ -88,9 +88,8 @@ struct ManifestDefaults {
 //  - exact spec, KernelSpec::describe() format (as printed by --dry-run and in library logs):
 //      layout=gather_map in=bf16 out=bf16 idx=int32 H=7168 vec=8 K=8 tpt=128 tpb=1 upt=1 cap=0
 //    (a token-index single-launch module ends in " scan=1", its small-call form in
-//    " scan=1 small_scan=1", a one-token module in " one_token=1" with cap=0; the token index's
-//    list helpers are
-//    "layout=token_index idx=int32 helpers=1")
+//    " scan=1 small_scan=1", a one-token module (token index, gather map) in " one_token=1" with
+//    cap=0; the token index's list helpers are "layout=token_index idx=int32 helpers=1")
 //  - shape, expanded like --hidden/--topk (keys: hidden, topk, dtype, out_dtype, layout,
 //    index_type; layout and index_type take comma lists; omitted keys take the defaults):
 //      hidden=7168 topk=8 dtype=bf16 layout=gather_map,token_index index_type=int32

@@ -75,7 +75,7 @@ const char* kFooter = R"(Inputs (any mix; every source adds shapes):
   KernelSpec::describe() format that --dry-run prints:
     layout=gather_map in=bf16 out=bf16 idx=int32 H=7168 vec=8 K=8 tpt=128 tpb=1 upt=1 cap=0
   (a token-index single-launch module ends in " scan=1", its small-call form in
-  " scan=1 small_scan=1", a one-token module in " one_token=1";
+  " scan=1 small_scan=1", a one-token module (token index, gather map) in " one_token=1";
   the list helpers' module is "layout=token_index idx=int32 helpers=1"), or a shape, expanded like --hidden/--topk (layout and index_type take comma lists and default to
   --layout / --index-type; dtype defaults to --dtype; out_dtype to the dtype):
     hidden=7168 topk=8 dtype=bf16 out_dtype=bf16 layout=gather_map,token_index index_type=int32
