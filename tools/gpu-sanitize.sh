@@ -3,7 +3,7 @@
 #   memcheck   every test: out-of-bounds and misaligned device accesses, launch errors
 #   synccheck  every test: barriers and warp syncs used wrongly
 #   racecheck  the tests of the kernels that share lists through shared memory (the token index's
-#              scans, the one-token kernel) and of the launch modes (CUDA graph, dependent launch);
+#              scans, both one-token kernels) and of the launch modes (CUDA graph, dependent launch);
 #              the full matrix under racecheck takes more than five minutes
 # Each run's output goes to OUTDIR/<tool>[-<test>].txt; exits non-zero if any run reports an
 # error or times out.
@@ -51,7 +51,8 @@ run synccheck '*' synccheck 300
 echo "== racecheck"
 for t in TokenIndexWithAHotToken TokenIndexListsPastOneGridOfRows \
   SmallCallScanWindowsAHotTokensRows SlabScanListsAHotTokensRows \
-  OneTokenSkipsDroppedRowsWhateverTheyHold DroppedSlotsIgnoreNonFiniteGates \
+  OneTokenSkipsDroppedRowsWhateverTheyHold OneTokenGatherMapIgnoresWhatNoSlotNames \
+  DroppedSlotsIgnoreNonFiniteGates \
   DependentLaunchSeesThePreviousKernelsWrites CudaGraphCaptureAndReplay; do
   run racecheck "CombineGpu.$t" "racecheck-$t" 120
 done
