@@ -391,7 +391,6 @@ namespace {
 bool gather_one_token_fits(const KernelSpec& s) {
   return s.top_k <= kOneTokenMapMaxTopK && s.top_k * s.upt <= kOneTokenMapMaxTopK;
 }
-
 }  // namespace
 
 KernelSpec single_launch_for_rows(const KernelSpec& single, int64_t num_rows) {
