@@ -734,6 +734,17 @@ __device__ __forceinline__ void load_list_entries(const int* at, int (&row)[N]) 
   }
 }
 
+// Whether gather-map entry e names one of `rows` rows (negative entries do not, by the unsigned
+// compare). An int32 map is checked in 32 bits (num_rows < 2^31 for this layout; the 64-bit compare
+// cost 1-2%).
+template <typename IdxT>
+__device__ __forceinline__ bool names_row(IdxT e, long long rows) {
+  if constexpr (sizeof(IdxT) == 4)
+    return static_cast<unsigned>(e) < static_cast<unsigned>(rows);
+  else
+    return static_cast<unsigned long long>(e) < static_cast<unsigned long long>(rows);
+}
+
 // ---- the combine -----------------------------------------------------------------------------
 
 // Sorts a few row ids ascending in registers (odd-even transposition: compile-time indices only,
@@ -982,16 +993,9 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
       for (int k = 0; k < kHeld; ++k) {
         if constexpr (LAYOUT == kLayoutTokenMajor) {
           row[k] = 0;  // unused: the row is tok * TOP_K + k
-        } else if constexpr (sizeof(IdxT) == 4) {
-          // Out of range (negative included, by the unsigned compare): dropped. An int32 map is
-          // checked in 32 bits (num_rows < 2^31 for this layout; the 64-bit compare cost 1-2%).
-          const unsigned m = static_cast<unsigned>(__ldg(indices + tok * TOP_K + k));
-          mapped[k] = m < static_cast<unsigned>(p.num_rows);
-          row[k] = mapped[k] ? static_cast<int>(m) : 0;
         } else {
-          const long long m = static_cast<long long>(__ldg(indices + tok * TOP_K + k));
-          mapped[k] =
-              static_cast<unsigned long long>(m) < static_cast<unsigned long long>(p.num_rows);
+          const IdxT m = __ldg(indices + tok * TOP_K + k);
+          mapped[k] = detail::names_row(m, p.num_rows);  // out of range: dropped
           row[k] = mapped[k] ? static_cast<int>(m) : 0;
         }
       }
@@ -1072,10 +1076,8 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
           if constexpr (LAYOUT == kLayoutTokenMajor) {
             r = tok * TOP_K + k;
           } else {
-            const long long m = static_cast<long long>(__ldg(indices + tok * TOP_K + k));
-            r = static_cast<unsigned long long>(m) < static_cast<unsigned long long>(p.num_rows)
-                    ? m
-                    : -1;
+            const IdxT m = __ldg(indices + tok * TOP_K + k);
+            r = detail::names_row(m, p.num_rows) ? static_cast<long long>(m) : -1;
           }
         }
         present[j] = r >= 0;
@@ -1242,8 +1244,8 @@ __global__ void __launch_bounds__(TPT* TPB) combine_one_token(const CombineParam
 // (each thread reads back only what it wrote: no barrier), and the slots are added in order k =
 // 0..K-1 with the fixed layouts' fp32 fma chain, a dropped slot as weight 0 times zeros as there:
 // bitwise the fixed layouts' result. The host takes it for num_tokens == 1, num_rows <= top_k <=
-// kBatch (src/combine_plan.cpp, kOneTokenMapMaxTopK); its grid is the fixed layouts' 1-D one (the
-// token's chunks; a second token group of the block leaves at once).
+// kBatch (src/combine_plan.cpp, KernelSpec::fits_one_token_map); its grid is the fixed layouts' 1-D
+// one (the token's chunks; a second token group of the block leaves at once).
 template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT, int TPB,
           int UPT>
 __global__ void __launch_bounds__(TPT* TPB) combine_one_token_map(const CombineParams p) {
@@ -1258,20 +1260,15 @@ __global__ void __launch_bounds__(TPT* TPB) combine_one_token_map(const CombineP
   __shared__ P stage[TOP_K + 1][UPT][TPT * TPB];
   const int sub = static_cast<int>(threadIdx.x) / TPT;
   const int lane = static_cast<int>(threadIdx.x) % TPT;
+  const long long tok = blockIdx.x / kChunks * TPB + sub;
+  const int chunk = static_cast<int>(blockIdx.x % kChunks);
   const IdxT* __restrict__ map = static_cast<const IdxT*>(p.indices);
-  if (p.dependent_launch != 0) {  // the map and the gates first (detail::prefetch_routing)
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      detail::prefetch_l2(map);
-      detail::prefetch_l2(map + (TOP_K - 1));
-      if (p.gates != nullptr) {
-        detail::prefetch_l2(p.gates);
-        detail::prefetch_l2(p.gates + (TOP_K - 1));
-      }
-    }
+  if (p.dependent_launch != 0) {  // the map and the gates first, as the fixed layouts do
+    detail::prefetch_routing<kLayoutGatherMap, IdxT, TOP_K, TPT, TPB>(p, tok, chunk, lane);
     detail::wait_for_predecessor();  // before any memory access
   }
-  if (blockIdx.x / kChunks * TPB + sub != 0) return;  // token 0 is the only one; no barrier below
-  const int first_slot = static_cast<int>(blockIdx.x % kChunks) * (TPT * UPT) + lane;
+  if (tok != 0) return;  // token 0 is the only one; no barrier below
+  const int first_slot = chunk * (TPT * UPT) + lane;
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
   const char* slot0 = reinterpret_cast<const char*>(expert + first_slot * VEC);
   const unsigned long long row_bytes = static_cast<unsigned long long>(p.expert_stride) * sizeof(S);
@@ -1283,10 +1280,7 @@ __global__ void __launch_bounds__(TPT* TPB) combine_one_token_map(const CombineP
 #pragma unroll
   for (int k = 0; k < TOP_K; ++k) {
     const IdxT e = __ldg(map + k);
-    if constexpr (sizeof(IdxT) == 4)  // checked in 32 bits, as the fixed layouts do
-      mapped[k] = static_cast<unsigned>(e) < rows;
-    else
-      mapped[k] = static_cast<unsigned long long>(e) < rows;
+    mapped[k] = detail::names_row(e, p.num_rows);
     m[k] = mapped[k] ? static_cast<unsigned>(e) : static_cast<unsigned>(TOP_K);
   }
   P v[TOP_K][UPT];

@@ -50,15 +50,6 @@ constexpr double kScanMaxBytes = 32.0 * (1 << 20);
 // token_idx entry instead of scanning first (one round trip instead of two). It reads the dropped
 // rows too, so only calls with few rows take it; more go through the scan.
 constexpr int64_t kOneTokenMaxRows = 64;
-// Gather map, one token (single-sequence decode) with at most top_k rows, as an engine passes the
-// token's own expert outputs: combine_one_token_map loads every row with the map and the gates
-// (one round trip instead of two) and picks each slot's row from them. All of them in flight at
-// once: up to kBatch (8) rows of one slot per thread. In the fixed layouts' decode geometry (16x2
-// blocks at K > 2, 128x1 at K <= 2). On the H200 against the fixed layouts' kernel, A B C C B A x
-// 2 (tools/bench/NOTES.md, version 37), T = 1, us: K8 H7168 bf16 5.41 -> 5.08, K8 H4096 5.38 ->
-// 5.04, K4 H2880 5.17 -> 4.81, K2 H4096 fp32 5.17 -> 4.75, K1 H5120 5.05 -> 4.71; in 64x1 blocks
-// (as the token index's one-token kernel has) 0.4-0.5 us slower than 16x2 at K = 4 and 8.
-constexpr int64_t kOneTokenMapMaxTopK = 8;
 
 int element_bytes(int dtype) {
   return dtype == MOEJIT_DTYPE_FLOAT32 ? 4 : 2;
@@ -386,13 +377,6 @@ KernelSpec single_launch_spec(const KernelSpec& list_spec, int64_t num_tokens) {
   return s;
 }
 
-namespace {
-// Whether a gather-map spec's rows all fit in flight at once (combine_one_token_map).
-bool gather_one_token_fits(const KernelSpec& s) {
-  return s.top_k <= kOneTokenMapMaxTopK && s.top_k * s.upt <= kOneTokenMapMaxTopK;
-}
-}  // namespace
-
 KernelSpec single_launch_for_rows(const KernelSpec& single, int64_t num_rows) {
   return single.ordered_scan() && num_rows <= single.block_threads() ? single.with_small_scan()
                                                                      : single;
@@ -426,7 +410,7 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
       if (tokens == 1) add(s.with_one_token_kernel());
     }
     // Gather map: one-token calls whose buffer holds at most top_k rows take their own kernel.
-    if (tokens == 1 && s.layout == MOEJIT_LAYOUT_GATHER_MAP && gather_one_token_fits(s))
+    if (tokens == 1 && s.layout == MOEJIT_LAYOUT_GATHER_MAP && s.fits_one_token_map())
       add(s.with_one_token_kernel());
   }
   return specs;
@@ -524,8 +508,17 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
       if (token_scan) s = single_launch_for_rows(single, a.num_rows);
     }
   }
+  // Gather map, one token (single-sequence decode) with at most top_k rows, as an engine passes
+  // the token's own expert outputs: combine_one_token_map loads every row with the map and the
+  // gates (one round trip instead of two) and picks each slot's row from them, all of them in
+  // flight at once (KernelSpec::fits_one_token_map: top_k <= 8 at one slot per thread). In the
+  // fixed layouts' decode geometry (16x2 blocks at K > 2, 128x1 at K <= 2). On the H200 against
+  // the fixed layouts' kernel, A B C C B A x 2 (tools/bench/NOTES.md, version 37), T = 1, us: K8
+  // H7168 bf16 5.41 -> 5.08, K8 H4096 5.38 -> 5.04, K4 H2880 5.17 -> 4.81, K2 H4096 fp32 5.17 ->
+  // 4.75, K1 H5120 5.05 -> 4.71; in 64x1 blocks (as the token index's one-token kernel has) 0.4-0.5
+  // us slower than 16x2 at K = 4 and 8.
   if (s.layout == MOEJIT_LAYOUT_GATHER_MAP && a.num_tokens == 1 && a.num_rows <= a.top_k &&
-      gather_one_token_fits(s))
+      s.fits_one_token_map())
     s = s.with_one_token_kernel();
   p.list_capacity = s.list_cap;  // of the module chosen (0: no list)
 

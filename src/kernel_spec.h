@@ -73,6 +73,9 @@ struct KernelSpec {
     s.list_cap = 0;
     return s;
   }
+  // Whether a gather-map one-token module (combine_one_token_map) can hold all of a call's rows in
+  // flight at once: top_k * upt vectors per thread, at most combine.cuh's kBatch (8).
+  bool fits_one_token_map() const { return top_k * upt <= 8; }
   // The list helpers' module for this spec's index type (token index, list path).
   KernelSpec helpers_spec() const;
   // A token-index list-path combine: its calls launch the helpers of helpers_spec() first.

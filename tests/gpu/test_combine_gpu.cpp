@@ -1018,6 +1018,13 @@ TEST_F(CombineGpu, DroppedSlotsIgnoreNonFiniteGates) {
   moejit_runtime_destroy(rt);
 }
 
+// *d = a new device copy of v (the caller frees it).
+template <typename T>
+void device_copy(const std::vector<T>& v, void** d) {
+  CUDA_OK(cudaMalloc(d, v.size() * sizeof(T)));
+  CUDA_OK(cudaMemcpy(*d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
+
 // Runs a one-token bf16 call (a.out: one row of a.hidden_dim elements) and compares its output
 // with ref(h) within bf16's rounding. Returns how many elements differ (the first five reported),
 // or -1 if the call failed.
@@ -1070,13 +1077,10 @@ TEST_F(CombineGpu, OneTokenSkipsDroppedRowsWhateverTheyHold) {
         encode(&rows[r * H], MOEJIT_DTYPE_BFLOAT16, h, kept ? rng.uniform(-1, 1) : NAN);
     }
     void *d_idx, *d_gates, *d_rows, *d_out, *d_ws;
-    CUDA_OK(cudaMalloc(&d_idx, token_idx.size() * 4));
-    CUDA_OK(cudaMalloc(&d_gates, gates.size() * 4));
-    CUDA_OK(cudaMalloc(&d_rows, rows.size() * 2));
+    ASSERT_NO_FATAL_FAILURE(device_copy(token_idx, &d_idx));
+    ASSERT_NO_FATAL_FAILURE(device_copy(gates, &d_gates));
+    ASSERT_NO_FATAL_FAILURE(device_copy(rows, &d_rows));
     CUDA_OK(cudaMalloc(&d_out, H * 2));
-    CUDA_OK(cudaMemcpy(d_idx, token_idx.data(), token_idx.size() * 4, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(d_gates, gates.data(), gates.size() * 4, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(d_rows, rows.data(), rows.size() * 2, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemset(d_out, 0xFF, H * 2));
     // top_k 0: the token index does not use it.
     moejit_combine_args a = bf16_args(MOEJIT_LAYOUT_TOKEN_INDEX, 1, 0, R, H, d_rows,
@@ -1162,13 +1166,10 @@ TEST_F(CombineGpu, OneTokenGatherMapIgnoresWhatNoSlotNames) {
       for (int64_t h = 0; h < H; ++h)
         encode(&rows[r * H], MOEJIT_DTYPE_BFLOAT16, h, named[r] ? rng.uniform(-1, 1) : NAN);
     void *d_map, *d_gates, *d_rows, *d_out;
-    CUDA_OK(cudaMalloc(&d_map, map.size() * 4));
-    CUDA_OK(cudaMalloc(&d_gates, gates.size() * 4));
-    CUDA_OK(cudaMalloc(&d_rows, rows.size() * 2));
+    ASSERT_NO_FATAL_FAILURE(device_copy(map, &d_map));
+    ASSERT_NO_FATAL_FAILURE(device_copy(gates, &d_gates));
+    ASSERT_NO_FATAL_FAILURE(device_copy(rows, &d_rows));
     CUDA_OK(cudaMalloc(&d_out, H * 2));
-    CUDA_OK(cudaMemcpy(d_map, map.data(), map.size() * 4, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(d_gates, gates.data(), gates.size() * 4, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(d_rows, rows.data(), rows.size() * 2, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemset(d_out, 0xFF, H * 2));
     const moejit_combine_args a = bf16_args(MOEJIT_LAYOUT_GATHER_MAP, 1, K, R, H, d_rows,
                                             static_cast<const float*>(d_gates), d_map, d_out);

@@ -203,7 +203,7 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
   if (one_token == 1 && s.layout == MOEJIT_LAYOUT_TOKEN_MAJOR)
     fail("one_token", one_token,
          "only the token_index and gather_map layouts have a one-token module");
-  if (one_token == 1 && s.layout == MOEJIT_LAYOUT_GATHER_MAP && s.top_k * s.upt > 8)
+  if (one_token == 1 && s.layout == MOEJIT_LAYOUT_GATHER_MAP && !s.fits_one_token_map())
     fail("K", s.top_k,
          "a gather_map one-token module holds all its rows at once: K * upt at most 8");
   s.one_token = one_token == 1;
