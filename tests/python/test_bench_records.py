@@ -217,3 +217,81 @@ def test_a_merged_record_renders_the_same_tables(merge_results, tmp_path, capsys
     monkeypatch.setattr(sys, "argv", ["merge_results.py", str(record), "--markdown"])
     assert merge_results.main() == 0
     assert capsys.readouterr().out == merge_results.markdown(merged)
+
+
+# ---- peers.py's paired phase: its statistics, and the record's table of it ------------------
+
+@pytest.fixture(scope="module")
+def peers():
+    # Importable without torch or a GPU (Triton optional): only its pure functions are used here.
+    spec = importlib.util.spec_from_file_location("peers", REPO / "tools" / "bench" / "peers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_median_interval_is_the_binomial_order_statistics(peers):
+    # n = 6: P(B = 0) = 1/64 <= 2.5%, P(B <= 1) = 7/64 > 2.5%: the minimum and the maximum.
+    assert peers.median_ci([6, 1, 5, 2, 4, 3]) == (1, 6)
+    # Five values cannot give a 95% interval (the extremes cover only 93.75%).
+    assert peers.median_ci([1, 2, 3, 4, 5]) is None
+    # n = 200: the textbook x_(86), x_(115) (1-based), i.e. indices 85 and 114.
+    assert peers.median_ci(list(range(200))) == (85, 114)
+    # Long series need exact integers, not 2.0 ** n (which overflows past n = 1023).
+    lo, hi = peers.median_ci(list(range(3000)))
+    assert lo == 1445 and hi == 3000 - 1446
+
+
+def test_paired_summary_reads_each_round_as_a_pair(peers):
+    # The peer is 0.1 us slower in every round, while both drift by 1 us over the rounds: the
+    # separate medians overlap, the rounds do not.
+    lib = [5.0 + i / 100 for i in range(100)]
+    peer = [x + 0.1 for x in lib]
+    s = peers.paired_summary(lib, peer)
+    assert s["rounds"] == 100 and s["verdict"] == "libmoejit faster"
+    assert s["lib_minus_peer_us"] == pytest.approx(-0.1)
+    assert s["ci95"][0] > 1 and s["peer_over_lib"] > 1
+    # Swapped: the peer faster.
+    assert peers.paired_summary(peer, lib)["verdict"] == "peer faster"
+    # Half the rounds each way: the interval contains 1.
+    mixed = [x + (0.1 if i % 2 else -0.1) for i, x in enumerate(lib)]
+    assert peers.paired_summary(lib, mixed)["verdict"] == "level (within the interval)"
+    assert peers.paired_summary(lib[:4], peer[:4])["verdict"] == "too few rounds"
+    with pytest.raises(ValueError):
+        peers.paired_summary(lib, peer[:-1])
+
+
+def paired_entry(lib, peer, ratio, lo, hi, verdict):
+    return {"lib": lib, "peer": peer, "rounds": 200, "lib_us": 5.0, "peer_us": 5.0 * ratio,
+            "peer_over_lib": ratio, "ci95": [lo, hi], "lib_minus_peer_us": 5.0 - 5.0 * ratio,
+            "verdict": verdict}
+
+
+def test_record_keeps_the_paired_comparisons_and_tables_them(merge_results):
+    report = peers_json()
+    decode = report["shapes"][0]
+    decode["paired"] = [
+        paired_entry("libmoejit_token_major", "triton_gather_inv", 1.03, 1.02, 1.04,
+                     "libmoejit faster"),
+        paired_entry("libmoejit_gather_map", "triton_gather_inv", 0.99, 0.98, 0.995,
+                     "peer faster"),
+        paired_entry("libmoejit_token_index", "triton_gather_inv", 1.001, 0.99, 1.01,
+                     "level (within the interval)"),
+        paired_entry("libmoejit_token_index", "torch_index_add", 3.2, 3.1, 3.3,
+                     "libmoejit faster"),
+    ]
+    merged = merge_results.merge(bench_json(), report)
+    by_layout = {c["layout"]: c for c in merged["cases"] if c["T"] == 1}
+    assert by_layout["gather_map"]["paired"]["triton_gather_inv"]["verdict"] == "peer faster"
+    assert set(by_layout["token_index"]["paired"]) == {"triton_gather_inv", "torch_index_add"}
+    # The prefill shape had no paired phase: no field, and no row in the table.
+    assert all("paired" not in c for c in merged["cases"] if c["T"] == 4096)
+    text = merge_results.markdown(merged)
+    section = text.split("Paired (peers.py")[1].split("Against the launch-adjusted")[0]
+    assert "200 rounds" in section
+    rows = [line for line in section.splitlines() if line.startswith("| T")]
+    assert rows == ["| T1 K8 H7168 bf16 | 1.030 [1.020, 1.040] faster | 0.990 [0.980, 0.995] "
+                    "**slower** | 1.001 [0.990, 1.010] level | 3.200 [3.100, 3.300] faster |"], rows
+    # Without a paired phase anywhere: no table.
+    assert "Paired (peers.py" not in merge_results.markdown(
+        merge_results.merge(bench_json(), peers_json()))

@@ -9,7 +9,8 @@ Per case (shape, dtype, layout): libmoejit's median us (L2 flushed) and L2-warm 
 copy ceiling, % of the launch-adjusted floor (minimal bytes at the ceiling + one empty kernel;
 computed from the other fields for a bench JSON that predates it), ratio to the empty kernel, a
 device-to-device copy of the same bytes (us, % of the ceiling, % of the launch-adjusted floor),
-relative error, and the peers' us on the same shape. The
+relative error, the peers' us on the same shape, and peers.py's paired comparisons of that layout
+(the peer's time over libmoejit's per interleaved round: median, 95% interval, verdict). The
 peers ran in their own process (same method, their own inputs and copy ceiling); their us are
 comparable, their % uses peers.py's ceiling.
 """
@@ -26,6 +27,16 @@ PEERS = [
     ("triton_atomic_scatter", "Triton atomic scatter", "token_index"),
 ]
 LAYOUTS = ["token_major", "gather_map", "token_index"]
+# What the record keeps of each paired comparison (peers.py, paired_summary).
+PAIRED_FIELDS = ("rounds", "lib_us", "peer_us", "peer_over_lib", "ci95", "lib_minus_peer_us",
+                 "verdict")
+# The paired table's columns: (layout, peer, title).
+PAIRED_COLUMNS = [
+    ("token_major", "triton_gather_inv", "Triton / token_major"),
+    ("gather_map", "triton_gather_inv", "Triton / gather_map"),
+    ("token_index", "triton_gather_inv", "Triton / token_index"),
+    ("token_index", "torch_index_add", "index_add_ / token_index"),
+]
 
 
 def shape_key(d):
@@ -71,6 +82,11 @@ def merge(bench, peers):
             mine = by_name.get("libmoejit_" + c["layout"])
             if mine is not None:
                 row["libmoejit_ctypes_us"] = mine.get("us")
+            # peers.py's paired phase: this layout against each peer, round by round.
+            paired = {p["peer"]: {k: p.get(k) for k in PAIRED_FIELDS}
+                      for p in ps.get("paired") or [] if p.get("lib") == "libmoejit_" + c["layout"]}
+            if paired:
+                row["paired"] = paired
         cases.append(row)
     return {
         "device": bench.get("device"),
@@ -161,6 +177,7 @@ def markdown(merged):
                 cells.append(fmt_us(us))
         out.append("| " + " | ".join(cells) + " |")
     out.extend(same_harness(merged, rows))
+    out.extend(paired_table(rows))
     out.extend(launch_adjusted(merged, rows))
     jit = merged.get("jit")
     if jit:
@@ -262,6 +279,42 @@ def same_harness(merged, rows):
                   ratio(tri, mine["gather_map"]), ratio(ia, mine["token_index"])]
         out.append("| " + " | ".join(cells) + " |")
     return out if any_row else []
+
+
+def paired_table(rows):
+    """peers.py's paired phase: per round, the peer's time over libmoejit's (> 1: libmoejit
+    faster), median and distribution-free 95% interval, and what the interval supports. Separate
+    blocks of runs differ by 0.1-0.3 us at decode sizes, as much as the contenders do; rounds
+    that interleave them compare like with like."""
+    marks = {"libmoejit faster": "faster", "peer faster": "**slower**",
+             "level (within the interval)": "level"}
+    out = []
+    for key, by_layout in rows.items():
+        cells, filled = [shape_text(key)], False
+        for layout, peer, _ in PAIRED_COLUMNS:
+            p = ((by_layout.get(layout) or {}).get("paired") or {}).get(peer)
+            if not p or p.get("peer_over_lib") is None:
+                cells.append("")
+                continue
+            filled = True
+            ci = p.get("ci95")
+            cells.append(f"{p['peer_over_lib']:.3f}"
+                         + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+                         + f" {marks.get(p.get('verdict'), p.get('verdict') or '')}")
+        if filled:  # a shape without a paired phase (peers.py --no-paired) has no row
+            out.append("| " + " | ".join(cells) + " |")
+    if not out:
+        return []
+    rounds = sorted({p["rounds"] for by_layout in rows.values() for c in by_layout.values()
+                     for p in (c.get("paired") or {}).values() if p.get("rounds")})
+    head = ["", "Paired (peers.py: libmoejit's layouts, the Triton gather and index_add_ in "
+            "interleaved rounds, one flushed run each per round, "
+            + "/".join(str(r) for r in rounds) + " rounds): the peer's time over libmoejit's per "
+            "round, median [95% interval]; \"faster\" / \"slower\" where the interval excludes "
+            "1, \"level\" where it contains it.", "",
+            "| case | " + " | ".join(title for _, _, title in PAIRED_COLUMNS) + " |",
+            "|" + " --- |" * (len(PAIRED_COLUMNS) + 1)]
+    return head + out
 
 
 def launch_adjusted(merged, rows):

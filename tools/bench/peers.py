@@ -17,6 +17,12 @@ runs by writing a 256 MB buffer outside the events (and, in L2-warm mode, a GPU 
 the copy ceiling measured here with a 1 GiB torch copy (bytes read + written). Outputs are
 poisoned with NaN before the checked run and compared with a float64 reference afterwards.
 
+Paired phase (unless --no-paired): libmoejit's three layouts, the Triton gather and index_add_ run
+again in interleaved rounds (one flushed run of each per round, the order rotated every round), and
+each comparison the issue sets (PAIRS) is read round by round: the peer's time over libmoejit's,
+its median and a distribution-free 95% interval. An interval entirely above 1 says libmoejit is
+faster, entirely below 1 the peer; one that contains 1 says the two are level within the noise.
+
 Needs torch (and triton for the Triton peers); libmoejit.so from --lib or $MOEJIT_LIBRARY.
 `--check-binding` only loads the library and checks the ctypes structs (no torch, no GPU).
 """
@@ -193,6 +199,65 @@ def minimal_bytes(s):
     return r * s["H"] * size[s["in_dtype"]] + r * 8 + s["T"] * s["H"] * size[s["out_dtype"]]
 
 
+# ---- paired comparisons ----------------------------------------------------------------------
+# Each implementation timed in its own block of runs (bench below) carries whatever the GPU's
+# clocks and the host did during that block: at decode sizes two blocks of the same kernel differ
+# by 0.1-0.3 us, as much as libmoejit and the Triton peer differ. The paired phase runs the
+# contenders in rounds, one run each per round in a rotating order, and compares them round by
+# round, so that a slow stretch hits both sides of a comparison alike.
+
+PAIRS = [  # (libmoejit's entry, the peer it must beat): the issue's "never slower" comparisons
+    ("libmoejit_token_major", "triton_gather_inv"),
+    ("libmoejit_gather_map", "triton_gather_inv"),
+    ("libmoejit_token_index", "triton_gather_inv"),
+    ("libmoejit_token_index", "torch_index_add"),
+]
+
+
+def median_ci(values, confidence=0.95):
+    """A distribution-free confidence interval of the median: order statistics x_(j) and
+    x_(n+1-j), j the largest with P(Binomial(n, 1/2) < j) <= (1 - confidence) / 2. None for fewer
+    than 6 values (no interval at 95%)."""
+    x = sorted(values)
+    n = len(x)
+    tail, j = 0.0, 0
+    while True:  # tail = P(B < j + 1) for the next candidate j + 1
+        tail += math.comb(n, j) / (1 << n)  # exact integers: no overflow for long series
+        if tail > (1 - confidence) / 2:
+            break
+        j += 1
+    if j == 0:
+        return None
+    return x[j - 1], x[n - j]
+
+
+def paired_summary(lib_us, peer_us):
+    """Round-by-round comparison of two interleaved series (us): the peer's time over libmoejit's
+    (> 1: libmoejit faster), its median and 95% interval, the median difference in us, and the
+    verdict the interval supports."""
+    if len(lib_us) != len(peer_us) or not lib_us:
+        raise ValueError("paired_summary needs two series of the same, non-zero length")
+    ratios = [p / l for l, p in zip(lib_us, peer_us)]
+    ci = median_ci(ratios)
+    if ci is None:
+        verdict = "too few rounds"
+    elif ci[0] > 1:
+        verdict = "libmoejit faster"
+    elif ci[1] < 1:
+        verdict = "peer faster"
+    else:
+        verdict = "level (within the interval)"
+    return {
+        "rounds": len(ratios),
+        "lib_us": statistics.median(lib_us),
+        "peer_us": statistics.median(peer_us),
+        "peer_over_lib": statistics.median(ratios),
+        "ci95": list(ci) if ci else None,
+        "lib_minus_peer_us": statistics.median(l - p for l, p in zip(lib_us, peer_us)),
+        "verdict": verdict,
+    }
+
+
 # ---- Triton kernels --------------------------------------------------------------------------
 # At module level: Triton resolves the names a kernel uses (tl) in its module's globals.
 try:
@@ -362,6 +427,7 @@ def main_gpu(args, shapes):
         stream = torch.cuda.current_stream(device).cuda_stream
         reps = args.reps or (200 if minimal_bytes(shape) < 64e6 else 100)
         results = []
+        timed = {}  # name -> the function measured, for the paired phase
 
         def measure(name, layout, fn, out_of, config=None, poison=None):
             """Checked run (poisoned output), then flushed and L2-warm timings, then a re-check."""
@@ -377,6 +443,7 @@ def main_gpu(args, shapes):
                     entry["l2_warm_us"] = bench(fn, reps, args.warmup, warm_l2=True)
                 err_after, nan_after = check(out_of())
                 entry.update(rel_err=err, rel_err_after=err_after, nan_elements=nan + nan_after)
+                timed[name] = fn
             except Exception as e:  # one failing peer must not hide the others
                 entry["error"] = f"{type(e).__name__}: {e}"
                 torch.cuda.synchronize()
@@ -473,6 +540,8 @@ def main_gpu(args, shapes):
                 results.append({"name": "triton_atomic_scatter", "input": "token_index",
                                 "error": f"{type(e).__name__}: {e}"})
 
+        paired = [] if args.no_paired else run_pairs(timed, reps)
+
         # Ratios against libmoejit taking the same input: gather peers vs its gather_map, scatter
         # peers (token_idx) vs its token_index.
         lib_us = {r["input"]: r["us"] for r in results
@@ -482,7 +551,49 @@ def main_gpu(args, shapes):
                 r["pct_ceiling"] = 100 * minimal_bytes(shape) / (r["us"] * 1e-6) / 1e9 / ceiling
                 base = lib_us.get(r["input"])
                 r["vs_libmoejit"] = r["us"] / base if base else None
-        return results
+        return results, paired
+
+    def interleaved(fns, rounds, warmup):
+        """us per run of each function, run in rounds: one run of each per round, flushed like
+        bench, in an order rotated by one every round (each takes every position equally often)."""
+        names = list(fns)
+        for name in names:
+            for _ in range(warmup):
+                fns[name]()
+        torch.cuda.synchronize()
+        events = {name: [] for name in names}
+        for i in range(rounds):
+            k = i % len(names)
+            for name in names[k:] + names[:k]:
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                torch.cuda._sleep(lead_cycles)
+                flush.fill_(i & 0xFF)
+                start.record()
+                fns[name]()
+                stop.record()
+                events[name].append((start, stop))
+        torch.cuda.synchronize()
+        return {name: [s.elapsed_time(e) * 1e3 for s, e in pairs] for name, pairs in events.items()}
+
+    def run_pairs(timed, rounds):
+        """PAIRS whose two sides both ran correctly, compared round by round."""
+        pairs = [(a, b) for a, b in PAIRS if a in timed and b in timed]
+        if not pairs:
+            return []
+        names = sorted({n for pair in pairs for n in pair})
+        series = interleaved({n: timed[n] for n in names}, rounds, args.warmup)
+        return [dict(lib=a, peer=b, **paired_summary(series[a], series[b])) for a, b in pairs]
+
+    def print_pairs(paired):
+        if not paired:
+            return
+        print("paired, interleaved rounds (peer / libmoejit per round; median [95% interval]):")
+        for p in paired:
+            lo, hi = p["ci95"] if p["ci95"] else (float("nan"), float("nan"))
+            print(f"  {p['peer']:<22} / {p['lib']:<22} {p['peer_over_lib']:6.3f} [{lo:.3f}, "
+                  f"{hi:.3f}]  {p['lib_minus_peer_us']:+8.2f} us  {p['verdict']} "
+                  f"({p['rounds']} rounds)")
 
     def print_table(shape, results):
         floor_us = minimal_bytes(shape) / (ceiling * 1e9) * 1e6
@@ -524,14 +635,19 @@ def main_gpu(args, shapes):
         "copy_ceiling_gbps": ceiling,
         "empty_kernel_us": empty_us,
         "method": "CUDA events around each run; median; a GPU sleep then a 256 MB fill between "
-                  "runs (l2_warm_us: the sleep only); minimal bytes = R*H*in + R*8 + T*H*out",
+                  "runs (l2_warm_us: the sleep only); minimal bytes = R*H*in + R*8 + T*H*out; "
+                  "paired: the contenders in rounds (one flushed run each per round, rotating "
+                  "order), peer / libmoejit per round, median and its distribution-free 95% "
+                  "interval",
         "shapes": [],
     }
     for shape in shapes:
-        results = run_shape(shape)
+        results, paired = run_shape(shape)
         print_table(shape, results)
+        print_pairs(paired)
         sys.stdout.flush()
-        report["shapes"].append(dict(shape, minimal_bytes=minimal_bytes(shape), peers=results))
+        report["shapes"].append(dict(shape, minimal_bytes=minimal_bytes(shape), peers=results,
+                                     paired=paired))
         torch.cuda.empty_cache()
     if lib is not None:
         report["libmoejit_stats"] = lib.stats()
@@ -569,6 +685,8 @@ def main():
     p.add_argument("--no-extra", action="store_true", help="skip the other models' shapes")
     p.add_argument("--no-l2-warm", action="store_true", help="skip the L2-warm timing")
     p.add_argument("--reps", type=int, default=0, help="timed runs (default 200, 100 if > 64 MB)")
+    p.add_argument("--no-paired", action="store_true",
+                   help="skip the paired phase (libmoejit and the peers in interleaved rounds)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seed", type=int, default=20261130)
     p.add_argument("--check-binding", action="store_true",

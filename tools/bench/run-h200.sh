@@ -36,7 +36,7 @@ rc=$?
 note "peers.py -> $out/peers.txt, peers.json"
 peer_cases=()
 [ -s "$out/bench.json" ] && peer_cases=(--cases-from "$out/bench.json")
-MOEJIT_LIBRARY="$PWD/build-gpu/libmoejit.so" timeout 280 python3 tools/bench/peers.py \
+MOEJIT_LIBRARY="$PWD/build-gpu/libmoejit.so" timeout 360 python3 tools/bench/peers.py \
   "${peer_cases[@]}" --json "$out/peers.json" >"$out/peers.txt" 2>&1
 rc=$?
 [ $rc -eq 0 ] || step_failed peers.py $rc "$out/peers.txt"
