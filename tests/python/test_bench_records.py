@@ -242,6 +242,15 @@ def test_median_interval_is_the_binomial_order_statistics(peers):
     assert lo == 1445 and hi == 3000 - 1446
 
 
+def test_parity_split_is_odd_minus_even_runs(peers):
+    # Every other run 0.7 us slower (the flush's alternation): odd - even = +0.7.
+    runs = [3.3 if i % 2 == 0 else 4.0 for i in range(40)]
+    assert peers.parity_split(runs) == pytest.approx(0.7)
+    assert peers.parity_split(runs[1:]) == pytest.approx(-0.7)  # the first run odd
+    assert peers.parity_split([3.5] * 40) == 0.0
+    assert peers.parity_split([1.0, 2.0, 3.0]) == 0.0  # too few runs to tell
+
+
 def test_paired_summary_reads_each_round_as_a_pair(peers):
     # The peer is 0.1 us slower in every round, while both drift by 1 us over the rounds: the
     # separate medians overlap, the rounds do not.

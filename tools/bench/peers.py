@@ -18,7 +18,7 @@ the copy ceiling measured here with a 1 GiB torch copy (bytes read + written). O
 poisoned with NaN before the checked run and compared with a float64 reference afterwards.
 
 Paired phase (unless --no-paired): libmoejit's three layouts, the Triton gather and index_add_ run
-again in interleaved rounds (one flushed run of each per round, the order rotated every round), and
+again in interleaved rounds (one flushed run of each per round, in a random order every round), and
 each comparison the issue sets (PAIRS) is read round by round: the peer's time over libmoejit's,
 its median and a distribution-free 95% interval. An interval entirely above 1 says libmoejit is
 faster, entirely below 1 the peer; one that contains 1 says the two are level within the noise.
@@ -33,6 +33,7 @@ import datetime
 import json
 import math
 import os
+import random
 import statistics
 import sys
 
@@ -203,7 +204,7 @@ def minimal_bytes(s):
 # Each implementation timed in its own block of runs (bench below) carries whatever the GPU's
 # clocks and the host did during that block: at decode sizes two blocks of the same kernel differ
 # by 0.1-0.3 us, as much as libmoejit and the Triton peer differ. The paired phase runs the
-# contenders in rounds, one run each per round in a rotating order, and compares them round by
+# contenders in rounds, one run each per round in a random order, and compares them round by
 # round, so that a slow stretch hits both sides of a comparison alike.
 
 PAIRS = [  # (libmoejit's entry, the peer it must beat): the issue's "never slower" comparisons
@@ -229,6 +230,14 @@ def median_ci(values, confidence=0.95):
     if j == 0:
         return None
     return x[j - 1], x[n - j]
+
+
+def parity_split(values):
+    """Median of the odd-numbered values minus median of the even-numbered ones (0 for fewer
+    than 4): how far every other flushed run lands from the others."""
+    if len(values) < 4:
+        return 0.0
+    return statistics.median(values[1::2]) - statistics.median(values[0::2])
 
 
 def paired_summary(lib_us, peer_us):
@@ -341,21 +350,43 @@ def main_gpu(args, shapes):
     # inside the events.
     lead_cycles = int(100 * cycles_per_us)
 
-    def bench(fn, reps, warmup, warm_l2=False):
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
+    # Flushed runs alternate on the H200 when the kernels launched per run (the sleep, the fill,
+    # the timed work) are odd in number: every other run takes 0.6-0.7 us longer, and the median
+    # falls between the two modes (moejit-bench's Timer has the same rule and the numbers). The
+    # timed work's kernel count is not known here (torch ops, libmoejit's one or three launches),
+    # so each flushed measurement first tries the separator with and without one empty kernel
+    # after the fill and keeps the one whose odd and even runs differ less.
+    last = {"parity_split_us": 0.0, "padding": 0}
+
+    def timed_runs(fn, reps, warm_l2, padding):
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         stops = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         for i in range(reps):
             torch.cuda._sleep(lead_cycles)
             if not warm_l2:
                 flush.fill_(i & 0xFF)
+                for _ in range(padding):
+                    torch.cuda._sleep(0)
             starts[i].record()
             fn()
             stops[i].record()
         torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, stops))
+        return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, stops)]
+
+    def choose_padding(fn):
+        if args.no_flush_padding:
+            return 0
+        split = [abs(parity_split(timed_runs(fn, 32, False, pad))) for pad in (0, 1)]
+        return 1 if split[1] < split[0] else 0
+
+    def bench(fn, reps, warmup, warm_l2=False):
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        padding = 0 if warm_l2 else choose_padding(fn)
+        us = timed_runs(fn, reps, warm_l2, padding)
+        last.update(parity_split_us=parity_split(us), padding=padding)
+        return statistics.median(us)
 
     def copy_ceiling():
         n = 1 << 30
@@ -439,11 +470,13 @@ def main_gpu(args, shapes):
                 torch.cuda.synchronize()
                 err, nan = check(out_of())
                 entry["us"] = bench(fn, reps, args.warmup)
+                entry.update(parity_split_us=last["parity_split_us"],
+                             flush_padding=last["padding"])
                 if not args.no_l2_warm:
                     entry["l2_warm_us"] = bench(fn, reps, args.warmup, warm_l2=True)
                 err_after, nan_after = check(out_of())
                 entry.update(rel_err=err, rel_err_after=err_after, nan_elements=nan + nan_after)
-                timed[name] = fn
+                timed[name] = (fn, entry["flush_padding"])
             except Exception as e:  # one failing peer must not hide the others
                 entry["error"] = f"{type(e).__name__}: {e}"
                 torch.cuda.synchronize()
@@ -540,7 +573,8 @@ def main_gpu(args, shapes):
                 results.append({"name": "triton_atomic_scatter", "input": "token_index",
                                 "error": f"{type(e).__name__}: {e}"})
 
-        paired = [] if args.no_paired else run_pairs(timed, reps)
+        paired, paired_raw = ([], None) if args.no_paired else run_pairs(
+            timed, reps, args.seed + T * 1_000_003 + K * 1_009 + H)
 
         # Ratios against libmoejit taking the same input: gather peers vs its gather_map, scatter
         # peers (token_idx) vs its token_index.
@@ -551,39 +585,56 @@ def main_gpu(args, shapes):
                 r["pct_ceiling"] = 100 * minimal_bytes(shape) / (r["us"] * 1e-6) / 1e9 / ceiling
                 base = lib_us.get(r["input"])
                 r["vs_libmoejit"] = r["us"] / base if base else None
-        return results, paired
+        return results, paired, paired_raw
 
-    def interleaved(fns, rounds, warmup):
-        """us per run of each function, run in rounds: one run of each per round, flushed like
-        bench, in an order rotated by one every round (each takes every position equally often)."""
+    def interleaved(fns, rounds, warmup, rng):
+        """us per run of each (function, padding), run in rounds: one run of each per round,
+        flushed like bench (with the padding bench chose for it), in a random order drawn for
+        every round, so that no function always follows the same one (a fixed rotation keeps each
+        one's predecessor and run parity in step, and read the gather map at T=1 0.967x Triton
+        where random orders read 1.013x). Returns the series and the orders."""
         names = list(fns)
         for name in names:
             for _ in range(warmup):
-                fns[name]()
+                fns[name][0]()
         torch.cuda.synchronize()
         events = {name: [] for name in names}
-        for i in range(rounds):
-            k = i % len(names)
-            for name in names[k:] + names[:k]:
+        orders = []
+        n = 0
+        for _ in range(rounds):
+            order = rng.sample(names, len(names))
+            orders.append(order)
+            for name in order:
                 start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
                     enable_timing=True)
+                fn, padding = fns[name]  # the padding bench chose for it
                 torch.cuda._sleep(lead_cycles)
-                flush.fill_(i & 0xFF)
+                flush.fill_(n & 0xFF)
+                n += 1
+                for _ in range(padding):
+                    torch.cuda._sleep(0)
                 start.record()
-                fns[name]()
+                fn()
                 stop.record()
                 events[name].append((start, stop))
         torch.cuda.synchronize()
-        return {name: [s.elapsed_time(e) * 1e3 for s, e in pairs] for name, pairs in events.items()}
+        series = {name: [s.elapsed_time(e) * 1e3 for s, e in pairs]
+                  for name, pairs in events.items()}
+        return series, orders
 
-    def run_pairs(timed, rounds):
-        """PAIRS whose two sides both ran correctly, compared round by round."""
+    def run_pairs(timed, rounds, seed):
+        """PAIRS whose two sides both ran correctly, compared round by round; and the raw
+        series and orders (peers.json keeps them, the record does not)."""
         pairs = [(a, b) for a, b in PAIRS if a in timed and b in timed]
         if not pairs:
-            return []
+            return [], None
         names = sorted({n for pair in pairs for n in pair})
-        series = interleaved({n: timed[n] for n in names}, rounds, args.warmup)
-        return [dict(lib=a, peer=b, **paired_summary(series[a], series[b])) for a, b in pairs]
+        series, orders = interleaved({n: timed[n] for n in names}, rounds, args.warmup,
+                                     random.Random(seed))
+        raw = {"series_us": {n: [round(x, 4) for x in v] for n, v in series.items()},
+               "orders": orders}
+        return [dict(lib=a, peer=b, **paired_summary(series[a], series[b]))
+                for a, b in pairs], raw
 
     def print_pairs(paired):
         if not paired:
@@ -607,6 +658,8 @@ def main_gpu(args, shapes):
                 continue
             ratio = f"{r['vs_libmoejit']:.2f}" if r.get("vs_libmoejit") else "-"
             notes = r.get("config") or ""
+            if "parity_split_us" in r:  # odd - even flushed runs / empty kernels after the fill
+                notes += f" odd-even {r['parity_split_us']:+.2f}/{r['flush_padding']}"
             if r.get("nan_elements"):
                 notes += f" NaN:{r['nan_elements']}"
             print(f"{r['name']:<24}{r['input']:<13}{r['us']:>10.2f}"
@@ -618,10 +671,12 @@ def main_gpu(args, shapes):
     # cycles), timed like every peer. Decode figures divide by it here, as moejit-bench divides
     # by its own empty kernel; the two harnesses' floors differ, so ratios are taken within one.
     empty_us = bench(lambda: torch.cuda._sleep(0), 200, 10)
+    empty_split, empty_padding = last["parity_split_us"], last["padding"]
     print(f"peers.py on {torch.cuda.get_device_name(device)}: torch {torch.__version__}, "
           f"triton {getattr(triton, '__version__', 'n/a')}, libmoejit "
           f"{lib.version if lib else 'n/a'}; copy ceiling {ceiling:.0f} GB/s (1 GiB torch copy); "
-          f"empty kernel {empty_us:.2f} us (L2 flushed)")
+          f"empty kernel {empty_us:.2f} us (L2 flushed; odd - even runs {empty_split:+.2f} us, "
+          f"{empty_padding} empty kernel(s) after each fill)")
     print("x lib = peer us / libmoejit us on the same input layout (> 1: libmoejit is faster)")
 
     report = {
@@ -634,20 +689,24 @@ def main_gpu(args, shapes):
         "libmoejit_path": lib.path if lib else None,
         "copy_ceiling_gbps": ceiling,
         "empty_kernel_us": empty_us,
+        "empty_kernel_parity_split_us": empty_split,
+        "flush_padding": "off" if args.no_flush_padding else "chosen per measurement",
         "method": "CUDA events around each run; median; a GPU sleep then a 256 MB fill between "
-                  "runs (l2_warm_us: the sleep only); minimal bytes = R*H*in + R*8 + T*H*out; "
-                  "paired: the contenders in rounds (one flushed run each per round, rotating "
-                  "order), peer / libmoejit per round, median and its distribution-free 95% "
+                  "runs, plus one empty kernel after the fill where that keeps odd and even runs "
+                  "alike (flush_padding, parity_split_us); l2_warm_us: the sleep only; minimal "
+                  "bytes = R*H*in + R*8 + T*H*out; "
+                  "paired: the contenders in rounds (one flushed run each per round, a random "
+                  "order every round), peer / libmoejit per round, median and its distribution-free 95% "
                   "interval",
         "shapes": [],
     }
     for shape in shapes:
-        results, paired = run_shape(shape)
+        results, paired, paired_raw = run_shape(shape)
         print_table(shape, results)
         print_pairs(paired)
         sys.stdout.flush()
         report["shapes"].append(dict(shape, minimal_bytes=minimal_bytes(shape), peers=results,
-                                     paired=paired))
+                                     paired=paired, paired_raw=paired_raw))
         torch.cuda.empty_cache()
     if lib is not None:
         report["libmoejit_stats"] = lib.stats()
@@ -685,6 +744,9 @@ def main():
     p.add_argument("--no-extra", action="store_true", help="skip the other models' shapes")
     p.add_argument("--no-l2-warm", action="store_true", help="skip the L2-warm timing")
     p.add_argument("--reps", type=int, default=0, help="timed runs (default 200, 100 if > 64 MB)")
+    p.add_argument("--no-flush-padding", action="store_true",
+                   help="separate flushed runs by the sleep and the fill alone (no empty kernel "
+                        "added where it keeps odd and even runs alike)")
     p.add_argument("--no-paired", action="store_true",
                    help="skip the paired phase (libmoejit and the peers in interleaved rounds)")
     p.add_argument("--warmup", type=int, default=10)
