@@ -1,7 +1,6 @@
 #include "bench_cuda.h"
 
 #include <algorithm>
-#include <cmath>
 #include <utility>
 
 namespace moejit_bench {
@@ -11,9 +10,6 @@ namespace {
 constexpr size_t kFlushBytes = 256u << 20;
 // Longer than the host needs to enqueue one run (two event records, the launches, the next spin).
 constexpr double kSpinMicroseconds = 20.0;
-// Runs per separator tried before a flushed measurement (Timer): enough that an alternation of
-// 0.6 us stands out of the spread of decode-sized runs (0.1-0.3 us between medians of 12).
-constexpr int kPaddingTrialRuns = 32;
 
 }  // namespace
 
@@ -74,18 +70,17 @@ Timer::~Timer() {
   for (cudaEvent_t e : stops_) cudaEventDestroy(e);
 }
 
-void Timer::separate(CacheState state, int run, int padding) {
+void Timer::separate(CacheState state, int run) {
   if (state == CacheState::kFlushed) {
     // A different byte each run, so no layer can skip a write of unchanged data.
     BENCH_CUDA(cudaMemsetAsync(flush_.get(), run & 0xff, flush_.bytes(), stream_));
-    for (int i = 0; i < padding; ++i) spin_(stream_, 0.0);  // an empty kernel (Timer)
   } else {
     spin_(stream_, kSpinMicroseconds);
   }
 }
 
-std::vector<double> Timer::time_runs(const std::function<void()>& enqueue, int reps,
-                                     CacheState state, int padding) {
+double Timer::median_us(const std::function<void()>& enqueue, int warmup, int reps,
+                        CacheState state) {
   while (starts_.size() < static_cast<size_t>(reps)) {
     cudaEvent_t a = nullptr, b = nullptr;
     BENCH_CUDA(cudaEventCreate(&a));
@@ -93,10 +88,15 @@ std::vector<double> Timer::time_runs(const std::function<void()>& enqueue, int r
     BENCH_CUDA(cudaEventCreate(&b));
     stops_.push_back(b);
   }
+  for (int i = 0; i < warmup; ++i) {
+    separate(state, i);
+    enqueue();
+  }
+  BENCH_CUDA(cudaStreamSynchronize(stream_));
   // Everything is enqueued first and read once at the end: no host synchronization between runs
   // that could let the GPU drain and start a run cold on the launch path.
   for (int i = 0; i < reps; ++i) {
-    separate(state, i, padding);
+    separate(state, i);
     BENCH_CUDA(cudaEventRecord(starts_[static_cast<size_t>(i)], stream_));
     enqueue();
     BENCH_CUDA(cudaEventRecord(stops_[static_cast<size_t>(i)], stream_));
@@ -110,27 +110,8 @@ std::vector<double> Timer::time_runs(const std::function<void()>& enqueue, int r
         cudaEventElapsedTime(&ms, starts_[static_cast<size_t>(i)], stops_[static_cast<size_t>(i)]));
     us[static_cast<size_t>(i)] = static_cast<double>(ms) * 1e3;
   }
-  return us;
-}
-
-double Timer::median_us(const std::function<void()>& enqueue, int warmup, int reps,
-                        CacheState state) {
-  for (int i = 0; i < warmup; ++i) {
-    separate(state, i, 0);
-    enqueue();
-  }
-  BENCH_CUDA(cudaStreamSynchronize(stream_));
-  int padding = 0;
-  if (state == CacheState::kFlushed && flush_padding_) {
-    // The separator whose odd and even runs differ less (see the class comment).
-    const double as_is = std::abs(parity_split(time_runs(enqueue, kPaddingTrialRuns, state, 0)));
-    const double padded = std::abs(parity_split(time_runs(enqueue, kPaddingTrialRuns, state, 1)));
-    padding = padded < as_is ? 1 : 0;
-  }
-  const std::vector<double> us = time_runs(enqueue, reps, state, padding);
   last_parity_split_us_ = parity_split(us);
-  last_padding_ = padding;
-  return median(us);
+  return median(std::move(us));
 }
 
 double parity_split(const std::vector<double>& values) {

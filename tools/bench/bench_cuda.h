@@ -54,14 +54,13 @@ enum class CacheState {
 // Both separators keep the GPU busy long enough that the host enqueues the next run before the GPU
 // reaches it, so host launch overhead does not leak into the interval as idle GPU time.
 //
-// Flushed runs alternate on the H200 when the kernels launched per run (separator plus the timed
-// work) are odd in number: every other run then takes 0.6-0.7 us longer (empty kernel 3.36 / 4.08
-// us, a 1 MB copy 4.90 / 5.60), whatever the flush writes, and the median falls between the two
-// modes. With an even count the runs are alike (3.58, 5.09) and the spread a third as wide
-// (tools/bench/NOTES.md, version 38). How many kernels the timed work launches is not always known
-// (a copy, a library call), so before its timed runs each flushed measurement tries the separator
-// as it is and with one empty kernel added, a few runs each, and keeps the one whose odd and even
-// runs differ less.
+// Flushed runs alternate on the H200: every other run takes 0.6-0.75 us longer, whatever the flush
+// writes, so at decode sizes the median falls in a two-mode distribution and moves by 0.1-0.3 us
+// between measurements of the same kernel (tools/bench/NOTES.md, version 38). Each measurement
+// reports how far its odd runs land from its even ones (last_parity_split_us); comparisons that
+// must resolve less than that run their contenders interleaved (tools/bench/peers.py, paired).
+// An empty kernel after the flush stopped the alternation in peers.py's torch harness for most
+// one-kernel runs but not here, nor for multi-kernel runs: the median stays the method.
 class Timer {
  public:
   // spin(stream, microseconds) enqueues a kernel that keeps the GPU busy and touches no memory.
@@ -75,29 +74,19 @@ class Timer {
   // work on the stream (and may throw).
   double median_us(const std::function<void()>& enqueue, int warmup, int reps, CacheState state);
 
-  // Off: the flush alone separates flushed runs (the method before the padding, for comparison).
-  void set_flush_padding(bool on) { flush_padding_ = on; }
-  bool flush_padding() const { return flush_padding_; }
-  // Of the last median_us: median of its odd runs minus median of its even runs, and the empty
-  // kernels added after each flush (0 or 1).
+  // Of the last median_us: median of its odd runs minus median of its even runs.
   double last_parity_split_us() const { return last_parity_split_us_; }
-  int last_padding() const { return last_padding_; }
 
   cudaStream_t stream() const { return stream_; }
 
  private:
-  void separate(CacheState state, int run, int padding);
-  // us of each of `reps` runs, in order.
-  std::vector<double> time_runs(const std::function<void()>& enqueue, int reps, CacheState state,
-                                int padding);
+  void separate(CacheState state, int run);
 
   cudaStream_t stream_;
   Spin spin_;
   DeviceBuffer flush_;
   std::vector<cudaEvent_t> starts_, stops_;
-  bool flush_padding_ = true;
   double last_parity_split_us_ = 0.0;
-  int last_padding_ = 0;
 };
 
 // Median of the odd-numbered values minus median of the even-numbered ones (0 for fewer than 4).

@@ -153,7 +153,6 @@ CaseResult run_layout(const HostInputs& in, const DeviceInputs& d, moejit_layout
     const auto enqueue = [&] { combine(args, stream); };
     r.median_us = timer.median_us(enqueue, settings.warmup, r.reps, CacheState::kFlushed);
     r.parity_split_us = timer.last_parity_split_us();
-    r.flush_padding = timer.last_padding();
     if (settings.l2_warm)
       r.l2_warm_us = timer.median_us(enqueue, settings.warmup, r.reps, CacheState::kWarm);
 

@@ -25,19 +25,16 @@ struct Floors {
   double copy_ceiling_gbps = 0.0;  // device-to-device copy, bytes read + written
   double empty_kernel_us = 0.0;    // L2 flushed between runs, like the combine
   double empty_kernel_warm_us = 0.0;
-  // The empty kernel's flushed runs: odd minus even medians, and the padding kept (Timer).
+  // The empty kernel's flushed runs: median of the odd ones minus the even ones (Timer).
   double empty_kernel_parity_split_us = 0.0;
-  int empty_kernel_padding = 0;
 };
 
 struct CaseResult {
   Shape shape;
   moejit_layout layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
   double median_us = 0.0;  // L2 flushed between runs
-  // Of the flushed runs: median of the odd runs minus median of the even ones, and the empty
-  // kernels added after each flush to keep them alike (Timer).
+  // Of the flushed runs: median of the odd runs minus median of the even ones (Timer).
   double parity_split_us = 0.0;
-  int flush_padding = 0;
   double l2_warm_us = 0.0;  // 0 when not measured
   double gbps = 0.0;        // minimal bytes / median
   double pct_ceiling = 0.0;

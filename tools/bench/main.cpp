@@ -37,7 +37,6 @@ struct Options {
   bool jit = false;
   bool jit_only = false;
   bool pipeline = false;  // decode steps in a CUDA graph, plain vs programmatic dependent launch
-  bool flush_padding = true;  // Timer: pad the flush so that flushed runs do not alternate
   std::vector<moejit_layout> layouts;
   std::string json_path;
   BenchSettings bench;
@@ -54,9 +53,7 @@ void usage(FILE* to) {
       "  --quick                         a short subset, 50 timed runs each\n"
       "  --no-extra                      skip the shapes of other models (Qwen3-235B, ...)\n"
       "  --no-l2-warm                    skip the L2-warm timing\n"
-      "  --no-flush-padding              separate flushed runs by the flush alone (no empty\n"
-      "                                  kernel added where it stops odd and even runs from\n"
-      "                                  alternating; the method before version 38)\n"
+
       "  --reps N                        timed runs per figure (default 200, 100 if > 64 MB)\n"
       "  --warmup N                      untimed runs first (default 10)\n"
       "  --check-tokens N                float64 reference on at most N tokens (default 512)\n"
@@ -178,8 +175,6 @@ bool parse(int argc, char** argv, Options* o) {
       o->extra = false;
     } else if (a == "--no-l2-warm") {
       o->bench.l2_warm = false;
-    } else if (a == "--no-flush-padding") {
-      o->flush_padding = false;
     } else if (a == "--jit") {
       o->jit = true;
     } else if (a == "--jit-only") {
@@ -242,7 +237,6 @@ Floors measure_floors(Timer& timer, const HelperKernels& helpers) {
   const auto empty = [&] { helpers.launch_empty(timer.stream()); };
   f.empty_kernel_us = timer.median_us(empty, 10, 200, CacheState::kFlushed);
   f.empty_kernel_parity_split_us = timer.last_parity_split_us();
-  f.empty_kernel_padding = timer.last_padding();
   f.empty_kernel_warm_us = timer.median_us(empty, 10, 200, CacheState::kWarm);
   return f;
 }
@@ -251,8 +245,8 @@ void print_header() {
   // copy_us: a device-to-device copy of the same bytes (see CaseResult::same_size_copy_us).
   // %adj: of the launch-adjusted floor, bytes at the ceiling + one empty kernel (BENCHMARKS.md's
   // reading of the 95% target for prefill shapes whose bytes-only floor is under about 60 us).
-  // odd-even: median of the odd flushed runs minus the even ones (Timer), /N the empty kernels
-  // added after each flush.
+  // odd-even: median of the odd flushed runs minus the even ones (Timer: every other flushed run
+  // takes 0.6-0.75 us longer on the H200).
   std::printf("%-12s %-22s %10s %10s %8s %7s %7s %8s %9s %9s %10s  %s\n", "layout", "shape",
               "median_us", "l2warm_us", "GB/s", "%ceil", "%adj", "x_empty", "copy_us", "rel_err",
               "odd-even", "check");
@@ -267,10 +261,10 @@ void print_result(const CaseResult& r) {
   std::string check = r.correct ? "ok" : "FAIL";
   if (r.unwritten > 0) check += " (" + std::to_string(r.unwritten) + " NaN)";
   if (!r.deterministic) check += " (output changed between runs)";
-  std::printf("%-12s %-22s %10.2f %10.2f %8.0f %6.1f%% %6.1f%% %8.2f %9.2f %9.2e %+8.2f/%d  %s\n",
+  std::printf("%-12s %-22s %10.2f %10.2f %8.0f %6.1f%% %6.1f%% %8.2f %9.2f %9.2e %+10.2f  %s\n",
               layout_text(r.layout), r.shape.describe().c_str(), r.median_us, r.l2_warm_us, r.gbps,
               r.pct_ceiling, r.pct_floor_with_launch, r.ratio_empty, r.same_size_copy_us, r.rel_err,
-              r.parity_split_us, r.flush_padding, check.c_str());
+              r.parity_split_us, check.c_str());
 }
 
 void print_pipeline(const std::vector<PipelineResult>& results) {
@@ -309,7 +303,7 @@ void write_case_shape(JsonWriter& j, const Shape& shape, moejit_layout layout) {
 }
 
 void write_json(const std::string& path, const std::string& device, const Floors& floors,
-                bool flush_padding, const std::vector<CaseResult>& results, const JitFigures* jit,
+                const std::vector<CaseResult>& results, const JitFigures* jit,
                 const std::string& error, const std::vector<PipelineResult>& pipeline = {}) {
   JsonWriter j;
   j.begin_object();
@@ -320,15 +314,12 @@ void write_json(const std::string& path, const std::string& device, const Floors
   if (!error.empty()) j.member("error", error);
   j.member("method",
            "CUDA events around each run; median; L2 flushed by a 256 MB memset "
-           "between runs, followed by one empty kernel where that keeps odd and even runs "
-           "alike (flush_padding; per case parity_split_us = odd - even medians); "
+           "between runs (parity_split_us: median of the odd runs minus the even ones); "
            "l2_warm_us: a GPU spin instead, no flush; minimal bytes = R*H*in + R*8 + T*H*out");
   j.member("copy_ceiling_gbps", floors.copy_ceiling_gbps);
   j.member("empty_kernel_us", floors.empty_kernel_us);
   j.member("empty_kernel_l2_warm_us", floors.empty_kernel_warm_us);
-  j.member("flush_padding", flush_padding ? "chosen per measurement" : "off");
   j.member("empty_kernel_parity_split_us", floors.empty_kernel_parity_split_us);
-  j.member("empty_kernel_padding", floors.empty_kernel_padding);
   j.key("cases").begin_array();
   for (const CaseResult& r : results) {
     j.begin_object();
@@ -340,7 +331,6 @@ void write_json(const std::string& path, const std::string& device, const Floors
     } else {
       j.member("median_us", r.median_us);
       j.member("parity_split_us", r.parity_split_us);
-      j.member("flush_padding", r.flush_padding);
       j.member("l2_warm_us", r.l2_warm_us);
       j.member("gbps", r.gbps);
       j.member("pct_ceiling", r.pct_ceiling);
@@ -459,8 +449,7 @@ int run(const Options& o) {
       std::printf("  helper kernels (empty, spin): compiled in %.1f ms\n", helpers.compile_ms());
     }
     if (!o.json_path.empty())
-      write_json(o.json_path, "", Floors{}, o.flush_padding, {}, o.jit ? &jit : nullptr,
-                 "no GPU found: " + why);
+      write_json(o.json_path, "", Floors{}, {}, o.jit ? &jit : nullptr, "no GPU found: " + why);
     return 0;
   }
 
@@ -479,7 +468,6 @@ int run(const Options& o) {
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const HelperKernels helpers(target, true);
   Timer timer(stream, [&](cudaStream_t s, double us) { helpers.launch_spin(s, us); });
-  timer.set_flush_padding(o.flush_padding);
 
   Floors floors;
   std::vector<CaseResult> results;
@@ -488,10 +476,8 @@ int run(const Options& o) {
     floors = measure_floors(timer, helpers);
     std::printf(
         "copy ceiling %.0f GB/s (1 GiB device-to-device, read + written); empty kernel "
-        "%.2f us (L2 flushed; odd - even runs %+.2f us, %d empty kernel%s after each flush), "
-        "%.2f us (warm)\n\n",
+        "%.2f us (L2 flushed; odd - even runs %+.2f us), %.2f us (warm)\n\n",
         floors.copy_ceiling_gbps, floors.empty_kernel_us, floors.empty_kernel_parity_split_us,
-        floors.empty_kernel_padding, floors.empty_kernel_padding == 1 ? "" : "s",
         floors.empty_kernel_warm_us);
     print_header();
     for (const Shape& shape : o.cases) {
@@ -529,8 +515,7 @@ int run(const Options& o) {
     for (const CaseResult& r : results) print_result(r);
   }
   if (!o.json_path.empty())
-    write_json(o.json_path, device, floors, o.flush_padding, results, o.jit ? &jit : nullptr, "",
-               pipeline);
+    write_json(o.json_path, device, floors, results, o.jit ? &jit : nullptr, "", pipeline);
   if (!pipeline.empty()) print_pipeline(pipeline);  // last, with the summary
   BENCH_CUDA(cudaStreamDestroy(stream));
   if (!all_correct) {

@@ -201,11 +201,11 @@ def minimal_bytes(s):
 
 
 # ---- paired comparisons ----------------------------------------------------------------------
-# Each implementation timed in its own block of runs (bench below) carries whatever the GPU's
-# clocks and the host did during that block: at decode sizes two blocks of the same kernel differ
-# by 0.1-0.3 us, as much as libmoejit and the Triton peer differ. The paired phase runs the
-# contenders in rounds, one run each per round in a random order, and compares them round by
-# round, so that a slow stretch hits both sides of a comparison alike.
+# At decode sizes two blocks of runs of the same kernel (bench below) differ by 0.1-0.3 us, as much
+# as libmoejit and the Triton peer differ: every other flushed run takes 0.6-0.75 us longer, and a
+# block's median falls somewhere between the two modes. The paired phase runs the contenders in
+# rounds, one run each per round in a random order (so each lands on either mode alike), and
+# compares them round by round, so that a slow stretch hits both sides of a comparison alike.
 
 PAIRS = [  # (libmoejit's entry, the peer it must beat): the issue's "never slower" comparisons
     ("libmoejit_token_major", "triton_gather_inv"),
@@ -350,42 +350,28 @@ def main_gpu(args, shapes):
     # inside the events.
     lead_cycles = int(100 * cycles_per_us)
 
-    # Flushed runs alternate on the H200 when the kernels launched per run (the sleep, the fill,
-    # the timed work) are odd in number: every other run takes 0.6-0.7 us longer, and the median
-    # falls between the two modes (moejit-bench's Timer has the same rule and the numbers). The
-    # timed work's kernel count is not known here (torch ops, libmoejit's one or three launches),
-    # so each flushed measurement first tries the separator with and without one empty kernel
-    # after the fill and keeps the one whose odd and even runs differ less.
-    last = {"parity_split_us": 0.0, "padding": 0}
+    # Flushed runs alternate on the H200: every other run takes 0.6-0.75 us longer (moejit-bench's
+    # Timer measures the same), so at decode sizes a median falls in a two-mode distribution and
+    # moves by 0.1-0.3 us between measurements. Each measurement reports its odd runs' median
+    # minus its even runs' (parity_split_us); the paired phase decides what needs finer than that.
+    last = {"parity_split_us": 0.0}
 
-    def timed_runs(fn, reps, warm_l2, padding):
+    def bench(fn, reps, warmup, warm_l2=False):
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         stops = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         for i in range(reps):
             torch.cuda._sleep(lead_cycles)
             if not warm_l2:
                 flush.fill_(i & 0xFF)
-                for _ in range(padding):
-                    torch.cuda._sleep(0)
             starts[i].record()
             fn()
             stops[i].record()
         torch.cuda.synchronize()
-        return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, stops)]
-
-    def choose_padding(fn):
-        if args.no_flush_padding:
-            return 0
-        split = [abs(parity_split(timed_runs(fn, 32, False, pad))) for pad in (0, 1)]
-        return 1 if split[1] < split[0] else 0
-
-    def bench(fn, reps, warmup, warm_l2=False):
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        padding = 0 if warm_l2 else choose_padding(fn)
-        us = timed_runs(fn, reps, warm_l2, padding)
-        last.update(parity_split_us=parity_split(us), padding=padding)
+        us = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, stops)]
+        last["parity_split_us"] = parity_split(us)
         return statistics.median(us)
 
     def copy_ceiling():
@@ -470,13 +456,12 @@ def main_gpu(args, shapes):
                 torch.cuda.synchronize()
                 err, nan = check(out_of())
                 entry["us"] = bench(fn, reps, args.warmup)
-                entry.update(parity_split_us=last["parity_split_us"],
-                             flush_padding=last["padding"])
+                entry["parity_split_us"] = last["parity_split_us"]
                 if not args.no_l2_warm:
                     entry["l2_warm_us"] = bench(fn, reps, args.warmup, warm_l2=True)
                 err_after, nan_after = check(out_of())
                 entry.update(rel_err=err, rel_err_after=err_after, nan_elements=nan + nan_after)
-                timed[name] = (fn, entry["flush_padding"])
+                timed[name] = fn
             except Exception as e:  # one failing peer must not hide the others
                 entry["error"] = f"{type(e).__name__}: {e}"
                 torch.cuda.synchronize()
@@ -588,15 +573,15 @@ def main_gpu(args, shapes):
         return results, paired, paired_raw
 
     def interleaved(fns, rounds, warmup, rng):
-        """us per run of each (function, padding), run in rounds: one run of each per round,
-        flushed like bench (with the padding bench chose for it), in a random order drawn for
-        every round, so that no function always follows the same one (a fixed rotation keeps each
-        one's predecessor and run parity in step, and read the gather map at T=1 0.967x Triton
-        where random orders read 1.013x). Returns the series and the orders."""
+        """us per run of each function, run in rounds: one run of each per round, flushed like
+        bench, in a random order drawn for every round. A fixed rotation kept each function's
+        predecessor and the parity of its runs (every other flushed run is 0.6-0.75 us slower) in
+        step with the other side of a comparison: it read the gather map at T=1 0.967x Triton
+        where random orders read 1.013x. Returns the series and the orders."""
         names = list(fns)
         for name in names:
             for _ in range(warmup):
-                fns[name][0]()
+                fns[name]()
         torch.cuda.synchronize()
         events = {name: [] for name in names}
         orders = []
@@ -607,14 +592,11 @@ def main_gpu(args, shapes):
             for name in order:
                 start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
                     enable_timing=True)
-                fn, padding = fns[name]  # the padding bench chose for it
                 torch.cuda._sleep(lead_cycles)
                 flush.fill_(n & 0xFF)
                 n += 1
-                for _ in range(padding):
-                    torch.cuda._sleep(0)
                 start.record()
-                fn()
+                fns[name]()
                 stop.record()
                 events[name].append((start, stop))
         torch.cuda.synchronize()
@@ -658,8 +640,8 @@ def main_gpu(args, shapes):
                 continue
             ratio = f"{r['vs_libmoejit']:.2f}" if r.get("vs_libmoejit") else "-"
             notes = r.get("config") or ""
-            if "parity_split_us" in r:  # odd - even flushed runs / empty kernels after the fill
-                notes += f" odd-even {r['parity_split_us']:+.2f}/{r['flush_padding']}"
+            if "parity_split_us" in r:  # odd - even flushed runs
+                notes += f" odd-even {r['parity_split_us']:+.2f}"
             if r.get("nan_elements"):
                 notes += f" NaN:{r['nan_elements']}"
             print(f"{r['name']:<24}{r['input']:<13}{r['us']:>10.2f}"
@@ -671,12 +653,11 @@ def main_gpu(args, shapes):
     # cycles), timed like every peer. Decode figures divide by it here, as moejit-bench divides
     # by its own empty kernel; the two harnesses' floors differ, so ratios are taken within one.
     empty_us = bench(lambda: torch.cuda._sleep(0), 200, 10)
-    empty_split, empty_padding = last["parity_split_us"], last["padding"]
+    empty_split = last["parity_split_us"]
     print(f"peers.py on {torch.cuda.get_device_name(device)}: torch {torch.__version__}, "
           f"triton {getattr(triton, '__version__', 'n/a')}, libmoejit "
           f"{lib.version if lib else 'n/a'}; copy ceiling {ceiling:.0f} GB/s (1 GiB torch copy); "
-          f"empty kernel {empty_us:.2f} us (L2 flushed; odd - even runs {empty_split:+.2f} us, "
-          f"{empty_padding} empty kernel(s) after each fill)")
+          f"empty kernel {empty_us:.2f} us (L2 flushed; odd - even runs {empty_split:+.2f} us)")
     print("x lib = peer us / libmoejit us on the same input layout (> 1: libmoejit is faster)")
 
     report = {
@@ -690,11 +671,9 @@ def main_gpu(args, shapes):
         "copy_ceiling_gbps": ceiling,
         "empty_kernel_us": empty_us,
         "empty_kernel_parity_split_us": empty_split,
-        "flush_padding": "off" if args.no_flush_padding else "chosen per measurement",
         "method": "CUDA events around each run; median; a GPU sleep then a 256 MB fill between "
-                  "runs, plus one empty kernel after the fill where that keeps odd and even runs "
-                  "alike (flush_padding, parity_split_us); l2_warm_us: the sleep only; minimal "
-                  "bytes = R*H*in + R*8 + T*H*out; "
+                  "runs (parity_split_us: median of the odd runs minus the even ones); "
+                  "l2_warm_us: the sleep only; minimal bytes = R*H*in + R*8 + T*H*out; "
                   "paired: the contenders in rounds (one flushed run each per round, a random "
                   "order every round), peer / libmoejit per round, median and its distribution-free 95% "
                   "interval",
@@ -744,9 +723,6 @@ def main():
     p.add_argument("--no-extra", action="store_true", help="skip the other models' shapes")
     p.add_argument("--no-l2-warm", action="store_true", help="skip the L2-warm timing")
     p.add_argument("--reps", type=int, default=0, help="timed runs (default 200, 100 if > 64 MB)")
-    p.add_argument("--no-flush-padding", action="store_true",
-                   help="separate flushed runs by the sleep and the fill alone (no empty kernel "
-                        "added where it keeps odd and even runs alike)")
     p.add_argument("--no-paired", action="store_true",
                    help="skip the paired phase (libmoejit and the peers in interleaved rounds)")
     p.add_argument("--warmup", type=int, default=10)
