@@ -1115,9 +1115,10 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
 // 0.9-1.2% faster at K8 H7168 (bf16, fp16), K8 H2048 and K4 H2880, token-major 0.45-0.7%; K8 H4096,
 // K8 H3584 and K4 H6144 level (+-0.2%). Two or four slots per thread (K <= 2) already had their
 // loads back to back; the bound there measured level (fp32) to 0.6% slower (gather map K2 bf16), so
-// they, the 16x2 decode blocks and the token index keep ptxas's own choice (0: no promise). Except
-// the gather map with four slots (K = 2 at prefill): since bf16 rows are unpacked from words
-// (detail::unpack) ptxas gave it 56 registers (9 blocks per SM) where it had 48; a promise of 10
+// they, the 16x2 blocks (mid-size calls, the gather map's one-token kernel) and the token index
+// keep ptxas's own choice (0: no promise). Except the gather map with four slots (K = 2 at
+// prefill): since bf16 rows are unpacked from words (detail::unpack) ptxas gave it 56 registers
+// (9 blocks per SM) where it had 48; a promise of 10
 // blocks keeps 48, no spill, loads back to back: T8192 K2 H4096 bf16 -0.23%, H2048 -0.15%, fp32
 // level on the H200 (A B B A x 4). Token-major with four slots spilled under it (and never takes
 // four slots).

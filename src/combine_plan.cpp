@@ -110,13 +110,13 @@ constexpr int64_t kDecodeMaxTokens = 64;
 constexpr int64_t kMidSlotsMax = int64_t{1} << 21;
 
 // Thread geometry, from the H200 sweeps (tools/bench/NOTES.md): one vector slot per thread and
-// 128-thread blocks for bandwidth; short rows share a block between several tokens. Decode-sized
-// calls with more than two rows per token spread each token's row over more, smaller blocks:
-// 16-slot token groups, two per 32-thread block (DeepSeek-V3's 7168-wide bf16 row becomes 56
-// blocks; with one or two rows per token the 128-thread blocks stay, see below); for the token
-// index one 64-thread group per block for its list path and one-token kernel (fewer, larger
-// blocks measured 2-7% faster than 16x2 at T = 1, 32 and 64), and at larger calls too (see below);
-// its single launch keeps the 128-thread blocks (see below).
+// 128-thread blocks for bandwidth; short rows share a block between several tokens. The fixed
+// layouts keep those blocks at decode sizes too, and spread a token's row over 16-slot token
+// groups, two per 32-thread block, only for mid-size calls with eight or more rows per token (see
+// below); the gather map's one-token kernel keeps 16x2 at K > 2 (one_token_map_spec). The token
+// index takes one 64-thread group per block for its list path and one-token kernel at decode
+// (fewer, larger blocks measured 2-7% faster than 16x2 at T = 1, 32 and 64), and at larger calls
+// too (see below); its single launch keeps the 128-thread blocks (see below).
 void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   const int slots = s->slots();
   s->upt = 1;
@@ -128,21 +128,24 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
     s->tpb = kBlockThreads / s->tpt;
   }
   const bool decode = num_tokens >= 0 && num_tokens <= kDecodeMaxTokens;
-  // Fixed layouts with K >= 8 keep the decode geometry up to mid-size calls (token slots
-  // T * slots <= 2^21: T = 2048 at H = 7168 bf16, T = 4096 at H = 4096). On the H200, A B B A x 2,
-  // 16x2 against 128x1 blocks: 6-9% faster at T = 256-1024 with H = 7168 and T = 512 with H = 2048,
-  // 2.3% / 0.8% (token-major / gather map) at T = 4096 H = 4096; past the limit 128x1 wins
-  // (T = 4096 H = 7168: level / 1.2%, T = 16384 H = 2048: 0.8% / 1.2%). It is the decode spec, so
-  // no specialization is added. Fewer rows per token (K <= 4) measured level to worse.
+  // Fixed layouts with K >= 8 take 16x2 blocks for mid-size calls (T = 65 up to T * slots <= 2^21:
+  // T = 2048 at H = 7168 bf16, T = 4096 at H = 4096). On the H200, A B B A x 2, 16x2 against 128x1
+  // blocks: 6-9% faster at T = 256-1024 with H = 7168 and T = 512 with H = 2048, 2.3% / 0.8%
+  // (token-major / gather map) at T = 4096 H = 4096; past the limit 128x1 wins (T = 4096 H = 7168:
+  // level / 1.2%, T = 16384 H = 2048: 0.8% / 1.2%). Fewer rows per token (K <= 4) measured level to
+  // worse.
+  //
+  // Not at decode sizes (T <= 64), where they took 16x2 until version 38 at K > 2 (the decode and
+  // mid-size calls shared a module). Timed in interleaved rounds, one output buffer, the two forms
+  // in one process (tools/bench/NOTES.md, version 38; 1000 rounds, 95% intervals), 128x1 against
+  // 16x2: gather map T8 / T24 / T32 / T64 K8 H7168 2.3 / 2.0 / 2.4 / 1.2% faster, T16 / T64 K4
+  // H2880 2.8 / 2.3%, T4 K8 3.5%, T32 K8 H4096 1.1%; token-major level to 1.4% faster; T1-T2
+  // level. Block medians had called them level (0-0.15 us, version 11): every other flushed run
+  // is 0.6-0.75 us slower, and a median falls anywhere between. The decode spec at K > 2 is now the
+  // prefill spec: no module is added, and at K < 8 one fewer.
   const bool up_to_mid =
       num_tokens >= 0 && num_tokens * static_cast<int64_t>(slots) <= kMidSlotsMax;
-  const bool mid_k8 = !s->token_index() && s->top_k >= 8 && up_to_mid;
-  // Fixed layouts with one or two rows per token keep the 128-thread blocks at decode too: since
-  // those blocks hold a batch's loads back to back (combine.cuh, CombineMinBlocks), A B B A x 3 on
-  // the H200 against 16x2 at H=4096 bf16: gather map T=64 K=2 5.83 -> 5.54 us, T=32 5.46 -> 5.31;
-  // token-major 5.47 -> 5.26, 5.17 -> 5.02. With K=8 16x2 stays (level to 0.15 us behind 128x1 at
-  // T = 1-64, 1-7% ahead at T = 256-2048: the decode spec serves mid-size calls too).
-  const bool few_rows = !s->token_index() && s->top_k <= 2;
+  const bool mid_k8 = !s->token_index() && !decode && s->top_k >= 8 && up_to_mid;
   // Token index, single launch (2-64 tokens at decode; one token with more rows than the one-token
   // kernel takes): the 128-thread blocks where a row fills them, as for mid-size calls. Up to 128
   // rows, each of the four warps then reads all of token_idx and keeps its own list (no barrier,
@@ -152,7 +155,8 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   // level (within 0.05 us). With eight rows per token the decode and mid-size calls then share
   // one single-launch module; the one-token kernel keeps the 64-thread blocks (no better in 128).
   const bool scan_block = s->scan && slots >= kBlockThreads;
-  if ((decode || mid_k8) && slots > 32 && !few_rows && !scan_block) {
+  const bool token_index_decode = s->token_index() && decode && !scan_block;
+  if ((mid_k8 || token_index_decode) && slots > 32) {
     s->tpt = s->token_index() ? 64 : 16;
     s->tpb = s->token_index() ? 1 : 2;
   }
@@ -178,7 +182,7 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   // fp32 59.21 -> 57.58, T8192 K2 bf16 59.90 -> 59.02, T4096 K8 H7168 138.02 -> 136.41, T16384 K8
   // H2048 158.09 -> 156.90, T4096 K4 H6144 level; at or under the limit it lost (T2048 K8 H7168
   // +1.2%, T8192 K8 H2048 +1.3%, T2048 K4 H6144 +2.0%, T512 K8 H7168 +6.5%), as the fixed layouts'
-  // 128-thread blocks lose to their decode geometry there (mid_k8 above).
+  // 128-thread blocks lose to their mid-size 16x2 blocks there (mid_k8 above).
   if (s->token_index() && !s->scan && !decode && s->tpt == kBlockThreads &&
       (up_to_mid || slots % (kBlockThreads * s->upt) != 0))
     s->tpt = 64;
@@ -382,6 +386,22 @@ KernelSpec single_launch_for_rows(const KernelSpec& single, int64_t num_rows) {
                                                                      : single;
 }
 
+// The gather map's one-token kernel (combine_one_token_map) for a decode spec: at K > 2 in 16-slot
+// token groups, two per 32-thread block, where rows are longer than 32 slots. Each thread stages
+// its K + 1 rows in shared memory, and in the fixed kernel's 128-thread blocks it was 6-9% slower
+// (tools/bench/NOTES.md, version 38, interleaved rounds: T1 K8 H7168 4.74 -> 5.18 us, K4 H2880
+// 4.58 -> 4.83); in 64x1 0.4-0.5 us slower at K = 4 and 8 (version 37). With one or two rows per
+// token it keeps the 128-thread blocks.
+KernelSpec one_token_map_spec(const KernelSpec& decode) {
+  KernelSpec s = decode.with_one_token_kernel();
+  if (s.top_k > 2 && s.slots() > 32) {
+    s.tpt = 16;
+    s.tpb = 2;
+    s.upt = 1;
+  }
+  return s;
+}
+
 std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dtype,
                                         moejit_dtype out_dtype, moejit_index_type index_type,
                                         int hidden, int rows_per_token, size_t alignment_bytes) {
@@ -410,8 +430,9 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
       if (tokens == 1) add(s.with_one_token_kernel());
     }
     // Gather map: one-token calls whose buffer holds at most top_k rows take their own kernel.
-    if (tokens == 1 && s.layout == MOEJIT_LAYOUT_GATHER_MAP && s.fits_one_token_map())
-      add(s.with_one_token_kernel());
+    if (tokens == 1 && s.layout == MOEJIT_LAYOUT_GATHER_MAP &&
+        one_token_map_spec(s).fits_one_token_map())
+      add(one_token_map_spec(s));
   }
   return specs;
 }
@@ -511,15 +532,13 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   // Gather map, one token (single-sequence decode) with at most top_k rows, as an engine passes
   // the token's own expert outputs: combine_one_token_map loads every row with the map and the
   // gates (one round trip instead of two) and picks each slot's row from them, all of them in
-  // flight at once (KernelSpec::fits_one_token_map: top_k <= 8 at one slot per thread). In the
-  // fixed layouts' decode geometry (16x2 blocks at K > 2, 128x1 at K <= 2). On the H200 against
-  // the fixed layouts' kernel, A B C C B A x 2 (tools/bench/NOTES.md, version 37), T = 1, us: K8
-  // H7168 bf16 5.41 -> 5.08, K8 H4096 5.38 -> 5.04, K4 H2880 5.17 -> 4.81, K2 H4096 fp32 5.17 ->
-  // 4.75, K1 H5120 5.05 -> 4.71; in 64x1 blocks (as the token index's one-token kernel has) 0.4-0.5
-  // us slower than 16x2 at K = 4 and 8.
+  // flight at once (KernelSpec::fits_one_token_map: top_k <= 8 at one slot per thread), in its own
+  // geometry (one_token_map_spec). On the H200 against the fixed layouts' kernel, A B C C B A x 2
+  // (tools/bench/NOTES.md, version 37), T = 1, us: K8 H7168 bf16 5.41 -> 5.08, K8 H4096 5.38 ->
+  // 5.04, K4 H2880 5.17 -> 4.81, K2 H4096 fp32 5.17 -> 4.75, K1 H5120 5.05 -> 4.71.
   if (s.layout == MOEJIT_LAYOUT_GATHER_MAP && a.num_tokens == 1 && a.num_rows <= a.top_k &&
-      s.fits_one_token_map())
-    s = s.with_one_token_kernel();
+      one_token_map_spec(s).fits_one_token_map())
+    s = one_token_map_spec(s);
   p.list_capacity = s.list_cap;  // of the module chosen (0: no list)
 
   // Grid x: token groups (at most 2^31 - 1). Grid y: chunks per row, at most 65536 / 4 (hidden

@@ -128,12 +128,12 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
   s.origin = "test";
   std::vector<KernelSpec> specs;
   expand_shape(s, all_layouts(), all_index_types(), &specs);
-  // token_major has no index: (1 + gather_map x 2) x {prefill, decode geometry}, the gather
-  // map's one-token module x 2 index types, plus token_index x 2 index types x (the list path's two
-  // modules, prefill and decode / mid-size, + the single-launch module and its small-call form
-  // (decode calls of up to 16 tokens) + the one-token module + the list helpers' module): with 8
-  // rows per token the single launch has one geometry for every size, and the list path's mid-size
-  // calls share the decode geometry's module.
+  // token_major has no index: (1 + gather_map x 2) x {prefill and decode, mid-size geometry}, the
+  // gather map's one-token module x 2 index types, plus token_index x 2 index types x (the list
+  // path's two modules, prefill and decode / mid-size, + the single-launch module and its
+  // small-call form (decode calls of up to 16 tokens) + the one-token module + the list helpers'
+  // module): with 8 rows per token the single launch has one geometry for every size, and the list
+  // path's mid-size calls share the decode geometry's module.
   ASSERT_EQ(specs.size(), 20u);
   for (moejit_layout l : all_layouts())
     for (moejit_index_type t : all_index_types())
@@ -142,8 +142,7 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
                                                7168, 8, 256, tokens);
         EXPECT_NE(std::find(specs.begin(), specs.end(), want), specs.end()) << want.describe();
         if (want.layout == MOEJIT_LAYOUT_GATHER_MAP && tokens == 1) {
-          EXPECT_NE(std::find(specs.begin(), specs.end(), want.with_one_token_kernel()),
-                    specs.end())
+          EXPECT_NE(std::find(specs.begin(), specs.end(), one_token_map_spec(want)), specs.end())
               << want.describe();
         }
         if (want.token_index()) {
@@ -224,44 +223,47 @@ TEST(Manifest, ExactAndShapeLines) {
   d.dtype = MOEJIT_DTYPE_FLOAT32;
   std::vector<KernelSpec> specs;
   parse_manifest(text, "m.txt", d, &specs);
-  // Shape lines expand to every geometry: prefill, decode, then mid-size; for the token index each
-  // geometry's list-path module, then its single-launch module, and once the list helpers; the
-  // decode geometry's small-call single launch and one-token module; for the gather map the
-  // decode geometry's one-token module. (Four rows per token: two slots per thread past decode
-  // sizes, in 128-thread blocks past mid-size, so three list-path modules; mid-size calls have more
-  // than 128 rows, so no small-call form there.)
-  ASSERT_EQ(specs.size(), 19u);
+  // Shape lines expand to every geometry: prefill, decode, then mid-size (each once: token-major
+  // at K=4 has one module for all three); for the token index each geometry's list-path module,
+  // then its single-launch module, and once the list helpers; the decode geometry's small-call
+  // single launch and one-token module; for the gather map the decode geometry's one-token module.
+  // (Four rows per token: two slots per thread past decode sizes, in 128-thread blocks past
+  // mid-size, so three list-path modules; mid-size calls have more than 128 rows, so no small-call
+  // form there.)
+  ASSERT_EQ(specs.size(), 18u);
   EXPECT_EQ(specs[0], exact);
   EXPECT_EQ(specs[1], spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                      MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256));
   EXPECT_EQ(specs[2], spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                      MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256, 1));
-  EXPECT_EQ(specs[3], specs[2].with_one_token_kernel());
+  EXPECT_EQ(specs[3], one_token_map_spec(specs[2]));
   EXPECT_EQ(specs[4], spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32,
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256));
-  EXPECT_EQ(specs[5], spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32,
-                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 1));
-  EXPECT_EQ(specs[6], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+  // Token-major at K=4: decode calls take the prefill module (128-thread blocks), mid-size too.
+  EXPECT_EQ(spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
+                           MOEJIT_INDEX_INT64, 2048, 4, 256, 1),
+            specs[4]);
+  EXPECT_EQ(specs[5], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256));
-  EXPECT_EQ(specs[7], single_launch_spec(specs[6], kAnyTokens));
-  EXPECT_EQ(specs[8], specs[6].helpers_spec());
-  EXPECT_EQ(specs[8].describe(), "layout=token_index idx=int64 helpers=1");
-  EXPECT_EQ(specs[9], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+  EXPECT_EQ(specs[6], single_launch_spec(specs[5], kAnyTokens));
+  EXPECT_EQ(specs[7], specs[5].helpers_spec());
+  EXPECT_EQ(specs[7].describe(), "layout=token_index idx=int64 helpers=1");
+  EXPECT_EQ(specs[8], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 1));
-  EXPECT_EQ(specs[10], single_launch_spec(specs[9], 1));
-  EXPECT_EQ(specs[11], specs[10].with_small_scan());
-  EXPECT_EQ(specs[12], specs[9].with_one_token_kernel());
-  EXPECT_EQ(specs[13], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+  EXPECT_EQ(specs[9], single_launch_spec(specs[8], 1));
+  EXPECT_EQ(specs[10], specs[9].with_small_scan());
+  EXPECT_EQ(specs[11], specs[8].with_one_token_kernel());
+  EXPECT_EQ(specs[12], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                       MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 65));
-  EXPECT_EQ(specs[13].tpt, 64);
-  EXPECT_EQ(specs[13].upt, 2);
-  EXPECT_EQ(specs[6].tpt, 128);
-  EXPECT_EQ(single_launch_spec(specs[13], 65), specs[7]);
-  EXPECT_EQ(specs[14], exact_scan);                    // an exact scan line round-trips
-  EXPECT_EQ(specs[15], exact_scan.helpers_spec());     // and a helpers line (int32)
-  EXPECT_EQ(specs[16], exact_one_token);               // and a one-token line
-  EXPECT_EQ(specs[17], exact_scan.with_small_scan());  // and a small-call single launch
-  EXPECT_EQ(specs[18], exact_gather_one_token);        // and a gather-map one-token line
+  EXPECT_EQ(specs[12].tpt, 64);
+  EXPECT_EQ(specs[12].upt, 2);
+  EXPECT_EQ(specs[5].tpt, 128);
+  EXPECT_EQ(single_launch_spec(specs[12], 65), specs[6]);
+  EXPECT_EQ(specs[13], exact_scan);                    // an exact scan line round-trips
+  EXPECT_EQ(specs[14], exact_scan.helpers_spec());     // and a helpers line (int32)
+  EXPECT_EQ(specs[15], exact_one_token);               // and a one-token line
+  EXPECT_EQ(specs[16], exact_scan.with_small_scan());  // and a small-call single launch
+  EXPECT_EQ(specs[17], exact_gather_one_token);        // and a gather-map one-token line
 
   auto bad = [&](const std::string& line) {
     return error_of([&] {

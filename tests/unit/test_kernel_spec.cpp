@@ -72,28 +72,35 @@ TEST(KernelSpec, FixedLayoutsUseOneDimensionWithATokensChunksAdjacent) {
   }
 }
 
-TEST(KernelSpec, DecodeSizedCallsSpreadATokenOverMoreBlocks) {
+TEST(KernelSpec, DecodeSizedCallsKeepTheBandwidthBlocksAndMidSizeCallsSpreadATokenOut) {
   auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
-  // One or two rows per token: the 128-thread blocks, decode or not (their loads are back to back).
-  for (int k : {1, 2}) {
+  // Decode sizes: the 128-thread blocks whatever the rows per token (version 38: faster than 16x2
+  // at K > 2 in interleaved rounds), one slot per thread (two at K=1, four at K=2, only past them).
+  for (int k : {1, 2, 4, 8}) {
     a.top_k = k;
     a.num_rows = 3 * k;
     const CombinePlan few = plan_combine(&a);  // 3 tokens
     EXPECT_EQ(few.spec.tpt, 128) << k;
     EXPECT_EQ(few.spec.tpb, 1) << k;
-    EXPECT_EQ(few.spec.upt, 1) << k;  // two (K=1) or four (K=2) slots only past decode
+    EXPECT_EQ(few.spec.upt, 1) << k;
+    EXPECT_EQ(few.combine_grid_x, 3u * 7u) << k;  // 896 vectors in 7 chunks per token
     a.layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
     EXPECT_EQ(plan_combine(&a).spec.tpt, 128) << k;
     a.layout = MOEJIT_LAYOUT_GATHER_MAP;
   }
+  // Mid-size calls with eight rows per token: 16-slot token groups, two per 32-thread block.
   a.top_k = 8;
-  a.num_rows = 24;
-  const CombinePlan plan = plan_combine(&a);  // 3 tokens, 8 rows each
+  a.num_tokens = 100;
+  a.num_rows = 800;
+  const CombinePlan plan = plan_combine(&a);
   EXPECT_EQ(plan.spec.tpt, 16);
   EXPECT_EQ(plan.spec.tpb, 2);
   EXPECT_EQ(plan.spec.chunks(), 56);
-  EXPECT_EQ(plan.combine_grid_x, 2u * 56u);  // two tokens per 32-thread block, 56 chunks
+  EXPECT_EQ(plan.combine_grid_x, 50u * 56u);  // two tokens per 32-thread block, 56 chunks
   EXPECT_EQ(plan.combine_grid_y, 1u);
+  a.num_tokens = 64;  // the last decode size
+  a.num_rows = 512;
+  EXPECT_EQ(plan_combine(&a).spec.tpt, 128);
   // The token index: one 64-thread group per block for the list path and the one-token kernel;
   // its single-launch kernel scans token_idx once per block, in 128-thread blocks.
   const KernelSpec ti = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
@@ -463,8 +470,8 @@ TEST(KernelSpec, OneTokenGatherMapCallsPlanTheirModule) {
           std::vector<std::string>{"&moejit::combine_one_token_map<2, 2, int, 7168, 8, " +
                                    std::to_string(k) + (k <= 2 ? ", 128, 1, 1>" : ", 16, 2, 1>")})
           << at;
-      // The fixed layouts' decode geometry and grid: 896 vectors in 7 chunks of 128 (K <= 2) or
-      // 56 of 16, one after the other on x.
+      // Its own geometry (one_token_map_spec) on the fixed layouts' grid: 896 vectors in 7 chunks
+      // of 128 (K <= 2) or 56 of 16, one after the other on x.
       EXPECT_TRUE(plan.spec.one_dim_grid()) << at;
       EXPECT_EQ(plan.combine_grid_x, k <= 2 ? 7u : 56u) << at;
       EXPECT_EQ(plan.combine_grid_y, 1u) << at;
@@ -475,8 +482,9 @@ TEST(KernelSpec, OneTokenGatherMapCallsPlanTheirModule) {
     }
   }
   a.top_k = 8;
-  a.num_rows = 9;  // a row the map may not name: the fixed layouts' kernel
+  a.num_rows = 9;  // a row the map may not name: the fixed layouts' kernel, in 128-thread blocks
   EXPECT_FALSE(plan_combine(&a).one_token());
+  EXPECT_EQ(plan_combine(&a).spec.tpt, 128);
   a.num_rows = 8;
   a.num_tokens = 2;
   EXPECT_FALSE(plan_combine(&a).one_token());
@@ -693,24 +701,37 @@ TEST(KernelSpec, GatherMapWithTwoRowsTakesFourSlotsPerThreadWhereWholeChunksTile
 }
 
 }  // namespace
-TEST(KernelSpec, EightRowsPerTokenKeepTheDecodeGeometryUpToMidSizeCalls) {
+TEST(KernelSpec, EightRowsPerTokenTakeTheMidSizeGeometryUpToTwoToTheTwentyOneTokenSlots) {
   auto spec = [](moejit_layout layout, int hidden, int top_k, int64_t tokens) {
     return spec_for_shape(layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32,
                           hidden, top_k, 256, tokens);
   };
   for (moejit_layout layout : {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP}) {
-    const KernelSpec decode = spec(layout, 7168, 8, 1);
-    EXPECT_EQ(decode.tpt, 16);
-    EXPECT_EQ(decode.tpb, 2);
-    EXPECT_EQ(spec(layout, 7168, 8, 1024), decode);  // the same specialization: nothing to add
-    EXPECT_EQ(spec(layout, 7168, 8, 2048), decode);  // 2048 x 896 slots <= 2^21
+    // Decode calls take the prefill module: nothing to add for them.
+    const KernelSpec prefill = spec(layout, 7168, 8, kAnyTokens);
+    EXPECT_EQ(prefill.tpt, 128);
+    EXPECT_EQ(prefill.tpb, 1);
+    EXPECT_EQ(spec(layout, 7168, 8, 1), prefill);
+    EXPECT_EQ(spec(layout, 7168, 8, 64), prefill);
+    EXPECT_EQ(spec(layout, 7168, 4, 1), spec(layout, 7168, 4, kAnyTokens));
+    // Mid-size calls: 16x2, one module from T = 65 to 2^21 token slots.
+    const KernelSpec mid = spec(layout, 7168, 8, 65);
+    EXPECT_EQ(mid.tpt, 16);
+    EXPECT_EQ(mid.tpb, 2);
+    EXPECT_EQ(spec(layout, 7168, 8, 1024), mid);
+    EXPECT_EQ(spec(layout, 7168, 8, 2048), mid);  // 2048 x 896 slots <= 2^21
     EXPECT_EQ(spec(layout, 7168, 8, 2340).tpt, 16);
     EXPECT_EQ(spec(layout, 7168, 8, 2341).tpt, 128);  // past 2^21 token slots
-    EXPECT_EQ(spec(layout, 7168, 8, kAnyTokens).tpt, 128);
     EXPECT_EQ(spec(layout, 4096, 8, 4096).tpt, 16);   // 4096 x 512 = 2^21
     EXPECT_EQ(spec(layout, 7168, 4, 1024).tpt, 128);  // fewer rows per token: bandwidth blocks
     EXPECT_EQ(spec(layout, 7168, 16, 1024).tpt, 16);
   }
+  // The gather map's one-token kernel keeps 16x2 at K > 2, 128x1 at K <= 2.
+  const KernelSpec one = one_token_map_spec(spec(MOEJIT_LAYOUT_GATHER_MAP, 7168, 8, 1));
+  EXPECT_TRUE(one.one_token);
+  EXPECT_EQ(one.tpt, 16);
+  EXPECT_EQ(one.tpb, 2);
+  EXPECT_EQ(one_token_map_spec(spec(MOEJIT_LAYOUT_GATHER_MAP, 7168, 2, 1)).tpt, 128);
   // The token index keeps its own geometries: 64-thread blocks up to mid-size calls, 128 past
   // them (T * slots > 2^21) where whole 128 x upt chunks tile the row. With eight rows per token
   // (one slot per thread: its lists are too long for two) decode and mid-size calls then share one
