@@ -5,8 +5,9 @@
   merge_results.py bench.json [peers.json] --markdown   a markdown table for the README
   merge_results.py h200.json --markdown                 the same from a merged record
 
-Per case (shape, dtype, layout): libmoejit's median us (L2 flushed) and L2-warm us, GB/s, % of the
-copy ceiling, % of the launch-adjusted floor (minimal bytes at the ceiling + one empty kernel;
+Per case (shape, dtype, layout): libmoejit's median us (L2 flushed; parity_split_us: median of the
+odd runs minus the even ones, which alternate by 0.6-0.75 us on the H200) and L2-warm us, GB/s, %
+of the copy ceiling, % of the launch-adjusted floor (minimal bytes at the ceiling + one empty kernel;
 computed from the other fields for a bench JSON that predates it), ratio to the empty kernel, a
 device-to-device copy of the same bytes (us, % of the ceiling, % of the launch-adjusted floor),
 relative error, the peers' us on the same shape, and peers.py's paired comparisons of that layout
@@ -65,7 +66,8 @@ def merge(bench, peers):
         key = shape_key(c)
         row = {name: c.get(name) for name in (
             "label", "T", "K", "H", "in_dtype", "out_dtype", "layout", "minimal_bytes",
-            "median_us", "l2_warm_us", "gbps", "pct_ceiling", "pct_floor_with_launch",
+            "median_us", "parity_split_us", "l2_warm_us", "gbps", "pct_ceiling",
+            "pct_floor_with_launch",
             "ratio_empty", "same_size_copy_us", "pct_ceiling_same_size_copy",
             "pct_floor_with_launch_same_size_copy", "rel_err", "correct", "error")
             if name in c}
@@ -96,12 +98,14 @@ def merge(bench, peers):
         "copy_ceiling_gbps": bench.get("copy_ceiling_gbps"),
         "empty_kernel_us": bench.get("empty_kernel_us"),
         "empty_kernel_l2_warm_us": bench.get("empty_kernel_l2_warm_us"),
+        "empty_kernel_parity_split_us": bench.get("empty_kernel_parity_split_us"),
         "peers": None if peers is None else {
             "date": peers.get("date"),
             "torch_version": peers.get("torch_version"),
             "triton_version": peers.get("triton_version"),
             "copy_ceiling_gbps": peers.get("copy_ceiling_gbps"),
             "empty_kernel_us": peers.get("empty_kernel_us"),
+            "empty_kernel_parity_split_us": peers.get("empty_kernel_parity_split_us"),
             "method": peers.get("method"),
             "configs": {shape_text(shape_key(s)): {p["name"]: p.get("config")
                                                    for p in s.get("peers", []) if p.get("config")}
