@@ -6,14 +6,14 @@
   merge_results.py h200.json --markdown                 the same from a merged record
 
 Per case (shape, dtype, layout): libmoejit's median us (L2 flushed; parity_split_us: median of the
-odd runs minus the even ones, which alternate by 0.6-0.75 us on the H200) and L2-warm us, GB/s, %
-of the copy ceiling, % of the launch-adjusted floor (minimal bytes at the ceiling + one empty kernel;
+odd runs minus the even ones, which alternate by 0.6-0.75 us on the H200) and L2-warm us, GB/s, % of
+the copy ceiling, % of the launch-adjusted floor (minimal bytes at the ceiling + one empty kernel;
 computed from the other fields for a bench JSON that predates it), ratio to the empty kernel, a
 device-to-device copy of the same bytes (us, % of the ceiling, % of the launch-adjusted floor),
 relative error, the peers' us on the same shape, and peers.py's paired comparisons of that layout
-(the peer's time over libmoejit's per interleaved round: median, 95% interval, verdict). The
-peers ran in their own process (same method, their own inputs and copy ceiling); their us are
-comparable, their % uses peers.py's ceiling.
+(the peer's time over libmoejit's per interleaved round: median, 95% interval, verdict). The peers
+ran in their own process (same method, their own inputs and copy ceiling); their us are comparable,
+their % uses peers.py's ceiling.
 """
 
 import argparse

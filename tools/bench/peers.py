@@ -682,8 +682,8 @@ def main_gpu(args, shapes):
                   "runs (parity_split_us: median of the odd runs minus the even ones); "
                   "l2_warm_us: the sleep only; minimal bytes = R*H*in + R*8 + T*H*out; "
                   "paired: the contenders in rounds (one flushed run each per round, a random "
-                  "order every round), peer / libmoejit per round, median and its distribution-free 95% "
-                  "interval",
+                  "order every round), peer / libmoejit per round, median and its "
+                  "distribution-free 95% interval; one output buffer for every contender",
         "shapes": [],
     }
     for shape in shapes:
