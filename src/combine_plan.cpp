@@ -388,7 +388,7 @@ KernelSpec single_launch_for_rows(const KernelSpec& single, int64_t num_rows) {
 
 // The gather map's one-token kernel (combine_one_token_map) for a decode spec: at K > 2 in 16-slot
 // token groups, two per 32-thread block, where rows are longer than 32 slots. Each thread stages
-// its K + 1 rows in shared memory, and in the fixed kernel's 128-thread blocks it was 6-9% slower
+// its K + 1 rows in shared memory, and in the fixed kernel's 128-thread blocks it was 6-10% slower
 // (tools/bench/NOTES.md, version 38, interleaved rounds: T1 K8 H7168 4.74 -> 5.18 us, K4 H2880
 // 4.58 -> 4.83); in 64x1 0.4-0.5 us slower at K = 4 and 8 (version 37). With one or two rows per
 // token it keeps the 128-thread blocks.

@@ -394,7 +394,7 @@ def main_gpu(args, shapes):
         """Fastest candidate, timed interleaved (40 rounds, one flushed run of each per round, a
         random order every round); returns (config, fn). Candidates timed one after another, 20
         runs each, picked differently from run to run at decode sizes (every other flushed run is
-        0.6-0.75 us slower): the Triton gather at T=64 K=2 got BLOCK_H 2048, 256 or 128 in three
+        0.6-0.75 us slower): the Triton gather at T=64 K=2 got BLOCK_H 2048, 256 and 256 in three
         runs, 5.38-6.11 us."""
         fns = {cfg: make_fn(cfg) for cfg in candidates}
         series, _ = interleaved(fns, 40, 3, random.Random(args.seed))
