@@ -53,7 +53,6 @@ void usage(FILE* to) {
       "  --quick                         a short subset, 50 timed runs each\n"
       "  --no-extra                      skip the shapes of other models (Qwen3-235B, ...)\n"
       "  --no-l2-warm                    skip the L2-warm timing\n"
-
       "  --reps N                        timed runs per figure (default 200, 100 if > 64 MB)\n"
       "  --warmup N                      untimed runs first (default 10)\n"
       "  --check-tokens N                float64 reference on at most N tokens (default 512)\n"
