@@ -1,5 +1,6 @@
 """tools/bench/merge_results.py, which turns a moejit-bench JSON and a peers.py JSON into the
-committed record (results/h200.json) and the README table: synthetic inputs, no GPU."""
+committed record (results/h200.json) and the README table; peers.py's paired statistics; and
+ab_libs.py's command line: synthetic inputs, no GPU."""
 import importlib.util
 import pathlib
 
@@ -304,3 +305,48 @@ def test_record_keeps_the_paired_comparisons_and_tables_them(merge_results):
     # Without a paired phase anywhere: no table.
     assert "Paired (peers.py" not in merge_results.markdown(
         merge_results.merge(bench_json(), peers_json()))
+
+
+# ---- ab_libs.py: its command line (the comparison itself needs torch and a GPU) ---------------
+
+@pytest.fixture(scope="module")
+def ab_libs():
+    spec = importlib.util.spec_from_file_location("ab_libs",
+                                                  REPO / "tools" / "bench" / "ab_libs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ab_libs_reads_libraries_cases_and_layouts(ab_libs):
+    a = ab_libs.parse_args(["--lib", "A=a.so", "--lib", "B=b.so", "--case", "32,8,7168",
+                            "--case", "64,2,4096,fp32", "--layout", "gather_map"])
+    assert a.lib == [("A", "a.so"), ("B", "b.so")]
+    assert a.case == [(32, 8, 7168, "bf16"), (64, 2, 4096, "fp32")]
+    assert a.layout == ["gather_map"] and a.rounds == 1000
+    assert ab_libs.parse_args(["--lib", "A=a", "--lib", "B=b", "--case", "1,1,1"]).layout == [
+        "gather_map", "token_major"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--lib", "A=a.so", "--case", "32,8,7168"],                      # one library
+    ["--lib", "A=a.so", "--lib", "A=b.so", "--case", "32,8,7168"],   # a name twice
+    ["--lib", "a.so", "--lib", "B=b.so", "--case", "32,8,7168"],     # no name
+    ["--lib", "A=a", "--lib", "B=b", "--case", "32,8"],              # no H
+    ["--lib", "A=a", "--lib", "B=b", "--case", "32,8,7168,int8"],    # no such dtype
+    ["--lib", "A=a", "--lib", "B=b", "--case", "0,8,7168"],          # T = 0
+    ["--lib", "A=a", "--lib", "B=b", "--case", "1,8,7168", "--layout", "scatter"],
+    ["--lib", "A=a", "--lib", "B=b", "--case", "1,8,7168", "--rounds", "5"],
+])
+def test_ab_libs_refuses_bad_command_lines(ab_libs, argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        ab_libs.parse_args(argv)
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_ab_libs_help_needs_no_torch(ab_libs, capsys):
+    with pytest.raises(SystemExit) as e:
+        ab_libs.main(["--help"])
+    assert e.value.code == 0
+    assert "interleaved rounds" in capsys.readouterr().out
