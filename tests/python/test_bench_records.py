@@ -350,3 +350,35 @@ def test_ab_libs_help_needs_no_torch(ab_libs, capsys):
         ab_libs.main(["--help"])
     assert e.value.code == 0
     assert "interleaved rounds" in capsys.readouterr().out
+
+
+def test_record_takes_a_second_decode_run_and_tables_it_apart(merge_results):
+    report = peers_json()
+    decode = {"date": "2026-12-01T13:14:30Z", "empty_kernel_us": 3.5, "shapes": [
+        {"T": 1, "K": 8, "H": 7168, "in_dtype": "bf16", "out_dtype": "bf16",
+         "peers": [{"name": "triton_gather_inv", "config": "BLOCK_H=128 num_warps=1"}],
+         "paired": [dict(paired_entry("libmoejit_gather_map", "triton_gather_inv", 1.014, 1.0,
+                                      1.024, "level (within the interval)"), rounds=1000)]}]}
+    merged = merge_results.merge(bench_json(), report, decode)
+    gm = [c for c in merged["cases"] if c["layout"] == "gather_map" and c["T"] == 1][0]
+    assert gm["paired_decode"]["triton_gather_inv"]["rounds"] == 1000
+    assert "paired" not in gm  # the main run had no paired phase here
+    assert merged["peers_decode"]["configs"]["T1 K8 H7168 bf16"]["triton_gather_inv"].startswith(
+        "BLOCK_H=128")
+    text = merge_results.markdown(merged)
+    section = text.split("The decode shapes again")[1].split("Against the launch-adjusted")[0]
+    assert "(1000 rounds)" in section
+    rows = [line for line in section.splitlines() if line.startswith("| T")]
+    assert rows == ["| T1 K8 H7168 bf16 |  | 1.014 [1.000, 1.024] level |  |  |"], rows
+    # Without the second run: no such table, and a null in the record.
+    plain = merge_results.merge(bench_json(), report)
+    assert plain["peers_decode"] is None
+    assert "The decode shapes again" not in merge_results.markdown(plain)
+
+
+def test_peers_selects_the_decode_shapes(peers):
+    shapes = peers.builtin_shapes(False, True)
+    decode = peers.select_shapes(shapes, 64)
+    assert [(s["T"], s["K"], s["H"]) for s in decode] == [(1, 8, 7168), (32, 8, 7168),
+                                                          (64, 2, 4096)]
+    assert peers.select_shapes(shapes, 0) == shapes

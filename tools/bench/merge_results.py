@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Merges moejit-bench's JSON and peers.py's JSON into one record (tools/bench/results/h200.json).
 
-  merge_results.py bench.json [peers.json]              merged JSON on stdout
-  merge_results.py bench.json [peers.json] --markdown   a markdown table for the README
-  merge_results.py h200.json --markdown                 the same from a merged record
+  merge_results.py bench.json [peers.json] [--decode-peers peers-decode.json]   merged JSON
+  merge_results.py bench.json [peers.json] ... --markdown   the README's tables
+  merge_results.py h200.json --markdown                     the same from a merged record
 
 Per case (shape, dtype, layout): libmoejit's median us (L2 flushed; parity_split_us: median of the
 odd runs minus the even ones, which alternate by 0.6-0.75 us on the H200) and L2-warm us, GB/s, % of
@@ -58,8 +58,18 @@ def pct_floor_with_launch(minimal_bytes, us, ceiling_gbps, empty_us):
     return 100 * (minimal_bytes / (ceiling_gbps * 1e3) + empty_us) / us
 
 
-def merge(bench, peers):
+def paired_of(peer_shape, layout):
+    """peers.py's paired comparisons of one libmoejit layout on one shape, by peer."""
+    return {p["peer"]: {k: p.get(k) for k in PAIRED_FIELDS}
+            for p in (peer_shape or {}).get("paired") or []
+            if p.get("lib") == "libmoejit_" + layout}
+
+
+def merge(bench, peers, decode_peers=None):
+    """The record: bench's cases with peers.py's figures on the same shapes; decode_peers (optional)
+    is a second peers.py run on the decode shapes alone, with more paired rounds (run-h200.sh)."""
     peer_shapes = {shape_key(s): s for s in (peers or {}).get("shapes", [])}
+    decode_shapes = {shape_key(s): s for s in (decode_peers or {}).get("shapes", [])}
     ceiling, empty = bench.get("copy_ceiling_gbps"), bench.get("empty_kernel_us")
     cases = []
     for c in bench.get("cases", []):
@@ -85,10 +95,12 @@ def merge(bench, peers):
             if mine is not None:
                 row["libmoejit_ctypes_us"] = mine.get("us")
             # peers.py's paired phase: this layout against each peer, round by round.
-            paired = {p["peer"]: {k: p.get(k) for k in PAIRED_FIELDS}
-                      for p in ps.get("paired") or [] if p.get("lib") == "libmoejit_" + c["layout"]}
+            paired = paired_of(ps, c["layout"])
             if paired:
                 row["paired"] = paired
+        paired_decode = paired_of(decode_shapes.get(key), c["layout"])
+        if paired_decode:
+            row["paired_decode"] = paired_decode
         cases.append(row)
     return {
         "device": bench.get("device"),
@@ -110,6 +122,13 @@ def merge(bench, peers):
             "configs": {shape_text(shape_key(s)): {p["name"]: p.get("config")
                                                    for p in s.get("peers", []) if p.get("config")}
                         for s in peers.get("shapes", [])},
+        },
+        "peers_decode": None if decode_peers is None else {
+            "date": decode_peers.get("date"),
+            "empty_kernel_us": decode_peers.get("empty_kernel_us"),
+            "configs": {shape_text(shape_key(s)): {p["name"]: p.get("config")
+                                                   for p in s.get("peers", []) if p.get("config")}
+                        for s in decode_peers.get("shapes", [])},
         },
         "cases": cases,
         "jit": bench.get("jit"),
@@ -182,6 +201,7 @@ def markdown(merged):
         out.append("| " + " | ".join(cells) + " |")
     out.extend(same_harness(merged, rows))
     out.extend(paired_table(rows))
+    out.extend(paired_table(rows, "paired_decode"))
     out.extend(launch_adjusted(merged, rows))
     jit = merged.get("jit")
     if jit:
@@ -285,18 +305,19 @@ def same_harness(merged, rows):
     return out if any_row else []
 
 
-def paired_table(rows):
+def paired_table(rows, field="paired"):
     """peers.py's paired phase: per round, the peer's time over libmoejit's (> 1: libmoejit
     faster), median and distribution-free 95% interval, and what the interval supports. Separate
     blocks of runs differ by 0.1-0.3 us at decode sizes, as much as the contenders do; rounds
-    that interleave them compare like with like."""
+    that interleave them compare like with like. field "paired_decode": the second run on the
+    decode shapes alone."""
     marks = {"libmoejit faster": "faster", "peer faster": "**slower**",
              "level (within the interval)": "level"}
     out = []
     for key, by_layout in rows.items():
         cells, filled = [shape_text(key)], False
         for layout, peer, _ in PAIRED_COLUMNS:
-            p = ((by_layout.get(layout) or {}).get("paired") or {}).get(peer)
+            p = ((by_layout.get(layout) or {}).get(field) or {}).get(peer)
             if not p or p.get("peer_over_lib") is None:
                 cells.append("")
                 continue
@@ -309,13 +330,18 @@ def paired_table(rows):
             out.append("| " + " | ".join(cells) + " |")
     if not out:
         return []
-    rounds = sorted({p["rounds"] for by_layout in rows.values() for c in by_layout.values()
-                     for p in (c.get("paired") or {}).values() if p.get("rounds")})
-    head = ["", "Paired (peers.py: libmoejit's layouts, the Triton gather and index_add_ in "
-            "interleaved rounds, one flushed run each per round, "
-            + "/".join(str(r) for r in rounds) + " rounds): the peer's time over libmoejit's per "
-            "round, median [95% interval]; \"faster\" / \"slower\" where the interval excludes "
-            "1, \"level\" where it contains it.", "",
+    rounds = "/".join(str(r) for r in sorted(
+        {p["rounds"] for by_layout in rows.values() for c in by_layout.values()
+         for p in (c.get(field) or {}).values() if p.get("rounds")}))
+    if field == "paired_decode":
+        text = (f"The decode shapes again, in a peers.py run of their own ({rounds} rounds): the "
+                "same reading, with intervals that resolve a few hundredths of a microsecond.")
+    else:
+        text = ("Paired (peers.py: libmoejit's layouts, the Triton gather and index_add_ in "
+                f"interleaved rounds, one flushed run each per round, {rounds} rounds): the "
+                "peer's time over libmoejit's per round, median [95% interval]; \"faster\" / "
+                "\"slower\" where the interval excludes 1, \"level\" where it contains it.")
+    head = ["", text, "",
             "| case | " + " | ".join(title for _, _, title in PAIRED_COLUMNS) + " |",
             "|" + " --- |" * (len(PAIRED_COLUMNS) + 1)]
     return head + out
@@ -385,6 +411,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("bench", help="moejit-bench --json output")
     p.add_argument("peers", nargs="?", help="peers.py --json output")
+    p.add_argument("--decode-peers", metavar="JSON",
+                   help="a second peers.py --json output, the decode shapes in more paired rounds")
     p.add_argument("--markdown", action="store_true", help="print a markdown table instead")
     args = p.parse_args()
     with open(args.bench) as f:
@@ -393,14 +421,18 @@ def main():
     if args.peers:
         with open(args.peers) as f:
             peers = json.load(f)
-    if peers is None and is_merged_record(bench):
+    decode_peers = None
+    if args.decode_peers:
+        with open(args.decode_peers) as f:
+            decode_peers = json.load(f)
+    if peers is None and decode_peers is None and is_merged_record(bench):
         merged = bench  # a record this script wrote: render it again, peers included
         for c in merged["cases"]:
             if "error" not in c:
                 complete_floor_figures(c, merged.get("copy_ceiling_gbps"),
                                        merged.get("empty_kernel_us"))
     else:
-        merged = merge(bench, peers)
+        merged = merge(bench, peers, decode_peers)
     if args.markdown:
         sys.stdout.write(markdown(merged))
     else:

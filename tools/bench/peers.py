@@ -188,6 +188,11 @@ def shapes_from_bench(path):
     return shapes
 
 
+def select_shapes(shapes, max_tokens):
+    """The shapes with at most max_tokens tokens, in order (0: all of them)."""
+    return [s for s in shapes if max_tokens == 0 or s["T"] <= max_tokens]
+
+
 def shape_text(s):
     text = f"T{s['T']} K{s['K']} H{s['H']} {s['in_dtype']}"
     return text + (f"->{s['out_dtype']}" if s["out_dtype"] != s["in_dtype"] else "")
@@ -730,6 +735,8 @@ def main():
     p.add_argument("--no-extra", action="store_true", help="skip the other models' shapes")
     p.add_argument("--no-l2-warm", action="store_true", help="skip the L2-warm timing")
     p.add_argument("--reps", type=int, default=0, help="timed runs (default 200, 100 if > 64 MB)")
+    p.add_argument("--max-tokens", type=int, default=0,
+                   help="only the shapes with at most this many tokens (decode shapes: 64)")
     p.add_argument("--no-paired", action="store_true",
                    help="skip the paired phase (libmoejit and the peers in interleaved rounds)")
     p.add_argument("--warmup", type=int, default=10)
@@ -752,6 +759,11 @@ def main():
             shapes = builtin_shapes(args.quick, not args.no_extra)
     else:
         shapes = builtin_shapes(args.quick, not args.no_extra)
+    if args.max_tokens < 0:
+        p.error("--max-tokens: expected a positive number of tokens (0: every shape)")
+    shapes = select_shapes(shapes, args.max_tokens)
+    if not shapes:
+        p.error(f"--max-tokens {args.max_tokens}: no shape has that few tokens")
     if args.quick and not args.reps:
         args.reps = 50
     return main_gpu(args, shapes)

@@ -3,7 +3,7 @@
 # case with --jit, run the peers on the same shapes, merge. Everything lands in the directory given
 # as $1 (default ./bench-out); the compact tables are printed last.
 #
-#   tools/bench/run-h200.sh "$OUT"     # about 4 minutes on an H200 (build ~1, bench ~1, peers ~2)
+#   tools/bench/run-h200.sh "$OUT"     # 2-4 minutes on an H200 (build, bench, peers twice)
 #
 # Exit status: 0 when every step passed; otherwise the first failing step's status (the later steps
 # still run, so one failure does not lose the other figures).
@@ -41,9 +41,20 @@ MOEJIT_LIBRARY="$PWD/build-gpu/libmoejit.so" timeout 360 python3 tools/bench/pee
 rc=$?
 [ $rc -eq 0 ] || step_failed peers.py $rc "$out/peers.txt"
 
+# The decode shapes again, alone, in 1000 paired rounds: their contenders differ by hundredths of
+# a microsecond, which the main run's 200 rounds do not resolve (tools/bench/NOTES.md, version 38).
+note "peers.py, decode shapes, 1000 paired rounds -> $out/peers-decode.txt, peers-decode.json"
+MOEJIT_LIBRARY="$PWD/build-gpu/libmoejit.so" timeout 240 python3 tools/bench/peers.py \
+  "${peer_cases[@]}" --max-tokens 64 --reps 1000 --no-l2-warm --json "$out/peers-decode.json" \
+  >"$out/peers-decode.txt" 2>&1
+rc=$?
+[ $rc -eq 0 ] || step_failed "peers.py (decode)" $rc "$out/peers-decode.txt"
+
 if [ -s "$out/bench.json" ]; then
   peers_json=()
   [ -s "$out/peers.json" ] && peers_json=("$out/peers.json")
+  [ -s "$out/peers.json" ] && [ -s "$out/peers-decode.json" ] &&
+    peers_json+=(--decode-peers "$out/peers-decode.json")
   if ! { python3 tools/bench/merge_results.py "$out/bench.json" "${peers_json[@]}" >"$out/h200.json" &&
     python3 tools/bench/merge_results.py "$out/bench.json" "${peers_json[@]}" --markdown \
       >"$out/h200.md"; }; then
