@@ -430,9 +430,10 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
       if (tokens == 1) add(s.with_one_token_kernel());
     }
     // Gather map: one-token calls whose buffer holds at most top_k rows take their own kernel.
-    if (tokens == 1 && s.layout == MOEJIT_LAYOUT_GATHER_MAP &&
-        one_token_map_spec(s).fits_one_token_map())
-      add(one_token_map_spec(s));
+    if (tokens == 1 && s.layout == MOEJIT_LAYOUT_GATHER_MAP) {
+      const KernelSpec one = one_token_map_spec(s);
+      if (one.fits_one_token_map()) add(one);
+    }
   }
   return specs;
 }
@@ -536,9 +537,10 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   // geometry (one_token_map_spec). On the H200 against the fixed layouts' kernel, A B C C B A x 2
   // (tools/bench/NOTES.md, version 37), T = 1, us: K8 H7168 bf16 5.41 -> 5.08, K8 H4096 5.38 ->
   // 5.04, K4 H2880 5.17 -> 4.81, K2 H4096 fp32 5.17 -> 4.75, K1 H5120 5.05 -> 4.71.
-  if (s.layout == MOEJIT_LAYOUT_GATHER_MAP && a.num_tokens == 1 && a.num_rows <= a.top_k &&
-      one_token_map_spec(s).fits_one_token_map())
-    s = one_token_map_spec(s);
+  if (s.layout == MOEJIT_LAYOUT_GATHER_MAP && a.num_tokens == 1 && a.num_rows <= a.top_k) {
+    const KernelSpec one = one_token_map_spec(s);
+    if (one.fits_one_token_map()) s = one;
+  }
   p.list_capacity = s.list_cap;  // of the module chosen (0: no list)
 
   // Grid x: token groups (at most 2^31 - 1). Grid y: chunks per row, at most 65536 / 4 (hidden

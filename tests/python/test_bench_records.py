@@ -382,3 +382,61 @@ def test_peers_selects_the_decode_shapes(peers):
     assert [(s["T"], s["K"], s["H"]) for s in decode] == [(1, 8, 7168), (32, 8, 7168),
                                                           (64, 2, 4096)]
     assert peers.select_shapes(shapes, 0) == shapes
+
+
+class _FakeCuda:
+    """torch.cuda stand-in for time_interleaved: a clock that every call advances, events that
+    read it, and a log of what was enqueued."""
+
+    def __init__(self):
+        self.clock, self.log = 0.0, []
+        cuda = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self):
+                self.t = cuda.clock
+
+            def elapsed_time(self, other):  # ms
+                return (other.t - self.t) / 1e3
+
+        self.Event = Event
+
+    def _sleep(self, cycles):
+        self.log.append(("sleep", cycles))
+
+    def synchronize(self):
+        pass
+
+
+class _FakeTorch:
+    def __init__(self):
+        self.cuda = _FakeCuda()
+
+
+def test_time_interleaved_runs_each_once_per_round_in_random_orders(peers):
+    import random
+    torch = _FakeTorch()
+
+    class Flush:
+        def fill_(self, value):
+            torch.cuda.log.append(("fill", value))
+
+    def fn(name, us):
+        def run():
+            torch.cuda.log.append(("run", name))
+            torch.cuda.clock += us
+        return run
+
+    fns = {"a": fn("a", 5.0), "b": fn("b", 7.0), "c": fn("c", 6.0)}
+    series, orders = peers.time_interleaved(torch, fns, 50, 2, random.Random(1), Flush(), 123)
+    assert all(sorted(o) == ["a", "b", "c"] for o in orders) and len(orders) == 50
+    assert len({tuple(o) for o in orders}) > 1  # not one fixed order
+    assert series == {"a": [5.0] * 50, "b": [7.0] * 50, "c": [6.0] * 50}
+    timed = torch.cuda.log[6:]  # after 2 warm-up runs of each
+    # Every timed run: the sleep, then a fill with its own byte, then the run.
+    assert [e[0] for e in timed[:3]] == ["sleep", "fill", "run"] and timed[0] == ("sleep", 123)
+    fills = [v for kind, v in timed if kind == "fill"]
+    assert fills == [n & 0xFF for n in range(150)]

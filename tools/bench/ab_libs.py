@@ -111,13 +111,7 @@ def main(argv=None):
     tdtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1000)
-    s.record()
-    torch.cuda._sleep(2_000_000)
-    e.record()
-    torch.cuda.synchronize()
-    lead = int(100 * 2_000_000 / (s.elapsed_time(e) * 1e3))  # 100 us of GPU sleep per run
+    lead = int(100 * peers.sleep_cycles_per_us(torch))  # 100 us of GPU sleep per run
     stream = torch.cuda.current_stream(dev).cuda_stream
     failed = False
     print(f"ab_libs.py: {', '.join(f'{n}={p}' for n, p in a.lib)}; {a.rounds} rounds; "
@@ -163,27 +157,8 @@ def main(argv=None):
                     first = out.clone()
                 else:
                     same = same and torch.equal(out, first)
-            for name in names:
-                for _ in range(5):
-                    fns[name]()
-            torch.cuda.synchronize()
-            rng = random.Random(a.seed)
-            events = {name: [] for name in names}
-            n = 0
-            for _ in range(a.rounds):
-                for name in rng.sample(names, len(names)):
-                    start, stop = (torch.cuda.Event(enable_timing=True),
-                                   torch.cuda.Event(enable_timing=True))
-                    torch.cuda._sleep(lead)
-                    flush.fill_(n & 0xFF)
-                    n += 1
-                    start.record()
-                    fns[name]()
-                    stop.record()
-                    events[name].append((start, stop))
-            torch.cuda.synchronize()
-            us = {name: [x.elapsed_time(y) * 1e3 for x, y in pairs]
-                  for name, pairs in events.items()}
+            us, _ = peers.time_interleaved(torch, fns, a.rounds, 5, random.Random(a.seed), flush,
+                                           lead)
             failed = failed or not worst < 1e-2  # differing outputs are news, not a failure
             line = (f"{layout:<12}T{T} K{K} H{H} {dt}  {names[0]} "
                     f"{statistics.median(us[names[0]]):.2f} us")

@@ -272,6 +272,52 @@ def paired_summary(lib_us, peer_us):
     }
 
 
+# ---- timing shared with ab_libs.py (torch passed in: importing this file needs no torch) --------
+
+def sleep_cycles_per_us(torch):
+    """GPU cycles per microsecond of torch.cuda._sleep, which spins for a number of cycles."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)
+    s.record()
+    torch.cuda._sleep(2_000_000)
+    e.record()
+    torch.cuda.synchronize()
+    return 2_000_000 / max(s.elapsed_time(e) * 1e3, 1.0)
+
+
+def time_interleaved(torch, fns, rounds, warmup, rng, flush, lead_cycles):
+    """us per run of each function, run in rounds: one run of each per round, in a random order
+    drawn for every round, each after a GPU sleep (lead_cycles, so host time never shows inside
+    the events) and a fill of `flush` (the L2 flush). A fixed rotation kept each function's
+    predecessor and the parity of its runs (every other flushed run is 0.6-0.75 us slower) in step
+    with the other side of a comparison: it read the gather map at T=1 0.967x Triton where random
+    orders read 1.013x. Returns the series and the orders."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    torch.cuda.synchronize()
+    events = {name: [] for name in names}
+    orders = []
+    n = 0
+    for _ in range(rounds):
+        order = rng.sample(names, len(names))
+        orders.append(order)
+        for name in order:
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                enable_timing=True)
+            torch.cuda._sleep(lead_cycles)
+            flush.fill_(n & 0xFF)
+            n += 1
+            start.record()
+            fns[name]()
+            stop.record()
+            events[name].append((start, stop))
+    torch.cuda.synchronize()
+    series = {name: [s.elapsed_time(e) * 1e3 for s, e in pairs] for name, pairs in events.items()}
+    return series, orders
+
+
 # ---- Triton kernels --------------------------------------------------------------------------
 # At module level: Triton resolves the names a kernel uses (tl) in its module's globals.
 try:
@@ -340,16 +386,7 @@ def main_gpu(args, shapes):
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
 
     # torch.cuda._sleep spins for a number of GPU cycles: calibrate cycles per microsecond.
-    def calibrate_sleep():
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1000)
-        s.record()
-        torch.cuda._sleep(2_000_000)
-        e.record()
-        torch.cuda.synchronize()
-        return 2_000_000 / max(s.elapsed_time(e) * 1e3, 1.0)
-
-    cycles_per_us = calibrate_sleep()
+    cycles_per_us = sleep_cycles_per_us(torch)
     # Python enqueues slowly (tens of us for the multi-kernel torch peers): a GPU sleep before each
     # run's separator keeps the GPU behind the host, so host time never shows up as GPU idle
     # inside the events.
@@ -585,36 +622,7 @@ def main_gpu(args, shapes):
         return results, paired, paired_raw
 
     def interleaved(fns, rounds, warmup, rng):
-        """us per run of each function, run in rounds: one run of each per round, flushed like
-        bench, in a random order drawn for every round. A fixed rotation kept each function's
-        predecessor and the parity of its runs (every other flushed run is 0.6-0.75 us slower) in
-        step with the other side of a comparison: it read the gather map at T=1 0.967x Triton
-        where random orders read 1.013x. Returns the series and the orders."""
-        names = list(fns)
-        for name in names:
-            for _ in range(warmup):
-                fns[name]()
-        torch.cuda.synchronize()
-        events = {name: [] for name in names}
-        orders = []
-        n = 0
-        for _ in range(rounds):
-            order = rng.sample(names, len(names))
-            orders.append(order)
-            for name in order:
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True)
-                torch.cuda._sleep(lead_cycles)
-                flush.fill_(n & 0xFF)
-                n += 1
-                start.record()
-                fns[name]()
-                stop.record()
-                events[name].append((start, stop))
-        torch.cuda.synchronize()
-        series = {name: [s.elapsed_time(e) * 1e3 for s, e in pairs]
-                  for name, pairs in events.items()}
-        return series, orders
+        return time_interleaved(torch, fns, rounds, warmup, rng, flush, lead_cycles)
 
     def run_pairs(timed, rounds, seed):
         """PAIRS whose two sides both ran correctly, compared round by round; and the raw
