@@ -29,7 +29,8 @@
 //
 // Grid: one block per work item, a group of TPB tokens x a chunk of TPT * UPT vector slots (1-D,
 // group-major, a token's chunks adjacent: the fixed layouts and the token index's list path with
-// TOP_K >= 2; otherwise 2-D: x the token group, y the chunk).
+// TOP_K >= 2, except the gather map up to mid-size calls; otherwise 2-D: x the token group, y the
+// chunk).
 // All addresses are computed in 64 bits: R * H passes 2^31 at realistic prefill sizes.
 //
 // No toolkit header is included: fp16/bf16 conversions use PTX or bit operations, so NVRTC needs
@@ -862,21 +863,31 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   // running together then read its K adjacent rows as one contiguous stretch (1-5% faster than
   // chunk-major at every prefill shape on the H200). Gather map, against the 2-D grid (A B B A,
   // twice): 0.5-1.2% faster at DeepSeek-V3, K=1, K=2 fp32, K=4 and K=8 H=4096, 0.1-0.16 us at
-  // decode T=1 and T=32; 0.1-0.8% slower at H=2048, H=3584 and K=2 bf16 (a row is one chunk there
-  // and both grids are the same blocks: code generation). Version 8 measured the opposite, before
-  // the map's 32-bit checks and the K <= 2 slot counts. The token index's list path takes the 1-D
+  // decode T=1 and T=32 (block medians; decode and mid-size calls: see below); 0.1-0.8% slower at
+  // H=2048, H=3584 and K=2 bf16 (a row is one chunk there and both grids are the same blocks: code
+  // generation). Version 8 measured the opposite, before the map's 32-bit checks and the K <= 2
+  // slot counts. The token index's list path takes the 1-D
   // grid too where it holds two or more rows per token (A B B A x 2: K2 bf16 60.15 -> 59.13 us, K2
   // fp32 109.87 -> 109.04, K4 H2880 39.04 -> 38.59, K8 H3584 75.98 -> 75.22, K8 H4096 83.90 ->
   // 83.36, the other prefill shapes level to 0.3% faster) but not with one (K1 H5120 30.63 ->
   // 31.42). Its single launch and one-token kernel keep the 2-D grid (x the token group, y the
   // chunk). The host applies the same rule (KernelSpec::one_dim_grid).
+  // Except the gather map up to mid-size calls, which the host launches on the 2-D grid
+  // (gridDim.y > 1; src/combine_plan.cpp, gather_map_two_dim_grid): a uniform branch here, so one
+  // module serves both grids. Only where a row has several chunks (otherwise the grids are the
+  // same): at K = 2 with four slots per thread the branch cost ptxas a spill and 2.7%.
   constexpr bool kOneDimGrid = !SCAN && (!kTokenIndex || TOP_K >= 2);
   long long group;
   int chunk;
   if constexpr (kOneDimGrid) {
     constexpr unsigned kChunks = (kSlots + TPT * UPT - 1) / (TPT * UPT);
-    group = blockIdx.x / kChunks;
-    chunk = static_cast<int>(blockIdx.x % kChunks);
+    if (LAYOUT == kLayoutGatherMap && kChunks > 1 && gridDim.y > 1) {
+      group = blockIdx.x;
+      chunk = static_cast<int>(blockIdx.y);
+    } else {
+      group = blockIdx.x / kChunks;
+      chunk = static_cast<int>(blockIdx.x % kChunks);
+    }
   } else {
     group = blockIdx.x;
     chunk = static_cast<int>(blockIdx.y);

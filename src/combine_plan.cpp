@@ -109,6 +109,19 @@ constexpr int64_t kDecodeMaxTokens = 64;
 // that win at prefill lose there (choose_geometry).
 constexpr int64_t kMidSlotsMax = int64_t{1} << 21;
 
+// The gather map up to mid-size calls (T * vectors per row <= kMidSlotsMax) runs on the 2-D grid
+// (x the token groups, y the chunks: the blocks running together read different tokens' rows at
+// the same offset), not on the 1-D grid with a token's chunks adjacent that its prefill calls and
+// the other fixed layouts take (combine.cuh, kOneDimGrid; the kernel reads which from gridDim.y).
+// On the H200, in interleaved rounds against the 1-D grid (tools/bench/NOTES.md, version 39):
+// T = 64 with K = 2 and 8 0.8-1.2% faster, T = 4-32 level; T = 128-1024 at K = 8 H = 7168 1-1.7%,
+// T = 1024 K = 4 H = 2880 1.5%; at prefill it is 1.2-1.6% slower. Token-major measured level to
+// 2% either way at decode sizes and slower at mid-size: it keeps the 1-D grid.
+bool gather_map_two_dim_grid(const KernelSpec& s, int64_t num_tokens) {
+  return s.layout == MOEJIT_LAYOUT_GATHER_MAP && !s.one_token && num_tokens >= 0 &&
+         num_tokens * static_cast<int64_t>(s.slots()) <= kMidSlotsMax;
+}
+
 // Thread geometry, from the H200 sweeps (tools/bench/NOTES.md): one vector slot per thread and
 // 128-thread blocks for bandwidth; short rows share a block between several tokens. The fixed
 // layouts keep those blocks at decode sizes too, and spread a token's row over 16-slot token
@@ -556,7 +569,7 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   // token's chunks adjacent (the kernel splits blockIdx.x; see combine.cuh, kOneDimGrid).
   plan.combine_grid_x = static_cast<unsigned>(groups);
   plan.combine_grid_y = static_cast<unsigned>(s.chunks());
-  if (s.one_dim_grid()) {
+  if (s.one_dim_grid() && !gather_map_two_dim_grid(s, a.num_tokens)) {
     const int64_t blocks = groups * s.chunks();
     if (blocks > INT32_MAX)
       throw Error(MOEJIT_ERROR_UNSUPPORTED,

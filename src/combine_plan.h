@@ -23,8 +23,9 @@ struct CombinePlan {
   bool nothing_to_do = false;  // T == 0
   // Combine grid (also the single-launch and one-token kernels'). Where spec.one_dim_grid() (the
   // fixed layouts, the token index's list path with two or more rows held): 1-D, x = groups *
-  // chunks (a token's chunks adjacent), y = 1. Otherwise x the token groups (spec.tpb tokens
-  // each), y the chunks of spec.tpt * spec.upt vector slots per row.
+  // chunks (a token's chunks adjacent), y = 1, except the gather map up to mid-size calls.
+  // Otherwise x the token groups (spec.tpb tokens each), y the chunks of spec.tpt * spec.upt vector
+  // slots per row.
   unsigned int combine_grid_x = 0;
   unsigned int combine_grid_y = 0;
   unsigned int clear_blocks = 0;  // token-index helpers (0 for other layouts)

@@ -29,8 +29,8 @@ moejit_combine_args gather_args(void* expert, void* out, int64_t hidden) {
 
 TEST(KernelSpec, AlignedBf16UsesSixteenByteVectors) {
   auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
-  a.num_tokens = 333;
-  a.num_rows = 666;
+  a.num_tokens = 3333;
+  a.num_rows = 6666;
   const CombinePlan plan = plan_combine(&a);
   EXPECT_EQ(plan.spec.vec, 8);
   EXPECT_EQ(plan.spec.tpt, 128);
@@ -38,8 +38,8 @@ TEST(KernelSpec, AlignedBf16UsesSixteenByteVectors) {
   EXPECT_EQ(plan.spec.chunks(), 7);
   EXPECT_FALSE(plan.list_helpers());  // fixed layouts: one launch
   EXPECT_FALSE(plan.token_scan());
-  // One 1-D grid, a token's 7 chunks adjacent (as for token-major).
-  EXPECT_EQ(plan.combine_grid_x, 333u * 7u);
+  // Past mid-size calls one 1-D grid, a token's 7 chunks adjacent (as for token-major).
+  EXPECT_EQ(plan.combine_grid_x, 3333u * 7u);
   EXPECT_EQ(plan.combine_grid_y, 1u);
 }
 
@@ -49,16 +49,16 @@ TEST(KernelSpec, FixedLayoutsUseOneDimensionWithATokensChunksAdjacent) {
     auto a =
         gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
     a.layout = layout;
-    a.num_tokens = 333;
+    a.num_tokens = 3333;  // past mid-size calls, where the gather map takes the 2-D grid
     if (layout == MOEJIT_LAYOUT_TOKEN_MAJOR) {
       a.indices = nullptr;
       a.num_rows = 0;
     } else {
-      a.num_rows = 666;
+      a.num_rows = 6666;
     }
     const CombinePlan plan = plan_combine(&a);
     EXPECT_EQ(plan.spec.chunks(), 7);
-    EXPECT_EQ(plan.combine_grid_x, 333u * 7u);
+    EXPECT_EQ(plan.combine_grid_x, 3333u * 7u);
     EXPECT_EQ(plan.combine_grid_y, 1u);
     // Past what one 1-D launch holds: a clear error, not a wrapped grid.
     a.num_tokens = int64_t{1} << 30;
@@ -83,11 +83,31 @@ TEST(KernelSpec, DecodeSizedCallsKeepTheBandwidthBlocksAndMidSizeCallsSpreadATok
     EXPECT_EQ(few.spec.tpt, 128) << k;
     EXPECT_EQ(few.spec.tpb, 1) << k;
     EXPECT_EQ(few.spec.upt, 1) << k;
-    EXPECT_EQ(few.combine_grid_x, 3u * 7u) << k;  // 896 vectors in 7 chunks per token
+    // 896 vectors in 7 chunks per token. The gather map on the 2-D grid at decode sizes (x the
+    // tokens, y the chunks), token-major on the 1-D grid (a token's chunks adjacent).
+    EXPECT_EQ(few.combine_grid_x, 3u) << k;
+    EXPECT_EQ(few.combine_grid_y, 7u) << k;
     a.layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
-    EXPECT_EQ(plan_combine(&a).spec.tpt, 128) << k;
+    const CombinePlan few_tm = plan_combine(&a);
+    EXPECT_EQ(few_tm.spec.tpt, 128) << k;
+    EXPECT_EQ(few_tm.combine_grid_x, 3u * 7u) << k;
+    EXPECT_EQ(few_tm.combine_grid_y, 1u) << k;
     a.layout = MOEJIT_LAYOUT_GATHER_MAP;
   }
+  // The gather map on the 2-D grid up to mid-size calls (T * vectors per row <= 2^21: T = 2340
+  // at 896 vectors), on the 1-D grid past them.
+  a.top_k = 8;
+  a.num_tokens = 2340;
+  a.num_rows = 8 * 2340;
+  const CombinePlan mid = plan_combine(&a);
+  EXPECT_EQ(mid.combine_grid_x, 2340u / static_cast<unsigned>(mid.spec.tpb));
+  EXPECT_EQ(mid.combine_grid_y, static_cast<unsigned>(mid.spec.chunks()));
+  a.num_tokens = 2341;
+  a.num_rows = 8 * 2341;
+  const CombinePlan large = plan_combine(&a);
+  EXPECT_EQ(large.combine_grid_x, 2341u * static_cast<unsigned>(large.spec.chunks()));
+  EXPECT_EQ(large.combine_grid_y, 1u);
+  a.num_tokens = 3;
   // Mid-size calls with eight rows per token: 16-slot token groups, two per 32-thread block.
   a.top_k = 8;
   a.num_tokens = 100;
@@ -96,9 +116,9 @@ TEST(KernelSpec, DecodeSizedCallsKeepTheBandwidthBlocksAndMidSizeCallsSpreadATok
   EXPECT_EQ(plan.spec.tpt, 16);
   EXPECT_EQ(plan.spec.tpb, 2);
   EXPECT_EQ(plan.spec.chunks(), 56);
-  EXPECT_EQ(plan.combine_grid_x, 50u * 56u);  // two tokens per 32-thread block, 56 chunks
-  EXPECT_EQ(plan.combine_grid_y, 1u);
-  a.num_tokens = 64;  // the last decode size
+  EXPECT_EQ(plan.combine_grid_x, 50u);  // two tokens per 32-thread block (the 2-D grid)
+  EXPECT_EQ(plan.combine_grid_y, 56u);  // 56 chunks
+  a.num_tokens = 64;                    // the last decode size
   a.num_rows = 512;
   EXPECT_EQ(plan_combine(&a).spec.tpt, 128);
   // The token index: one 64-thread group per block for the list path and the one-token kernel;
