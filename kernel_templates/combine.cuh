@@ -866,11 +866,10 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   // decode T=1 and T=32 (block medians; decode and mid-size calls: see below); 0.1-0.8% slower at
   // H=2048, H=3584 and K=2 bf16 (a row is one chunk there and both grids are the same blocks: code
   // generation). Version 8 measured the opposite, before the map's 32-bit checks and the K <= 2
-  // slot counts. The token index's list path takes the 1-D
-  // grid too where it holds two or more rows per token (A B B A x 2: K2 bf16 60.15 -> 59.13 us, K2
-  // fp32 109.87 -> 109.04, K4 H2880 39.04 -> 38.59, K8 H3584 75.98 -> 75.22, K8 H4096 83.90 ->
-  // 83.36, the other prefill shapes level to 0.3% faster) but not with one (K1 H5120 30.63 ->
-  // 31.42). Its single launch and one-token kernel keep the 2-D grid (x the token group, y the
+  // slot counts. The token index's list path takes the 1-D grid too where it holds two or more
+  // rows per token (A B B A x 2: K2 bf16 60.15 -> 59.13 us, K2 fp32 109.87 -> 109.04, K4 H2880
+  // 39.04 -> 38.59, K8 H3584 75.98 -> 75.22, K8 H4096 83.90 -> 83.36, the other prefill shapes
+  // level to 0.3% faster) but not with one (K1 H5120 30.63 -> 31.42). Its single launch and one-token kernel keep the 2-D grid (x the token group, y the
   // chunk). The host applies the same rule (KernelSpec::one_dim_grid).
   // Except the gather map up to mid-size calls, which the host launches on the 2-D grid
   // (gridDim.y > 1; src/combine_plan.cpp, gather_map_two_dim_grid): a uniform branch here, so one

@@ -113,10 +113,11 @@ constexpr int64_t kMidSlotsMax = int64_t{1} << 21;
 // (x the token groups, y the chunks: the blocks running together read different tokens' rows at
 // the same offset), not on the 1-D grid with a token's chunks adjacent that its prefill calls and
 // the other fixed layouts take (combine.cuh, kOneDimGrid; the kernel reads which from gridDim.y).
-// On the H200, in interleaved rounds against the 1-D grid (tools/bench/NOTES.md, version 39):
-// T = 64 with K = 2 and 8 0.8-1.2% faster, T = 4-32 level; T = 128-1024 at K = 8 H = 7168 1-1.7%,
-// T = 1024 K = 4 H = 2880 1.5%; at prefill it is 1.2-1.6% slower. Token-major measured level to
-// 2% either way at decode sizes and slower at mid-size: it keeps the 1-D grid.
+// On the H200, in interleaved rounds against the 1-D grid (tools/bench/NOTES.md, version 39; two
+// runs): T = 64 with K = 2 and 8 0-1.2% faster, T = 4-32 level; T = 128-1024 at K = 8 H = 7168
+// 0.9-1.7% faster, T = 1024 K = 4 H = 2880 level to 1.5%, K = 8 H = 2048 level to 0.4% slower; at
+// prefill it is 1.2-1.6% slower. Token-major measured level to 2% either way at decode sizes and
+// slower at mid-size: it keeps the 1-D grid.
 bool gather_map_two_dim_grid(const KernelSpec& s, int64_t num_tokens) {
   return s.layout == MOEJIT_LAYOUT_GATHER_MAP && !s.one_token && num_tokens >= 0 &&
          num_tokens * static_cast<int64_t>(s.slots()) <= kMidSlotsMax;
