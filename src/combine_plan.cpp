@@ -405,13 +405,19 @@ KernelSpec single_launch_for_rows(const KernelSpec& single, int64_t num_rows) {
 // its K + 1 rows in shared memory, and in the fixed kernel's 128-thread blocks it was 6-10% slower
 // (tools/bench/NOTES.md, version 38, interleaved rounds: T1 K8 H7168 4.74 -> 5.18 us, K4 H2880
 // 4.58 -> 4.83); in 64x1 0.4-0.5 us slower at K = 4 and 8 (version 37). With one or two rows per
-// token it keeps the 128-thread blocks.
+// token it keeps the 128-thread blocks, and where a row fills them loads 8-byte vectors instead of
+// 16-byte ones: twice the blocks, half the adds per thread after the one round trip. On the H200 in
+// interleaved rounds against 16-byte vectors (NOTES, version 39), T = 1: K2 bf16 H2048 / H4096 /
+// H7168 3.4-3.6% faster, K2 H4096 fp16 and fp32 1.4-1.5%, K1 H4096 fp32 1.5%, K1 H5120 bf16 level
+// to 1.0% (two runs). 4-byte vectors were no better (K2 H4096 bf16 2.2%, K1 H5120 2.8%).
 KernelSpec one_token_map_spec(const KernelSpec& decode) {
   KernelSpec s = decode.with_one_token_kernel();
   if (s.top_k > 2 && s.slots() > 32) {
     s.tpt = 16;
     s.tpb = 2;
     s.upt = 1;
+  } else if (s.top_k <= 2 && s.tpt == kBlockThreads && s.vec * element_bytes(s.in_dtype) == 16) {
+    s.vec /= 2;
   }
   return s;
 }

@@ -188,11 +188,11 @@ TEST(KernelSpec, PlanMatchesSpecForShapeOnAlignedBuffers) {
       a.num_tokens = tokens;
       a.num_rows = 2 * tokens;
       const KernelSpec planned = plan_combine(&a).spec;
-      // One token with at most top_k rows: the one-token kernel in the decode geometry.
+      // One token with at most top_k rows: the one-token kernel in its own geometry.
       const KernelSpec shape =
           spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
                          MOEJIT_INDEX_INT32, hidden, 2, 256, tokens);
-      EXPECT_EQ(planned, tokens == 1 ? shape.with_one_token_kernel() : shape)
+      EXPECT_EQ(planned, tokens == 1 ? one_token_map_spec(shape) : shape)
           << "hidden " << hidden << " tokens " << tokens;
       const auto all = specs_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                        MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, hidden, 2, 256);
@@ -485,15 +485,16 @@ TEST(KernelSpec, OneTokenGatherMapCallsPlanTheirModule) {
       EXPECT_FALSE(plan.list_helpers()) << at;
       EXPECT_EQ(plan.spec.top_k, k) << at;
       EXPECT_EQ(plan.params.list_capacity, 0) << at;
-      EXPECT_EQ(
-          plan.spec.name_expressions(),
-          std::vector<std::string>{"&moejit::combine_one_token_map<2, 2, int, 7168, 8, " +
-                                   std::to_string(k) + (k <= 2 ? ", 128, 1, 1>" : ", 16, 2, 1>")})
+      // Its own geometry (one_token_map_spec) on the fixed layouts' grid: at K <= 2 8-byte vectors
+      // (1792 of them in 14 chunks of 128), at K > 2 16-byte ones (896 in 56 chunks of 16, two
+      // token groups per block), one after the other on x.
+      EXPECT_EQ(plan.spec.name_expressions(),
+                std::vector<std::string>{"&moejit::combine_one_token_map<2, 2, int, 7168, " +
+                                         std::string(k <= 2 ? "4, " : "8, ") + std::to_string(k) +
+                                         (k <= 2 ? ", 128, 1, 1>" : ", 16, 2, 1>")})
           << at;
-      // Its own geometry (one_token_map_spec) on the fixed layouts' grid: 896 vectors in 7 chunks
-      // of 128 (K <= 2) or 56 of 16, one after the other on x.
       EXPECT_TRUE(plan.spec.one_dim_grid()) << at;
-      EXPECT_EQ(plan.combine_grid_x, k <= 2 ? 7u : 56u) << at;
+      EXPECT_EQ(plan.combine_grid_x, k <= 2 ? 14u : 56u) << at;
       EXPECT_EQ(plan.combine_grid_y, 1u) << at;
       const auto warmed =
           specs_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
