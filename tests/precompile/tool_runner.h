@@ -9,9 +9,11 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <system_error>
 
 #include "gtest/gtest.h"
 
@@ -46,8 +48,10 @@ inline std::string make_temp_dir(const char* tag) {
   return templ;
 }
 
+// Best effort (a test's scratch directory): errors are ignored, as `rm -rf` would.
 inline void remove_tree(const std::string& dir) {
-  if (dir.size() > 5) std::system(("rm -rf '" + dir + "'").c_str());
+  std::error_code ignored;
+  if (dir.size() > 5) std::filesystem::remove_all(dir, ignored);
 }
 
 inline std::string configs(const std::string& name) {
