@@ -869,12 +869,13 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   // slot counts. The token index's list path takes the 1-D grid too where it holds two or more
   // rows per token (A B B A x 2: K2 bf16 60.15 -> 59.13 us, K2 fp32 109.87 -> 109.04, K4 H2880
   // 39.04 -> 38.59, K8 H3584 75.98 -> 75.22, K8 H4096 83.90 -> 83.36, the other prefill shapes
-  // level to 0.3% faster) but not with one (K1 H5120 30.63 -> 31.42). Its single launch and one-token kernel keep the 2-D grid (x the token group, y the
-  // chunk). The host applies the same rule (KernelSpec::one_dim_grid).
-  // Except the gather map up to mid-size calls, which the host launches on the 2-D grid
-  // (gridDim.y > 1; src/combine_plan.cpp, gather_map_two_dim_grid): a uniform branch here, so one
-  // module serves both grids. Only where a row has several chunks (otherwise the grids are the
-  // same): at K = 2 with four slots per thread the branch cost ptxas a spill and 2.7%.
+  // level to 0.3% faster) but not with one (K1 H5120 30.63 -> 31.42). Its single launch and
+  // one-token kernel keep the 2-D grid (x the token group, y the chunk). The host applies the same
+  // rule (KernelSpec::one_dim_grid). Except the gather map up to mid-size calls, which the host
+  // launches on the 2-D grid (gridDim.y > 1; src/combine_plan.cpp, gather_map_two_dim_grid): a
+  // uniform branch here, so one module serves both grids. Only where a row has several chunks
+  // (otherwise the grids are the same): at K = 2 with four slots per thread the branch cost ptxas a
+  // spill and 2.7%.
   constexpr bool kOneDimGrid = !SCAN && (!kTokenIndex || TOP_K >= 2);
   long long group;
   int chunk;

@@ -80,10 +80,11 @@ struct KernelSpec {
   KernelSpec helpers_spec() const;
   // A token-index list-path combine: its calls launch the helpers of helpers_spec() first.
   bool needs_list_helpers() const { return token_index() && !scan && !one_token && !helpers; }
-  // The combine runs on a 1-D grid (x = token groups * chunks, a token's chunks adjacent) rather
+  // The combine can run on a 1-D grid (x = token groups * chunks, a token's chunks adjacent) rather
   // than x = token groups, y = chunks: the fixed layouts (the gather map's one-token kernel too),
   // and the token index's list path with two or more rows per token held. combine.cuh
-  // (kOneDimGrid, combine_one_token_map) applies the same rule.
+  // (kOneDimGrid, combine_one_token_map) applies the same rule. The plan launches it so, except the
+  // gather map up to mid-size calls, which the kernel takes on the 2-D grid (gridDim.y > 1).
   bool one_dim_grid() const {
     return !helpers && !scan && (!token_index() || (!one_token && top_k >= 2));
   }
