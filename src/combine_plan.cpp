@@ -129,7 +129,8 @@ bool gather_map_two_dim_grid(const KernelSpec& s, int64_t num_tokens) {
 // groups, two per 32-thread block, only for mid-size calls with eight or more rows per token (see
 // below); the gather map's one-token kernel keeps 16x2 at K > 2 (one_token_map_spec). The token
 // index takes one 64-thread group per block for its list path and one-token kernel at decode
-// (fewer, larger blocks measured 2-7% faster than 16x2 at T = 1, 32 and 64), and at larger calls
+// (fewer, larger blocks measured 2-7% faster than 16x2 at T = 1, 32 and 64; the one-token kernel
+// with one or two rows takes 128 in 8-byte vectors: one_token_index_spec), and at larger calls
 // too (see below); its single launch keeps the 128-thread blocks (see below).
 void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   const int slots = s->slots();
@@ -167,7 +168,8 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   // A x 2, medians of four runs, us: T64 K2 H4096 6.40 -> 6.11, T48 K2 H2048 fp32 6.24 -> 6.04,
   // T16 K8 H2048 fp16 6.34 -> 6.10, T64 K8 H7168 9.27 -> 9.17; T = 2-32 at K = 2-8 and T64 K1
   // level (within 0.05 us). With eight rows per token the decode and mid-size calls then share
-  // one single-launch module; the one-token kernel keeps the 64-thread blocks (no better in 128).
+  // one single-launch module; the one-token kernel keeps the 64-thread blocks (no better in 128
+  // at 16-byte vectors; one_token_index_spec).
   const bool scan_block = s->scan && slots >= kBlockThreads;
   const bool token_index_decode = s->token_index() && decode && !scan_block;
   if ((mid_k8 || token_index_decode) && slots > 32) {
@@ -422,6 +424,25 @@ KernelSpec one_token_map_spec(const KernelSpec& decode) {
   return s;
 }
 
+// The token index's one-token kernel (combine_one_token) for a decode spec: the decode geometry
+// (64-thread blocks where a row fills them), except with one or two rows, where 128-thread blocks
+// load 8-byte vectors instead of 16-byte ones: twice the blocks, as one_token_map_spec takes for
+// the gather map. On the H200 in interleaved rounds against the decode geometry (NOTES, version
+// 40), T = 1: K2 bf16 H2048 / H4096 / H7168 2.0-2.1% faster; 64-thread blocks in 8-byte vectors
+// 1.2-1.4%, 128-thread ones in 16-byte vectors level to 0.7%; K1 H5120 bf16 and K <= 2 fp32 level;
+// at K = 4 and 8 8-byte vectors were level to 2.2% slower.
+KernelSpec one_token_index_spec(const KernelSpec& decode) {
+  const KernelSpec s = decode.with_one_token_kernel();
+  if (s.top_k > 2 || s.vec * element_bytes(s.in_dtype) != 16) return s;
+  KernelSpec narrow = s;
+  narrow.vec /= 2;
+  if (narrow.slots() < kBlockThreads) return s;  // a row must fill the blocks
+  narrow.tpt = kBlockThreads;
+  narrow.tpb = 1;
+  narrow.upt = 1;
+  return narrow;
+}
+
 std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dtype,
                                         moejit_dtype out_dtype, moejit_index_type index_type,
                                         int hidden, int rows_per_token, size_t alignment_bytes) {
@@ -447,7 +468,7 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
       const KernelSpec smallest = single_launch_for_rows(single, fewest_tokens * rows_per_token);
       if (smallest.small_scan) add(smallest);
       add(s.helpers_spec());
-      if (tokens == 1) add(s.with_one_token_kernel());
+      if (tokens == 1) add(one_token_index_spec(s));
     }
     // Gather map: one-token calls whose buffer holds at most top_k rows take their own kernel.
     if (tokens == 1 && s.layout == MOEJIT_LAYOUT_GATHER_MAP) {
@@ -535,7 +556,7 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
     plan.assign_blocks = helper_blocks(a.num_rows);
     // Their own modules: the list path is not compiled for a call that skips it.
     if (a.num_tokens == 1 && a.num_rows <= kOneTokenMaxRows) {
-      s = s.with_one_token_kernel();
+      s = one_token_index_spec(s);
     } else {
       // The single launch in its own geometry: every one of its blocks reads all of token_idx.
       const KernelSpec single = single_launch_spec(s, a.num_tokens);

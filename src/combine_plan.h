@@ -72,6 +72,11 @@ KernelSpec single_launch_for_rows(const KernelSpec& single, int64_t num_rows);
 // 16x2 blocks at K > 2 where the fixed kernel has 128x1.
 KernelSpec one_token_map_spec(const KernelSpec& decode);
 
+// Token index: the one-token module's spec (combine_one_token) for a one-token call whose decode
+// spec is `decode` (spec_for_shape with num_tokens = 1): 128-thread blocks in 8-byte vectors with
+// one or two rows, the decode geometry otherwise.
+KernelSpec one_token_index_spec(const KernelSpec& decode);
+
 // Every specialization moe_combine() may use for this shape, whatever the batch size (decode and
 // prefill geometries, deduplicated; for the token index each batch size's list-path and
 // single-launch modules (with the small-call form where a call of that batch size with

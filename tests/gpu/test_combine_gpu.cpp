@@ -1058,10 +1058,10 @@ int64_t one_token_mismatches(moejit_runtime_t rt, const moejit_combine_args& a,
 TEST_F(CombineGpu, OneTokenSkipsDroppedRowsWhateverTheyHold) {
   moejit_runtime_t rt = memory_only_runtime();
   const int64_t H = 7168;
-  // Up to 64 rows: the one-token kernel; 65-128 the single launch's small-call form; 129 its slab
-  // form.
-  for (const int64_t R : {int64_t{1}, int64_t{5}, int64_t{8}, int64_t{13}, int64_t{64}, int64_t{65},
-                          int64_t{128}, int64_t{129}}) {
+  // Up to 64 rows: the one-token kernel (8-byte vectors in 128-thread blocks up to 2 rows:
+  // one_token_index_spec); 65-128 the single launch's small-call form; 129 its slab form.
+  for (const int64_t R : {int64_t{1}, int64_t{2}, int64_t{5}, int64_t{8}, int64_t{13}, int64_t{64},
+                          int64_t{65}, int64_t{128}, int64_t{129}}) {
     SCOPED_TRACE("R=" + std::to_string(R));
     Rng rng(static_cast<uint64_t>(R) * 977);
     std::vector<int32_t> token_idx(static_cast<size_t>(R));
@@ -1108,9 +1108,10 @@ TEST_F(CombineGpu, OneTokenSkipsDroppedRowsWhateverTheyHold) {
 
 // Gather map, one token with at most top_k rows (combine_one_token_map: every row loaded with the
 // map, each slot's row picked from them): every dtype pair's kind, both index types, short rows and
-// a partial tail vector, rows = top_k and fewer, slots that repeat a row or are dropped, and the
-// matrix's variations (no gates, scale, accumulate, padded strides, misaligned pointers), each
-// checked against the fp32 chain in slot order bit for bit.
+// a partial tail vector, top_k 1 and 2 (8-byte vectors where a row fills the blocks:
+// one_token_map_spec), 3 and 8, rows = top_k and fewer, slots that repeat a row or are dropped,
+// and the matrix's variations (no gates, scale, accumulate, padded strides, misaligned pointers),
+// each checked against the fp32 chain in slot order bit for bit.
 TEST_F(CombineGpu, OneTokenGatherMapAgainstFloat64Reference) {
   const moejit_dtype types[][2] = {{MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16},
                                    {MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_FLOAT32},
@@ -1121,7 +1122,7 @@ TEST_F(CombineGpu, OneTokenGatherMapAgainstFloat64Reference) {
   for (const auto& t : types)
     for (int idx = 0; idx < 2; ++idx)
       for (int64_t hidden : {1, 7, 2880, 7168})
-        for (int64_t top_k : {1, 3, 8})
+        for (int64_t top_k : {1, 2, 3, 8})
           for (int64_t rows : {top_k, top_k / 2}) {
             Case c = vary(Case{MOEJIT_LAYOUT_GATHER_MAP, t[0], t[1],
                                static_cast<moejit_index_type>(idx), hidden, 1, top_k, seed++});

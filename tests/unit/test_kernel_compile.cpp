@@ -73,8 +73,9 @@ std::vector<Case> matrix() {
             // Its small-call form, where it lists rows in order (one token per block).
             if (single_decode.ordered_scan())
               cases.push_back({single_decode.with_small_scan(), archs[(n + 1) % 3]});
-            // And the one-token kernel (decode geometry).
-            cases.push_back({d.with_one_token_kernel(), archs[n % 3]});
+            // And the one-token kernel in its own geometry (8-byte vectors with one or two rows
+            // where a row fills 128 threads).
+            cases.push_back({one_token_index_spec(d), archs[n % 3]});
           }
           if (layout == MOEJIT_LAYOUT_GATHER_MAP) {
             // The gather map's one-token kernel, in the decode geometry (every row of the call in
@@ -376,6 +377,7 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
       single,                    // the slab form
       single.with_small_scan(),  // the small-call form
       decode_index.with_one_token_kernel(),
+      one_token_index_spec(shape(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 2, 1)),  // 8-byte vectors
       shape(MOEJIT_LAYOUT_GATHER_MAP, 7168, 8, 1).with_one_token_kernel(),
       single_launch_spec(shape(MOEJIT_LAYOUT_TOKEN_INDEX, 128, 2, kAnyTokens), kAnyTokens),
   };

@@ -431,7 +431,7 @@ TEST(KernelSpec, OneTokenCallsPlanTheOneTokenModule) {
   a.workspace = reinterpret_cast<void*>(0x300000);
   a.workspace_bytes = size_t{1} << 30;
   a.num_tokens = 1;
-  for (int64_t rows : {int64_t{0}, int64_t{1}, int64_t{8}, int64_t{64}}) {
+  for (int64_t rows : {int64_t{0}, int64_t{1}, int64_t{2}, int64_t{3}, int64_t{8}, int64_t{64}}) {
     a.num_rows = rows;
     const CombinePlan plan = plan_combine(&a);
     EXPECT_TRUE(plan.one_token()) << rows;
@@ -441,8 +441,12 @@ TEST(KernelSpec, OneTokenCallsPlanTheOneTokenModule) {
     EXPECT_EQ(plan.params.list_capacity, 0) << rows;
     EXPECT_NE(plan.spec.name_expressions()[kCombineKernel].find("combine_one_token<"),
               std::string::npos);
-    // The decode geometry: 7168 bf16 = 896 vectors, 64-thread blocks -> 14 chunks.
-    EXPECT_EQ(plan.spec.tpt, 64) << rows;
+    // Its own geometry (one_token_index_spec): up to two rows 1792 8-byte vectors in 128-thread
+    // blocks, more rows the decode geometry's 896 16-byte vectors in 64-thread blocks; 14 chunks
+    // either way.
+    EXPECT_EQ(plan.spec.tpt, rows <= 2 ? 128 : 64) << rows;
+    EXPECT_EQ(plan.spec.vec, rows <= 2 ? 4 : 8) << rows;
+    EXPECT_EQ(plan.spec.tpb, 1) << rows;
     EXPECT_EQ(plan.combine_grid_x, 1u);
     EXPECT_EQ(plan.combine_grid_y, 14u);
     // What the precompile tool warms for the shape (rows per token = rows at T = 1).
