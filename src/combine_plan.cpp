@@ -130,7 +130,7 @@ bool gather_map_two_dim_grid(const KernelSpec& s, int64_t num_tokens) {
 // below); the gather map's one-token kernel keeps 16x2 at K > 2 (one_token_map_spec). The token
 // index takes one 64-thread group per block for its list path and one-token kernel at decode
 // (fewer, larger blocks measured 2-7% faster than 16x2 at T = 1, 32 and 64; the one-token kernel
-// with one or two rows takes 128 in 8-byte vectors: one_token_index_spec), and at larger calls
+// takes 128 in narrower vectors with few or many rows: one_token_index_spec), and at larger calls
 // too (see below); its single launch keeps the 128-thread blocks (see below).
 void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   const int slots = s->slots();
@@ -425,17 +425,30 @@ KernelSpec one_token_map_spec(const KernelSpec& decode) {
 }
 
 // The token index's one-token kernel (combine_one_token) for a decode spec: the decode geometry
-// (64-thread blocks where a row fills them), except with one or two rows, where 128-thread blocks
-// load 8-byte vectors instead of 16-byte ones: twice the blocks, as one_token_map_spec takes for
-// the gather map. On the H200 in interleaved rounds against the decode geometry (NOTES, version
-// 40), T = 1: K2 bf16 H2048 / H4096 / H7168 2.0-2.1% faster; 64-thread blocks in 8-byte vectors
-// 1.2-1.4%, 128-thread ones in 16-byte vectors level to 0.7%; K1 H5120 bf16 and K <= 2 fp32 level;
-// at K = 4 and 8 8-byte vectors were level to 2.2% slower.
+// (64-thread blocks in 16-byte vectors where a row fills them), except in two cases, where
+// 128-thread blocks load narrower vectors: four or eight times the blocks, a few adds per thread
+// after each round trip. At T = 1 the decode geometry has few blocks (14 for a 7168-wide bf16 row)
+// and a call with more than eight rows takes several round trips, one batch of rows after the
+// other. On the H200 in interleaved rounds against the decode geometry (tools/bench/NOTES.md,
+// version 40), T = 1:
+// - one or two rows: 8-byte vectors. K2 bf16 H2048 / H4096 / H7168 1.2-3.0% faster, fp16 2.9%,
+//   fp32 1.4%, K1 level. 4-byte vectors were no better.
+// - five or more rows of 2-byte elements: 4-byte vectors. K8 bf16 H2880 / H5120 / H7168 2.1-2.8%
+//   faster, K8 H4096 fp16 2.8%, K6 2.1%, 16 rows 4.4%, 32 rows 9.2%. fp32 in 4-byte vectors was
+//   level at K8, and bf16 with three or four rows level to 2.9% slower: both keep the decode
+//   geometry.
 KernelSpec one_token_index_spec(const KernelSpec& decode) {
   const KernelSpec s = decode.with_one_token_kernel();
-  if (s.top_k > 2 || s.vec * element_bytes(s.in_dtype) != 16) return s;
+  const int elem = element_bytes(s.in_dtype);
+  if (s.vec * elem != 16) return s;  // only from the widest vectors
+  int vector_bytes = 16;
+  if (s.top_k <= 2)
+    vector_bytes = 8;
+  else if (s.top_k == 8 && elem == 2)
+    vector_bytes = 4;
+  if (vector_bytes == 16) return s;
   KernelSpec narrow = s;
-  narrow.vec /= 2;
+  narrow.vec = vector_bytes / elem;
   if (narrow.slots() < kBlockThreads) return s;  // a row must fill the blocks
   narrow.tpt = kBlockThreads;
   narrow.tpb = 1;

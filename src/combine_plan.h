@@ -74,7 +74,8 @@ KernelSpec one_token_map_spec(const KernelSpec& decode);
 
 // Token index: the one-token module's spec (combine_one_token) for a one-token call whose decode
 // spec is `decode` (spec_for_shape with num_tokens = 1): 128-thread blocks in 8-byte vectors with
-// one or two rows, the decode geometry otherwise.
+// one or two rows, in 4-byte ones with five or more rows of 2-byte elements, the decode geometry
+// otherwise.
 KernelSpec one_token_index_spec(const KernelSpec& decode);
 
 // Every specialization moe_combine() may use for this shape, whatever the batch size (decode and

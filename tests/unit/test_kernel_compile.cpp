@@ -378,6 +378,7 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
       single.with_small_scan(),  // the small-call form
       decode_index.with_one_token_kernel(),
       one_token_index_spec(shape(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 2, 1)),  // 8-byte vectors
+      one_token_index_spec(decode_index),                                  // 4-byte vectors
       shape(MOEJIT_LAYOUT_GATHER_MAP, 7168, 8, 1).with_one_token_kernel(),
       single_launch_spec(shape(MOEJIT_LAYOUT_TOKEN_INDEX, 128, 2, kAnyTokens), kAnyTokens),
   };

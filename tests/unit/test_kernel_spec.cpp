@@ -431,7 +431,8 @@ TEST(KernelSpec, OneTokenCallsPlanTheOneTokenModule) {
   a.workspace = reinterpret_cast<void*>(0x300000);
   a.workspace_bytes = size_t{1} << 30;
   a.num_tokens = 1;
-  for (int64_t rows : {int64_t{0}, int64_t{1}, int64_t{2}, int64_t{3}, int64_t{8}, int64_t{64}}) {
+  for (int64_t rows :
+       {int64_t{0}, int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{5}, int64_t{64}}) {
     a.num_rows = rows;
     const CombinePlan plan = plan_combine(&a);
     EXPECT_TRUE(plan.one_token()) << rows;
@@ -441,14 +442,15 @@ TEST(KernelSpec, OneTokenCallsPlanTheOneTokenModule) {
     EXPECT_EQ(plan.params.list_capacity, 0) << rows;
     EXPECT_NE(plan.spec.name_expressions()[kCombineKernel].find("combine_one_token<"),
               std::string::npos);
-    // Its own geometry (one_token_index_spec): up to two rows 1792 8-byte vectors in 128-thread
-    // blocks, more rows the decode geometry's 896 16-byte vectors in 64-thread blocks; 14 chunks
-    // either way.
-    EXPECT_EQ(plan.spec.tpt, rows <= 2 ? 128 : 64) << rows;
-    EXPECT_EQ(plan.spec.vec, rows <= 2 ? 4 : 8) << rows;
+    // Its own geometry (one_token_index_spec): up to two rows 1792 8-byte vectors in 14 chunks of
+    // 128 threads; three or four rows the decode geometry's 896 16-byte vectors in 14 chunks of
+    // 64; five or more 3584 4-byte vectors in 28 chunks of 128.
+    const bool few = rows <= 2, four = rows > 2 && rows <= 4;
+    EXPECT_EQ(plan.spec.tpt, four ? 64 : 128) << rows;
+    EXPECT_EQ(plan.spec.vec, few ? 4 : four ? 8 : 2) << rows;
     EXPECT_EQ(plan.spec.tpb, 1) << rows;
     EXPECT_EQ(plan.combine_grid_x, 1u);
-    EXPECT_EQ(plan.combine_grid_y, 14u);
+    EXPECT_EQ(plan.combine_grid_y, few || four ? 14u : 28u) << rows;
     // What the precompile tool warms for the shape (rows per token = rows at T = 1).
     const auto warmed =
         specs_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
