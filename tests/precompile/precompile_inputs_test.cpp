@@ -152,7 +152,7 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
           EXPECT_NE(std::find(specs.begin(), specs.end(), want.helpers_spec()), specs.end())
               << want.describe();
           if (tokens == 1) {
-            EXPECT_NE(std::find(specs.begin(), specs.end(), want.with_one_token_kernel()),
+            EXPECT_NE(std::find(specs.begin(), specs.end(), one_token_index_spec(want)),
                       specs.end())
                 << want.describe();
             EXPECT_NE(std::find(specs.begin(), specs.end(),
@@ -252,7 +252,7 @@ TEST(Manifest, ExactAndShapeLines) {
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 1));
   EXPECT_EQ(specs[9], single_launch_spec(specs[8], 1));
   EXPECT_EQ(specs[10], specs[9].with_small_scan());
-  EXPECT_EQ(specs[11], specs[8].with_one_token_kernel());
+  EXPECT_EQ(specs[11], one_token_index_spec(specs[8]));
   EXPECT_EQ(specs[12], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                       MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 65));
   EXPECT_EQ(specs[12].tpt, 64);

@@ -68,7 +68,7 @@ std::vector<moejit::KernelSpec> cold_specs() {
       moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
                              MOEJIT_INDEX_INT32, 128, 2, 256),
       mixtral_list.helpers_spec(),
-      deepseek_decode_list.with_one_token_kernel(),
+      moejit::one_token_index_spec(deepseek_decode_list),
   };
 }
 
