@@ -328,6 +328,9 @@ __device__ __forceinline__ void prefetch_l2_line(const void* first, long long by
 // Rows in flight per thread: enough independent 16-byte loads to cover memory latency without
 // spilling the loaded vectors.
 enum { kBatch = 8 };  // an enum, not a variable: see kScanBatch
+// Fixed layouts with kBatch < top_k <= kWideBatch (one slot per thread): every row in one batch
+// (combine_tokens), under a launch bound of half the blocks (CombineMinBlocks).
+enum { kWideBatch = 16 };
 
 // Slots first_slot + u * TPT (u < UPT) of one row into v[u] where `pred` holds and the slot
 // exists; zero elsewhere. `at` is the address of slot first_slot, in a valid row even where pred
@@ -802,11 +805,12 @@ __device__ __forceinline__ void prefetch_routing(const CombineParams& p, long lo
 }
 
 // One block per work item (a group of TPB tokens x a chunk of TPT * UPT vector slots; the grid is
-// described in combine_tokens). Each thread reads its token's routing, issues the loads
-// of a whole batch of rows (up to kBatch 16-byte vectors) before the first use, sums in fp32 in a
-// fixed order and stores once. Measured on the H200 against a persistent grid that prefetched the
-// next item's routing: this form was 1-14% faster at every prefill shape (fewer registers, the
-// hardware scheduler balancing short blocks) and equal at decode; see tools/bench/NOTES.md.
+// described in combine_tokens). Each thread reads its token's routing, issues the loads of a
+// whole batch of rows (up to kBatch 16-byte vectors; kWideBatch rows in the fixed layouts) before
+// the first use, sums in fp32 in a fixed order and stores once. Measured on the H200 against a
+// persistent grid that prefetched the next item's routing: this form was 1-14% faster at every
+// prefill shape (fewer registers, the hardware scheduler balancing short blocks) and equal at
+// decode; see tools/bench/NOTES.md.
 //
 // SCAN (token index only): the single-launch form, which finds its tokens' rows itself
 // (detail::scan_token_rows) instead of reading the lists token_index_assign built; SMALL_SCAN its
@@ -825,8 +829,16 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   typedef typename detail::Elem<OUT_DT>::storage OutS;
   constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;  // vectors per row, tail included
   constexpr bool kTokenIndex = LAYOUT == kLayoutTokenIndex;
-  // Rows loaded together: kBatch 16-byte vectors in flight per thread, whatever UPT is.
-  constexpr int kRowsPerBatch = detail::kBatch / UPT > 0 ? detail::kBatch / UPT : 1;
+  // Rows loaded together: kBatch 16-byte vectors in flight per thread, whatever UPT is. Except
+  // the fixed layouts with 9-16 rows per token (DeepSeek-V3 with its shared expert as a ninth row,
+  // top-10 and top-16 routers) at one slot per thread: all of them in one batch, one round trip
+  // instead of a batch of eight and then the rest two by two (each pair a round trip, after its
+  // map entries at the gather map).
+  constexpr bool kWideFixed =
+      !kTokenIndex && UPT == 1 && TOP_K > detail::kBatch && TOP_K <= detail::kWideBatch;
+  constexpr int kRowsPerBatch = kWideFixed                 ? TOP_K
+                                : detail::kBatch / UPT > 0 ? detail::kBatch / UPT
+                                                           : 1;
   // Rows whose routing is held in registers. Fixed layouts: the first batch (later rows, when
   // top_k > kRowsPerBatch, are read as they come). Token index: TOP_K is the expected rows per
   // token (a power of two up to kBatch, chosen by the host): that many list entries, sorted here
@@ -1132,12 +1144,15 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
 // (9 blocks per SM) where it had 48; a promise of 10
 // blocks keeps 48, no spill, loads back to back: T8192 K2 H4096 bf16 -0.23%, H2048 -0.15%, fp32
 // level on the H200 (A B B A x 4). Token-major with four slots spilled under it (and never takes
-// four slots).
-template <int LAYOUT, int TPT, int TPB, int UPT>
+// four slots). With 9-16 rows per token in one batch (detail::kWideBatch) the routing and the rows
+// take up to about 110 registers: half the blocks (four, 128 registers), the same bytes in flight
+// per SM as eight blocks of eight rows.
+template <int LAYOUT, int TOP_K, int TPT, int TPB, int UPT>
 struct CombineMinBlocks {
   enum {
+    wide = UPT == 1 && (TOP_K > detail::kBatch) && (TOP_K <= detail::kWideBatch),
     value = LAYOUT == kLayoutTokenIndex || TPT * TPB < 128 ? 0
-            : UPT == 1                                     ? 1024 / (TPT * TPB)
+            : UPT == 1                                     ? (wide ? 512 : 1024) / (TPT * TPB)
             : UPT == 4 && LAYOUT == kLayoutGatherMap       ? 1280 / (TPT * TPB)
                                                            : 0
   };
@@ -1145,7 +1160,7 @@ struct CombineMinBlocks {
 
 template <int LAYOUT, int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT,
           int TPB, int UPT, int LIST_CAP>
-__global__ void __launch_bounds__(TPT* TPB, (CombineMinBlocks<LAYOUT, TPT, TPB, UPT>::value))
+__global__ void __launch_bounds__(TPT* TPB, (CombineMinBlocks<LAYOUT, TOP_K, TPT, TPB, UPT>::value))
     combine(const CombineParams p) {
   detail::combine_tokens<LAYOUT, IN_DT, OUT_DT, IdxT, HIDDEN, VEC, TOP_K, TPT, TPB, UPT, LIST_CAP,
                          false, false>(p);

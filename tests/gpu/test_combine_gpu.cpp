@@ -500,6 +500,31 @@ TEST_F(CombineGpu, FullMatrixAgainstFloat64Reference) {
   moejit_runtime_destroy(rt);
 }
 
+// More rows per token than one batch of eight: 9-16 in one batch of their own in the fixed layouts
+// (combine.cuh, kWideBatch), 17 and 64 as a batch of eight and then two at a time; the token index
+// holds eight and lists the rest. Decode, mid-size and prefill geometries, short rows and a
+// partial tail vector, the dtype pairs and index types in turn, the matrix's variations, each
+// checked against the fp32 chain bit for bit.
+TEST_F(CombineGpu, TopKPastEightAgainstFloat64Reference) {
+  const moejit_dtype types[][2] = {{MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16},
+                                   {MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32},
+                                   {MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_FLOAT32}};
+  std::vector<Case> cases;
+  uint64_t seed = 7000;
+  int n = 0;
+  for (int layout = 0; layout < 3; ++layout)
+    for (int64_t top_k : {9, 12, 16, 17, 64})
+      for (int64_t tokens : {1, 33, 300})
+        for (int64_t hidden : {7, 2880, 7168}) {
+          const auto& t = types[n % 3];
+          const auto idx = static_cast<moejit_index_type>((n / 3) % 2);
+          ++n;
+          cases.push_back(vary(Case{static_cast<moejit_layout>(layout), t[0], t[1], idx, hidden,
+                                    tokens, top_k, seed++}));
+        }
+  expect_cases_pass(cases, worker_count());
+}
+
 // Skewed routing: one token receives far more rows than the workspace lists hold, so the combine
 // takes its overflow path; the result must still match, bit for bit across calls.
 TEST_F(CombineGpu, TokenIndexWithAHotToken) {

@@ -307,7 +307,8 @@ TEST(KernelCompile, EveryVariantCompilesForSm80Sm89Sm90) {
 // The fixed layouts' 128-thread blocks with one slot per thread promise ptxas eight blocks per SM
 // (combine.cuh, CombineMinBlocks): without it ptxas fitted them into 32 registers by issuing a
 // batch's row loads one or two at a time. The gather map's four-slot blocks (K=2 at prefill)
-// promise ten, which keeps them at 48 registers (56 without it since the bf16 word unpack). Every
+// promise ten, which keeps them at 48 registers (56 without it since the bf16 word unpack); with
+// 9-16 rows per token, all in one batch (kWideBatch), four (up to 128 registers). Every
 // other block keeps ptxas's own choice (the token index, the mid-size 16x2 blocks and the gather
 // map's one-token kernel are tuned without it). Read from the PTX, where the promise is the
 // .minnctapersm directive.
@@ -322,6 +323,9 @@ TEST(KernelCompile, LaunchBoundsPromiseBlocksPerSmOnlyWhereMeasured) {
   };
   const Expect cases[] = {
       {shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, 7168, 8, kAnyTokens), 8},
+      {shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, 7168, 9, kAnyTokens), 4},
+      {shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_BFLOAT16, 2048, 16, 1), 4},
+      {shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, 7168, 17, kAnyTokens), 8},
       {shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_BFLOAT16, 4096, 2, kAnyTokens), 8},
       {shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, 128, 2, kAnyTokens), 8},
       {shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, 4096, 2, kAnyTokens), 10},
@@ -336,8 +340,9 @@ TEST(KernelCompile, LaunchBoundsPromiseBlocksPerSmOnlyWhereMeasured) {
     SCOPED_TRACE(c.spec.describe());
     // The geometry each case stands for (a change in choose_geometry must revisit this test).
     const bool fixed_128 = c.spec.tpt * c.spec.tpb == 128 && !c.spec.token_index();
-    const int geometry_promise = !fixed_128                                                     ? 0
-                                 : c.spec.upt == 1                                              ? 8
+    const bool wide_batch = c.spec.top_k > 8 && c.spec.top_k <= 16;
+    const int geometry_promise = !fixed_128        ? 0
+                                 : c.spec.upt == 1 ? (wide_batch ? 4 : 8)
                                  : c.spec.upt == 4 && c.spec.layout == MOEJIT_LAYOUT_GATHER_MAP ? 10
                                                                                                 : 0;
     EXPECT_EQ(geometry_promise, c.promise);
