@@ -328,8 +328,9 @@ __device__ __forceinline__ void prefetch_l2_line(const void* first, long long by
 // Rows in flight per thread: enough independent 16-byte loads to cover memory latency without
 // spilling the loaded vectors.
 enum { kBatch = 8 };  // an enum, not a variable: see kScanBatch
-// Fixed layouts with kBatch < top_k <= kWideBatch (one slot per thread): every row in one batch
-// (combine_tokens), under a launch bound of half the blocks (CombineMinBlocks).
+// Fixed layouts with kBatch < top_k <= kWideBatch, and the token index holding that many rows
+// (one slot per thread): every row in one batch (combine_tokens, combine_one_token); the fixed
+// layouts under a launch bound of half the blocks (CombineMinBlocks).
 enum { kWideBatch = 16 };
 
 // Slots first_slot + u * TPT (u < UPT) of one row into v[u] where `pred` holds and the slot
@@ -726,7 +727,7 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
 template <int N>
 __device__ __forceinline__ void load_list_entries(const int* at, int (&row)[N]) {
   constexpr int kPerLoad = N < 4 ? N : 4;
-  static_assert(N % kPerLoad == 0, "1, 2, 4 or 8 held rows");
+  static_assert(N % kPerLoad == 0, "1, 2, 4, 8 or 16 held rows");
   struct __align__(4 * kPerLoad) Entries {
     int v[kPerLoad];
   };
@@ -830,22 +831,23 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;  // vectors per row, tail included
   constexpr bool kTokenIndex = LAYOUT == kLayoutTokenIndex;
   // Rows loaded together: kBatch 16-byte vectors in flight per thread, whatever UPT is. Except
-  // the fixed layouts with 9-16 rows per token (DeepSeek-V3 with its shared expert as a ninth row,
-  // top-10 and top-16 routers) at one slot per thread: all of them in one batch, one round trip
-  // instead of a batch of eight and then the rest two by two (each pair a round trip, after its
-  // map entries at the gather map).
-  constexpr bool kWideFixed =
-      !kTokenIndex && UPT == 1 && TOP_K > detail::kBatch && TOP_K <= detail::kWideBatch;
-  constexpr int kRowsPerBatch = kWideFixed                 ? TOP_K
-                                : detail::kBatch / UPT > 0 ? detail::kBatch / UPT
-                                                           : 1;
+  // with 9-16 rows per token (DeepSeek-V3 with its shared expert as a ninth row, top-10 and top-16
+  // routers) at one slot per thread: all of them in one batch, one round trip. The fixed layouts
+  // loaded a batch of eight and then the rest two by two (each pair a round trip, after its map
+  // entries at the gather map); the token index held eight rows and took the rest on its slow
+  // paths (the in-order pass over the list, or a second round of the ordered scan).
+  constexpr bool kWide = UPT == 1 && TOP_K > detail::kBatch && TOP_K <= detail::kWideBatch;
+  constexpr int kRowsPerBatch = kWide ? TOP_K : detail::kBatch / UPT > 0 ? detail::kBatch / UPT : 1;
   // Rows whose routing is held in registers. Fixed layouts: the first batch (later rows, when
   // top_k > kRowsPerBatch, are read as they come). Token index: TOP_K is the expected rows per
-  // token (a power of two up to kBatch, chosen by the host): that many list entries, sorted here
-  // and loaded in batches of kRowsPerBatch. Holding no more than a token usually has matters:
+  // token (a power of two up to kWideBatch, chosen by the host): that many list entries, sorted
+  // here and loaded in batches of kRowsPerBatch. Holding no more than a token usually has matters:
   // 8 held rows cost 35% at K=1 and 8% at K=2 on the H200 (the sort, the predicated loads and
-  // the masking, in every thread).
-  constexpr int kHeldCap = kTokenIndex ? detail::kBatch : kRowsPerBatch;
+  // the masking, in every thread). The single launch with several tokens per block (short rows,
+  // up to 512 threads) holds at most eight: sixteen spilled there (ptxas, sm_89, H=1).
+  constexpr int kHeldCap = !kTokenIndex      ? kRowsPerBatch
+                           : SCAN && TPB > 1 ? detail::kBatch
+                                             : detail::kWideBatch;
   constexpr int kHeld = TOP_K < kHeldCap ? TOP_K : kHeldCap;
   // Rows of one batch of the held path: never more than are held. A batch of kRowsPerBatch with
   // fewer held rows (K <= 4 with one slot per thread, K = 1 with two) added its compile-time
@@ -1195,14 +1197,17 @@ __global__ void __launch_bounds__(TPT* TPB, SMALL ? 4 : 0) combine_scan(const Co
 // chain as every other path: bitwise the same result. The host takes it for num_rows <=
 // kOneTokenMaxRows (src/combine_plan.cpp): a dropped row is still read, so many of them would cost
 // bandwidth the scan does not spend.
-// TOP_K: rows per batch (the rows the call has, rounded up to 1, 2, 4 or 8); the grid is the token
-// index's: x the token groups (one, whose other tokens leave at once), y the chunks.
+// TOP_K: rows per batch (the rows the call has, rounded up to 1, 2, 4, 8 or 16); the grid is the
+// token index's: x the token groups (one, whose other tokens leave at once), y the chunks.
 template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT, int TPB,
           int UPT>
 __global__ void __launch_bounds__(TPT* TPB) combine_one_token(const CombineParams p) {
   typedef typename detail::Elem<IN_DT>::storage S;
   typedef typename detail::Elem<OUT_DT>::storage OutS;
-  constexpr int kMostPerBatch = detail::kBatch / UPT > 0 ? detail::kBatch / UPT : 1;
+  // Up to kBatch rows per batch; with 9-16 rows per token held (TOP_K = kWideBatch), all of them.
+  constexpr int kMostPerBatch = UPT == 1 && TOP_K > detail::kBatch ? detail::kWideBatch
+                                : detail::kBatch / UPT > 0         ? detail::kBatch / UPT
+                                                                   : 1;
   constexpr int kRowsPerBatch = TOP_K < kMostPerBatch ? TOP_K : kMostPerBatch;
   const int sub = static_cast<int>(threadIdx.x) / TPT;
   const int lane = static_cast<int>(threadIdx.x) % TPT;

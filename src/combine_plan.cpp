@@ -89,13 +89,19 @@ int list_capacity(int64_t rows_per_token) {
 }
 
 // Token index: rows per token the combine holds (and sorts) in registers, the expected count
-// rounded up to 1, 2, 4 or 8 (KernelSpec::top_k). A token with more takes extra rounds; holding
+// rounded up to 1, 2, 4, 8 or 16 (KernelSpec::top_k). A token with more takes extra rounds; holding
 // more than a token has costs every thread (8 held: 35% slower at K=1, 8% at K=2, on the H200).
+// With more than eight rows per token, 16 held (combine.cuh, kWideBatch) in one batch: with eight
+// held, the rest took the slow paths, and T4096 K9 H7168 ran 34% behind the gather map, K10 H2048
+// 29%, K16 H4096 45%. On the H200 in interleaved rounds against eight held (tools/bench/NOTES.md,
+// version 42): T4096 K9 / K10 / K16 4.1% / 9.8% / 37.8% faster, T1 10-13.5%, T64 K9 / K10 3.4% /
+// 7.6%, T64 K16 1.5% slower; those modules take about 45% longer to compile (the 16-entry sort).
 int held_rows(int64_t rows_per_token) {
   if (rows_per_token <= 1) return 1;
   if (rows_per_token <= 2) return 2;
   if (rows_per_token <= 4) return 4;
-  return 8;
+  if (rows_per_token <= 8) return 8;
+  return 16;
 }
 
 // Token-index workspace: counts [T] (padded to 256 bytes), then row ids [T * cap].
@@ -444,7 +450,7 @@ KernelSpec one_token_index_spec(const KernelSpec& decode) {
   int vector_bytes = 16;
   if (s.top_k <= 2)
     vector_bytes = 8;
-  else if (s.top_k == 8 && elem == 2)
+  else if (s.top_k >= 8 && elem == 2)
     vector_bytes = 4;
   if (vector_bytes == 16) return s;
   KernelSpec narrow = s;

@@ -213,15 +213,15 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
                                       MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256);
   EXPECT_EQ(s.top_k, 8);  // rows held in registers: 8 expected per token
   EXPECT_EQ(s.list_cap, 32);
-  // Held rows: the expected count rounded up to 1, 2, 4 or 8; the list holds at least 16 and four
-  // times the expected count, up to 128 (random counts per token then stay within it). The
+  // Held rows: the expected count rounded up to 1, 2, 4, 8 or 16; the list holds at least 16 and
+  // four times the expected count, up to 128 (random counts per token then stay within it). The
   // single launch's small-call form, which scans again past its window, keeps twice the expected
   // count, at least 8.
   const struct {
     int rows_per_token, held, cap, small_cap;
-  } sizes[] = {{0, 1, 16, 8},   {1, 1, 16, 8},    {2, 2, 16, 8},   {3, 4, 32, 8},
-               {4, 4, 32, 8},   {5, 8, 32, 16},   {8, 8, 32, 16},  {9, 8, 64, 32},
-               {16, 8, 64, 32}, {17, 8, 128, 64}, {40, 8, 128, 64}};
+  } sizes[] = {{0, 1, 16, 8},    {1, 1, 16, 8},     {2, 2, 16, 8},    {3, 4, 32, 8},
+               {4, 4, 32, 8},    {5, 8, 32, 16},    {8, 8, 32, 16},   {9, 16, 64, 32},
+               {16, 16, 64, 32}, {17, 16, 128, 64}, {40, 16, 128, 64}};
   for (const auto& z : sizes) {
     const KernelSpec t =
         spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
