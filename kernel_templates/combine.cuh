@@ -727,7 +727,7 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
 template <int N>
 __device__ __forceinline__ void load_list_entries(const int* at, int (&row)[N]) {
   constexpr int kPerLoad = N < 4 ? N : 4;
-  static_assert(N % kPerLoad == 0, "1, 2, 4, 8 or 16 held rows");
+  static_assert(N % kPerLoad == 0, "1, 2, 4, 8, 12 or 16 held rows");
   struct __align__(4 * kPerLoad) Entries {
     int v[kPerLoad];
   };
@@ -840,7 +840,7 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   constexpr int kRowsPerBatch = kWide ? TOP_K : detail::kBatch / UPT > 0 ? detail::kBatch / UPT : 1;
   // Rows whose routing is held in registers. Fixed layouts: the first batch (later rows, when
   // top_k > kRowsPerBatch, are read as they come). Token index: TOP_K is the expected rows per
-  // token (a power of two up to kWideBatch, chosen by the host): that many list entries, sorted
+  // token (1, 2, 4, 8, 12 or 16, chosen by the host): that many list entries, sorted
   // here and loaded in batches of kRowsPerBatch. Holding no more than a token usually has matters:
   // 8 held rows cost 35% at K=1 and 8% at K=2 on the H200 (the sort, the predicated loads and
   // the masking, in every thread). The single launch with several tokens per block (short rows,
@@ -1197,14 +1197,14 @@ __global__ void __launch_bounds__(TPT* TPB, SMALL ? 4 : 0) combine_scan(const Co
 // chain as every other path: bitwise the same result. The host takes it for num_rows <=
 // kOneTokenMaxRows (src/combine_plan.cpp): a dropped row is still read, so many of them would cost
 // bandwidth the scan does not spend.
-// TOP_K: rows per batch (the rows the call has, rounded up to 1, 2, 4, 8 or 16); the grid is the
-// token index's: x the token groups (one, whose other tokens leave at once), y the chunks.
+// TOP_K: rows per batch (the rows the call has, rounded up to 1, 2, 4, 8, 12 or 16); the grid is
+// the token index's: x the token groups (one, whose other tokens leave at once), y the chunks.
 template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT, int TPB,
           int UPT>
 __global__ void __launch_bounds__(TPT* TPB) combine_one_token(const CombineParams p) {
   typedef typename detail::Elem<IN_DT>::storage S;
   typedef typename detail::Elem<OUT_DT>::storage OutS;
-  // Up to kBatch rows per batch; with 9-16 rows per token held (TOP_K = kWideBatch), all of them.
+  // Up to kBatch rows per batch; with 12 or 16 rows per token held, all of them.
   constexpr int kMostPerBatch = UPT == 1 && TOP_K > detail::kBatch ? detail::kWideBatch
                                 : detail::kBatch / UPT > 0         ? detail::kBatch / UPT
                                                                    : 1;

@@ -89,18 +89,22 @@ int list_capacity(int64_t rows_per_token) {
 }
 
 // Token index: rows per token the combine holds (and sorts) in registers, the expected count
-// rounded up to 1, 2, 4, 8 or 16 (KernelSpec::top_k). A token with more takes extra rounds; holding
-// more than a token has costs every thread (8 held: 35% slower at K=1, 8% at K=2, on the H200).
-// With more than eight rows per token, 16 held (combine.cuh, kWideBatch) in one batch: with eight
-// held, the rest took the slow paths, and T4096 K9 H7168 ran 34% behind the gather map, K10 H2048
-// 29%, K16 H4096 45%. On the H200 in interleaved rounds against eight held (tools/bench/NOTES.md,
-// version 42): T4096 K9 / K10 / K16 4.1% / 9.8% / 37.8% faster, T1 10-13.5%, T64 K9 / K10 3.4% /
-// 7.6%, T64 K16 1.5% slower; those modules take about 45% longer to compile (the 16-entry sort).
+// rounded up to 1, 2, 4, 8, 12 or 16 (KernelSpec::top_k). A token with more takes extra rounds;
+// holding more than a token has costs every thread (8 held: 35% slower at K=1, 8% at K=2, on the
+// H200). With more than eight rows per token, 16 held (combine.cuh, kWideBatch) in one batch: with
+// eight held, the rest took the slow paths, and T4096 K9 H7168 ran 34% behind the gather map, K10
+// H2048 29%, K16 H4096 45%. On the H200 in interleaved rounds against eight held
+// (tools/bench/NOTES.md, version 42): T4096 K9 / K10 / K16 4.1% / 9.8% / 37.8% faster, T1 10-13.5%,
+// T64 K9 / K10 3.4% / 7.6%, T64 K16 1.5% slower; those modules take about 45% longer to compile
+// (the 16-entry sort). Twelve held for 9-12: the held arrays' registers (80 against 110 at sixteen,
+// six 128-thread blocks per SM instead of four) put more of those rows in flight: against sixteen
+// held, T4096 K9 H7168 21.7% faster, K10 H2048 9.5%, K12 H4096 4.2%, T64 level to 2% (version 42).
 int held_rows(int64_t rows_per_token) {
   if (rows_per_token <= 1) return 1;
   if (rows_per_token <= 2) return 2;
   if (rows_per_token <= 4) return 4;
   if (rows_per_token <= 8) return 8;
+  if (rows_per_token <= 12) return 12;
   return 16;
 }
 

@@ -17,7 +17,7 @@ struct KernelSpec {
   int hidden = 0;       // H
   int vec = 1;          // elements per vector access
   int top_k = 0;        // K (token-major, gather map); token index: rows held in registers
-                        // (the expected rows per token rounded up to 1, 2, 4, 8 or 16)
+                        // (the expected rows per token rounded up to 1, 2, 4, 8, 12 or 16)
   int tpt = 0;          // threads per token group
   int tpb = 0;          // token groups per block
   int upt = 1;          // vector slots per thread (combine kernel)

@@ -220,7 +220,7 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   const struct {
     int rows_per_token, held, cap, small_cap;
   } sizes[] = {{0, 1, 16, 8},    {1, 1, 16, 8},     {2, 2, 16, 8},    {3, 4, 32, 8},
-               {4, 4, 32, 8},    {5, 8, 32, 16},    {8, 8, 32, 16},   {9, 16, 64, 32},
+               {4, 4, 32, 8},    {5, 8, 32, 16},    {8, 8, 32, 16},   {9, 12, 64, 32},
                {16, 16, 64, 32}, {17, 16, 128, 64}, {40, 16, 128, 64}};
   for (const auto& z : sizes) {
     const KernelSpec t =

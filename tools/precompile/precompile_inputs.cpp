@@ -175,8 +175,10 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
   if ((s.vec != 1 && s.vec != 2 && s.vec != 4 && s.vec != 8) || s.vec * widest > 16)
     fail("vec", s.vec, "expected 1, 2, 4 or 8, at most 16 bytes of the widest dtype");
   if (s.layout == MOEJIT_LAYOUT_TOKEN_INDEX) {
-    if (s.top_k != 1 && s.top_k != 2 && s.top_k != 4 && s.top_k != 8 && s.top_k != 16)
-      fail("K", s.top_k, "the token_index layout takes K 1, 2, 4, 8 or 16 (rows held per token)");
+    if (s.top_k != 1 && s.top_k != 2 && s.top_k != 4 && s.top_k != 8 && s.top_k != 12 &&
+        s.top_k != 16)
+      fail("K", s.top_k,
+           "the token_index layout takes K 1, 2, 4, 8, 12 or 16 (rows held per token)");
     if (one_token == 1 && s.list_cap != 0)
       fail("cap", s.list_cap, "a one-token module keeps no list; write cap=0");
     if (one_token != 1 && s.list_cap != 8 && s.list_cap != 16 && s.list_cap != 32 &&
