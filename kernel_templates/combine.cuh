@@ -843,11 +843,8 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   // token (1, 2, 4, 8, 12 or 16, chosen by the host): that many list entries, sorted
   // here and loaded in batches of kRowsPerBatch. Holding no more than a token usually has matters:
   // 8 held rows cost 35% at K=1 and 8% at K=2 on the H200 (the sort, the predicated loads and
-  // the masking, in every thread). The single launch with several tokens per block (short rows,
-  // up to 512 threads) holds at most eight: sixteen spilled there (ptxas, sm_89, H=1).
-  constexpr int kHeldCap = !kTokenIndex      ? kRowsPerBatch
-                           : SCAN && TPB > 1 ? detail::kBatch
-                                             : detail::kWideBatch;
+  // the masking, in every thread).
+  constexpr int kHeldCap = kTokenIndex ? detail::kWideBatch : kRowsPerBatch;
   constexpr int kHeld = TOP_K < kHeldCap ? TOP_K : kHeldCap;
   // Rows of one batch of the held path: never more than are held. A batch of kRowsPerBatch with
   // fewer held rows (K <= 4 with one slot per thread, K = 1 with two) added its compile-time

@@ -400,10 +400,16 @@ KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dt
                    num_tokens);
 }
 
+// Rows a single launch with several tokens per block holds (below).
+constexpr int kHeldInSharedBlocks = 8;
+
 KernelSpec single_launch_spec(const KernelSpec& list_spec, int64_t num_tokens) {
   KernelSpec s = list_spec;
   s.scan = true;
   choose_geometry(&s, num_tokens);
+  // Several tokens per block (short rows, up to 512 threads): at most eight held rows. With more
+  // (held_rows: 12 or 16) ptxas spilled there (sm_89, H=1).
+  if (s.tpb > 1) s.top_k = std::min(s.top_k, kHeldInSharedBlocks);
   return s;
 }
 

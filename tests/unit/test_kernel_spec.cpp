@@ -322,6 +322,20 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_EQ(single_launch_for_rows(single_launch_spec(tiny, 64), 2), single_launch_spec(tiny, 64));
   EXPECT_EQ(single_launch_spec(tiny, 64).tpb, 32);
   EXPECT_EQ(single_launch_spec(tiny, 65).tpb, 128);
+  // With 9-16 rows per token the list path holds 12 or 16; a single launch with several tokens per
+  // block holds eight (more spilled), one token per block all of them.
+  for (int rows : {10, 16}) {
+    const KernelSpec wide = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+                                           MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 8, rows, 256);
+    EXPECT_EQ(wide.top_k, rows <= 12 ? 12 : 16);
+    EXPECT_GT(single_launch_spec(wide, 65).tpb, 1);
+    EXPECT_EQ(single_launch_spec(wide, 65).top_k, 8);
+    const KernelSpec long_rows =
+        spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
+                       MOEJIT_INDEX_INT32, 4096, rows, 256);
+    EXPECT_EQ(single_launch_spec(long_rows, 65).tpb, 1);
+    EXPECT_EQ(single_launch_spec(long_rows, 65).top_k, long_rows.top_k);
+  }
   // The one-token kernel: a module of its own too, without a list, in the decode geometry.
   const KernelSpec one = s_decode.with_one_token_kernel();
   EXPECT_NE(one, s_decode);
