@@ -332,6 +332,10 @@ enum { kBatch = 8 };  // an enum, not a variable: see kScanBatch
 // (one slot per thread): every row in one batch (combine_tokens, combine_one_token); the fixed
 // layouts under a launch bound of half the blocks (CombineMinBlocks).
 enum { kWideBatch = 16 };
+template <int TOP_K, int UPT>
+struct WideBatch {  // a struct's enum, not a function or variable: see kScanBatch
+  enum { value = UPT == 1 && (TOP_K > kBatch) && (TOP_K <= kWideBatch) };
+};
 
 // Slots first_slot + u * TPT (u < UPT) of one row into v[u] where `pred` holds and the slot
 // exists; zero elsewhere. `at` is the address of slot first_slot, in a valid row even where pred
@@ -836,7 +840,7 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
   // loaded a batch of eight and then the rest two by two (each pair a round trip, after its map
   // entries at the gather map); the token index held eight rows and took the rest on its slow
   // paths (the in-order pass over the list, or a second round of the ordered scan).
-  constexpr bool kWide = UPT == 1 && TOP_K > detail::kBatch && TOP_K <= detail::kWideBatch;
+  constexpr bool kWide = detail::WideBatch<TOP_K, UPT>::value;
   constexpr int kRowsPerBatch = kWide ? TOP_K : detail::kBatch / UPT > 0 ? detail::kBatch / UPT : 1;
   // Rows whose routing is held in registers. Fixed layouts: the first batch (later rows, when
   // top_k > kRowsPerBatch, are read as they come). Token index: TOP_K is the expected rows per
@@ -1149,11 +1153,10 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
 template <int LAYOUT, int TOP_K, int TPT, int TPB, int UPT>
 struct CombineMinBlocks {
   enum {
-    wide = UPT == 1 && (TOP_K > detail::kBatch) && (TOP_K <= detail::kWideBatch),
     value = LAYOUT == kLayoutTokenIndex || TPT * TPB < 128 ? 0
-            : UPT == 1                                     ? (wide ? 512 : 1024) / (TPT * TPB)
-            : UPT == 4 && LAYOUT == kLayoutGatherMap       ? 1280 / (TPT * TPB)
-                                                           : 0
+            : UPT == 1 ? (detail::WideBatch<TOP_K, UPT>::value ? 512 : 1024) / (TPT * TPB)
+            : UPT == 4 && LAYOUT == kLayoutGatherMap ? 1280 / (TPT * TPB)
+                                                     : 0
   };
 };
 
@@ -1202,9 +1205,9 @@ __global__ void __launch_bounds__(TPT* TPB) combine_one_token(const CombineParam
   typedef typename detail::Elem<IN_DT>::storage S;
   typedef typename detail::Elem<OUT_DT>::storage OutS;
   // Up to kBatch rows per batch; with 12 or 16 rows per token held, all of them.
-  constexpr int kMostPerBatch = UPT == 1 && TOP_K > detail::kBatch ? detail::kWideBatch
-                                : detail::kBatch / UPT > 0         ? detail::kBatch / UPT
-                                                                   : 1;
+  constexpr int kMostPerBatch = detail::WideBatch<TOP_K, UPT>::value ? detail::kWideBatch
+                                : detail::kBatch / UPT > 0           ? detail::kBatch / UPT
+                                                                     : 1;
   constexpr int kRowsPerBatch = TOP_K < kMostPerBatch ? TOP_K : kMostPerBatch;
   const int sub = static_cast<int>(threadIdx.x) / TPT;
   const int lane = static_cast<int>(threadIdx.x) % TPT;
