@@ -517,11 +517,16 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
     invalid_argument("args->out", "NULL", "must be a device pointer when num_tokens > 0");
   if (any_rows && a.expert_hidden == nullptr)
     invalid_argument("args->expert_hidden", "NULL", "must be a device pointer when num_rows > 0");
-  if (any_rows && a.layout != MOEJIT_LAYOUT_TOKEN_MAJOR && a.indices == nullptr)
+  // The gather map has T * K entries whatever R is (with R = 0 every one is dropped, but the
+  // kernels still read them); token_idx has R.
+  if (a.layout == MOEJIT_LAYOUT_GATHER_MAP && a.num_tokens > 0 && a.indices == nullptr)
     invalid_argument("args->indices", "NULL",
-                     std::string("must be a device pointer (the ") +
-                         (a.layout == MOEJIT_LAYOUT_GATHER_MAP ? "gather map" : "token_idx") +
-                         ") for the " + layout_name(a.layout) + " layout");
+                     "must be a device pointer (the gather map, num_tokens * top_k entries) for "
+                     "the gather_map layout when num_tokens > 0, even with num_rows = 0");
+  if (a.layout == MOEJIT_LAYOUT_TOKEN_INDEX && any_rows && a.indices == nullptr)
+    invalid_argument("args->indices", "NULL",
+                     "must be a device pointer (the token_idx) for the token_index layout when "
+                     "num_rows > 0");
   check_aligned("args->expert_hidden", a.expert_hidden, in_b, dtype_name(a.expert_dtype));
   check_aligned("args->out", a.out, out_b, dtype_name(a.out_dtype));
   check_aligned("args->gates", a.gates, 4, "fp32 gates");

@@ -61,12 +61,12 @@ Settings resolve_settings(const moejit_runtime_options* options) {
   moejit_runtime_options o;
   moejit_runtime_options_init(&o);
   if (options != nullptr) {
-    if (options->struct_size < sizeof(size_t) || options->struct_size > sizeof(o))
+    // Only the sizes of released versions of the struct (so far one): any size in between would
+    // copy part of a pointer, which the code below would then follow.
+    if (options->struct_size != sizeof(o))
       invalid_argument("options->struct_size", std::to_string(options->struct_size),
-                       "must be sizeof(moejit_runtime_options) of a libmoejit header no newer "
-                       "than this library (" +
-                           std::to_string(sizeof(o)) +
-                           " bytes); call moejit_runtime_options_init() first");
+                       "must be sizeof(moejit_runtime_options) = " + std::to_string(sizeof(o)) +
+                           " for this library version; call moejit_runtime_options_init() first");
     std::memcpy(&o, options, options->struct_size);
   }
 

@@ -121,7 +121,23 @@ const BadCase kBadCases[] = {
     {"expert_null", [](auto& a) { a.expert_hidden = nullptr; }, MOEJIT_ERROR_INVALID_ARGUMENT,
      "args->expert_hidden = NULL"},
     {"indices_null", [](auto& a) { a.indices = nullptr; }, MOEJIT_ERROR_INVALID_ARGUMENT,
-     "args->indices = NULL: must be a device pointer (the gather map)"},
+     "args->indices = NULL: must be a device pointer (the gather map, num_tokens * top_k"},
+    // With no rows every map entry is dropped, but the kernels still read the T * K entries.
+    {"indices_null_no_rows",
+     [](auto& a) {
+       a.num_rows = 0;
+       a.expert_hidden = nullptr;
+       a.indices = nullptr;
+     },
+     MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->indices = NULL: must be a device pointer (the gather map"},
+    {"token_idx_null",
+     [](auto& a) {
+       a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+       a.indices = nullptr;
+     },
+     MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->indices = NULL: must be a device pointer (the token_idx)"},
     {"expert_misaligned", [](auto& a) { a.expert_hidden = fake(0x7f0000000001); },
      MOEJIT_ERROR_INVALID_ARGUMENT, "args->expert_hidden = 0x7f0000000001: must be aligned"},
     {"out_misaligned",
@@ -323,6 +339,20 @@ TEST(Api, RuntimeOptions) {
   EXPECT_NE(std::string(moejit_last_error_message()).find("options->log_level = 5"),
             std::string::npos);
   EXPECT_EQ(rt, nullptr);
+
+  // A size that ends inside a field (here inside cache_dir) is refused, not half copied.
+  for (size_t size : {size_t{0}, size_t{12}, sizeof(o) - 4, sizeof(o) + 8}) {
+    moejit_runtime_options_init(&o);
+    o.cache_dir = "/tmp/moejit-never-created";
+    o.struct_size = size;
+    EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_ERROR_INVALID_ARGUMENT) << size;
+    EXPECT_NE(std::string(moejit_last_error_message())
+                  .find("options->struct_size = " + std::to_string(size) +
+                        ": must be sizeof(moejit_runtime_options) = " + std::to_string(sizeof(o))),
+              std::string::npos)
+        << moejit_last_error_message();
+    EXPECT_EQ(rt, nullptr);
+  }
 
   moejit_runtime_options_init(&o);
   o.template_dir = "/nonexistent/moejit/templates";
