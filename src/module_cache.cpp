@@ -27,6 +27,18 @@ CUcontext current_context(unsigned long long* id) {
   return ctx;
 }
 
+// cuModuleLoadData results that say the image itself is unusable (not a cubin, or none for this
+// GPU): only those make a disk-cache entry suspect. Any other failure is the process's state, not
+// the entry's: out of memory, or a context an earlier fault left broken (every call then fails
+// the same way). Dropping the entry there would unlink a good shared file (or, in a read-only or
+// no-compile cache, refuse it for the rest of the run) and report a rebuild instead of the
+// driver's error.
+bool image_refused(CUresult result) {
+  return result == CUDA_ERROR_INVALID_IMAGE || result == CUDA_ERROR_NO_BINARY_FOR_GPU ||
+         result == CUDA_ERROR_INVALID_PTX || result == CUDA_ERROR_UNSUPPORTED_PTX_VERSION ||
+         result == CUDA_ERROR_INVALID_SOURCE;
+}
+
 }  // namespace
 
 ModuleCache::~ModuleCache() {
@@ -104,10 +116,10 @@ void ModuleCache::load(const KernelSpec& spec, CUcontext context, Entry& entry) 
   // another key (its own lock) and never needs this one, so the nested get cannot deadlock.
   if (spec.needs_list_helpers()) k.helpers = &get(spec.helpers_spec());
   // The store validated the image (a disk entry is checked before it gets here): a truncated or
-  // foreign binary never reaches cuModuleLoadData. If the driver still refuses an entry that came
-  // from the disk cache, it is a miss: forget it, rebuild, and try once more.
+  // foreign binary never reaches cuModuleLoadData. If the driver still refuses the image of an
+  // entry that came from the disk cache, it is a miss: forget it, rebuild, and try once more.
   CUresult loaded = d.cuModuleLoadData(&k.module, module->image.data());
-  if (loaded != CUDA_SUCCESS && source != KernelStore::Source::kCompiled) {
+  if (image_refused(loaded) && source != KernelStore::Source::kCompiled) {
     logger().warn("{} for cached {} ({}); rebuilding it",
                   describe_cuda_error("cuModuleLoadData", loaded), spec.describe(), target.name());
     stats_.disk_errors.fetch_add(1, std::memory_order_relaxed);

@@ -1,0 +1,205 @@
+// What a driver failure at module load does to the disk cache, through the public C API on a
+// stand-in libcuda.so.1 (fake_cuda.c, found through LD_LIBRARY_PATH, set by CMake): a refused
+// image makes its entry a miss (rebuilt once), any other failure (out of memory, a context an
+// earlier fault broke) is the caller's error and leaves the entry alone. Host only: the kernels
+// compile with NVRTC, the fake driver loads and "launches" them without running anything.
+#include <dlfcn.h>
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "moejit/moejit.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int kOutOfMemory = 2;       // CUDA_ERROR_OUT_OF_MEMORY
+constexpr int kInvalidImage = 200;    // CUDA_ERROR_INVALID_IMAGE
+constexpr int kIllegalAddress = 700;  // CUDA_ERROR_ILLEGAL_ADDRESS
+
+// The fake driver's controls (fake_cuda.c).
+struct FakeDriver {
+  void (*fail_module_loads)(int result, int times) = nullptr;
+  int (*module_load_calls)() = nullptr;
+  int (*launches)() = nullptr;
+};
+
+FakeDriver fake_driver() {
+  FakeDriver f;
+  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (h == nullptr) return f;
+  f.fail_module_loads =
+      reinterpret_cast<void (*)(int, int)>(dlsym(h, "fake_cuda_fail_module_loads"));
+  f.module_load_calls = reinterpret_cast<int (*)()>(dlsym(h, "fake_cuda_module_load_calls"));
+  f.launches = reinterpret_cast<int (*)()>(dlsym(h, "fake_cuda_launches"));
+  return f;
+}
+
+class ScratchDir {
+ public:
+  ScratchDir() {
+    std::string base = (fs::temp_directory_path() / "moejit-driver-test-XXXXXX").string();
+    path_ = mkdtemp(base.data());
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// The cache's entries (path and modification time), sorted.
+std::vector<std::pair<std::string, fs::file_time_type>> entries(const std::string& dir) {
+  std::vector<std::pair<std::string, fs::file_time_type>> found;
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    if (e.is_regular_file() && e.path().extension() == ".moejit")
+      found.emplace_back(e.path().string(), e.last_write_time());
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
+void* fake(uintptr_t address) {
+  return reinterpret_cast<void*>(address);
+}
+
+// A gather-map combine on fake, aligned device pointers: the fake driver never dereferences them.
+moejit_combine_args gather_map_args() {
+  moejit_combine_args a;
+  moejit_combine_args_init(&a);
+  a.layout = MOEJIT_LAYOUT_GATHER_MAP;
+  a.num_tokens = 33;
+  a.top_k = 2;
+  a.num_rows = 66;
+  a.hidden_dim = 256;
+  a.expert_hidden = fake(0x7f0000000000);
+  a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
+  a.indices = fake(0x7f0020000000);
+  a.out = fake(0x7f0030000000);
+  a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+  return a;
+}
+
+moejit_runtime_t runtime_on(const std::string& dir, moejit_cache_mode mode) {
+  moejit_runtime_options o;
+  moejit_runtime_options_init(&o);
+  o.cache_dir = dir.c_str();
+  o.cache_mode = mode;
+  o.log_level = MOEJIT_LOG_OFF;
+  moejit_runtime_t rt = nullptr;
+  EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_SUCCESS) << moejit_last_error_message();
+  return rt;
+}
+
+moejit_stats stats_of(moejit_runtime_t rt) {
+  moejit_stats s{};
+  s.struct_size = sizeof(s);
+  EXPECT_EQ(moejit_runtime_get_stats(rt, &s), MOEJIT_SUCCESS);
+  return s;
+}
+
+class DriverResults : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    driver_ = fake_driver();
+    if (driver_.fail_module_loads == nullptr)
+      GTEST_SKIP() << "libcuda.so.1 is not the test's fake driver (a real driver was found "
+                      "first, or LD_LIBRARY_PATH does not name the fake's directory)";
+    driver_.fail_module_loads(0, 0);
+    // Warm the cache: one compile, stored.
+    moejit_runtime_t rt = runtime_on(dir_.path(), MOEJIT_CACHE_MODE_READ_WRITE);
+    const moejit_combine_args a = gather_map_args();
+    ASSERT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS)
+        << moejit_last_error_message();
+    EXPECT_EQ(stats_of(rt).compiles, 1u);
+    moejit_runtime_destroy(rt);
+    warm_ = entries(dir_.path());
+    ASSERT_EQ(warm_.size(), 1u);
+  }
+  void TearDown() override {
+    if (driver_.fail_module_loads != nullptr) driver_.fail_module_loads(0, 0);
+  }
+
+  FakeDriver driver_;
+  ScratchDir dir_;
+  std::vector<std::pair<std::string, fs::file_time_type>> warm_;
+};
+
+// Out of memory, or a context broken by an earlier fault: the call fails with the driver's own
+// error, the entry stays as it was (not rebuilt, not unlinked), and once the driver loads again
+// the same runtime serves the call from it.
+TEST_F(DriverResults, AFailureThatIsNotTheImageLeavesTheEntry) {
+  for (int result : {kOutOfMemory, kIllegalAddress}) {
+    for (moejit_cache_mode mode : {MOEJIT_CACHE_MODE_READ_WRITE, MOEJIT_CACHE_MODE_NO_COMPILE,
+                                   MOEJIT_CACHE_MODE_READ_ONLY}) {
+      SCOPED_TRACE("result " + std::to_string(result) + ", cache mode " + std::to_string(mode));
+      moejit_runtime_t rt = runtime_on(dir_.path(), mode);
+      const moejit_combine_args a = gather_map_args();
+      driver_.fail_module_loads(result, -1);
+      EXPECT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_ERROR_CUDA);
+      const std::string message = moejit_last_error_message();
+      EXPECT_NE(message.find(result == kOutOfMemory ? "cuModuleLoadData failed: "
+                                                      "CUDA_ERROR_OUT_OF_MEMORY"
+                                                    : "CUDA_ERROR_ILLEGAL_ADDRESS"),
+                std::string::npos)
+          << message;
+      moejit_stats s = stats_of(rt);
+      EXPECT_EQ(s.compiles, 0u);
+      EXPECT_EQ(s.disk_errors, 0u);
+      EXPECT_EQ(entries(dir_.path()), warm_);
+
+      driver_.fail_module_loads(0, 0);
+      const int launches = driver_.launches();
+      EXPECT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS)
+          << moejit_last_error_message();
+      EXPECT_EQ(driver_.launches(), launches + 1);
+      s = stats_of(rt);
+      EXPECT_EQ(s.compiles, 0u);
+      EXPECT_EQ(entries(dir_.path()), warm_);
+      moejit_runtime_destroy(rt);
+    }
+  }
+}
+
+// A refused image (the driver's CUDA_ERROR_INVALID_IMAGE for an entry that passed the cache's
+// own checks) is a miss: the entry is dropped, the kernel rebuilt once and stored again, and the
+// call succeeds.
+TEST_F(DriverResults, ARefusedImageIsRebuiltOnce) {
+  moejit_runtime_t rt = runtime_on(dir_.path(), MOEJIT_CACHE_MODE_READ_WRITE);
+  const moejit_combine_args a = gather_map_args();
+  driver_.fail_module_loads(kInvalidImage, 1);
+  const int loads = driver_.module_load_calls();
+  EXPECT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS) << moejit_last_error_message();
+  EXPECT_EQ(driver_.module_load_calls(), loads + 2);
+  const moejit_stats s = stats_of(rt);
+  EXPECT_EQ(s.compiles, 1u);
+  EXPECT_EQ(s.disk_errors, 1u);
+  const auto now = entries(dir_.path());
+  ASSERT_EQ(now.size(), 1u);
+  EXPECT_EQ(now[0].first, warm_[0].first);  // the same key, written again
+  moejit_runtime_destroy(rt);
+}
+
+// A driver that refuses the rebuilt image too: the call fails with the driver's error (no loop).
+TEST_F(DriverResults, AnImageRefusedAfterTheRebuildIsAnError) {
+  moejit_runtime_t rt = runtime_on(dir_.path(), MOEJIT_CACHE_MODE_READ_WRITE);
+  const moejit_combine_args a = gather_map_args();
+  driver_.fail_module_loads(kInvalidImage, -1);
+  const int loads = driver_.module_load_calls();
+  EXPECT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_ERROR_CUDA);
+  EXPECT_NE(std::string(moejit_last_error_message()).find("CUDA_ERROR_INVALID_IMAGE"),
+            std::string::npos)
+      << moejit_last_error_message();
+  EXPECT_EQ(driver_.module_load_calls(), loads + 2);
+  moejit_runtime_destroy(rt);
+}
+
+}  // namespace
