@@ -248,13 +248,20 @@ bool write_all(int fd, const std::string& data) {
   return true;
 }
 
+// Names the host and the pid namespace: a temp file's pid is only checked for a writer with the
+// same tag. Containers on one host can share a hostname (host networking) and a cache volume, and
+// a pid from another pid namespace names nobody here: with the hostname alone, a live writer
+// there looked dead, and its temp file was swept from under it. A writer with another tag is
+// judged by its file's age alone (kStaleSeconds), like one on another host.
 std::string host_tag() {
   char name[256] = {};
-  if (gethostname(name, sizeof(name) - 1) != 0) return "nohost";
+  std::string id = gethostname(name, sizeof(name) - 1) == 0 ? name : "nohost";
+  char ns[128] = {};
+  const ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);  // "pid:[4026531836]"
+  if (n > 0) id.append("\n").append(ns, static_cast<size_t>(n));
   char buf[17];
-  std::snprintf(
-      buf, sizeof(buf), "%08llx",
-      static_cast<unsigned long long>(XXH3_64bits(name, std::strlen(name)) & 0xffffffffu));
+  std::snprintf(buf, sizeof(buf), "%08llx",
+                static_cast<unsigned long long>(XXH3_64bits(id.data(), id.size()) & 0xffffffffu));
   return buf;
 }
 
