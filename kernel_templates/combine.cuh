@@ -61,12 +61,21 @@ struct Elem<kBFloat16> {
   static __device__ __forceinline__ float to_float(unsigned short x) {
     return __uint_as_float(static_cast<unsigned>(x) << 16);
   }
-  // Round to nearest even; NaN stays a (quiet) NaN of the same sign.
+  // Round to nearest even. From sm_80 the hardware conversion, as to_pack converts pairs: a NaN
+  // then has the bits of the paired conversion's, whichever vector width a call got (rounding by
+  // hand kept the NaN's sign and payload, where cvt.rn.bf16x2 gives the canonical NaN). Before
+  // sm_80 (no bf16 conversion) by hand everywhere: a NaN stays a quiet NaN of the same sign.
   static __device__ __forceinline__ unsigned short from_float(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#else
     unsigned u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<unsigned short>((u >> 16) | 0x40u);
     u += 0x7fffu + ((u >> 16) & 1u);
     return static_cast<unsigned short>(u >> 16);
+#endif
   }
 };
 

@@ -1043,6 +1043,62 @@ TEST_F(CombineGpu, DroppedSlotsIgnoreNonFiniteGates) {
   moejit_runtime_destroy(rt);
 }
 
+// A non-finite result (a NaN or infinite gate) has the same bits whichever vector width serves
+// the call: the output aligned (pairs of elements converted together) or one element off (one at
+// a time), 16-bit outputs (the bf16 conversion of one element rounded by hand once, and kept the
+// NaN's payload where the paired conversion gives the canonical NaN).
+TEST_F(CombineGpu, NonFiniteResultsHaveTheSameBitsAtEveryVectorWidth) {
+  const Pools& p = pools();
+  moejit_runtime_t rt = memory_only_runtime();
+  const int64_t T = 4, K = 2, R = T * K;
+  std::vector<int32_t> map(static_cast<size_t>(R));
+  std::iota(map.begin(), map.end(), 0);
+  // Token 0: a NaN gate; 1: an infinite one; 2: -inf; 3: finite.
+  const std::vector<float> gates = {NAN, 0.5f, INFINITY, 0.25f, -INFINITY, 1.0f, 0.5f, 0.5f};
+  void *d_map, *d_gates, *d_out;
+  CUDA_OK(cudaMalloc(&d_map, map.size() * 4));
+  CUDA_OK(cudaMalloc(&d_gates, gates.size() * 4));
+  CUDA_OK(cudaMemcpy(d_map, map.data(), map.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(d_gates, gates.data(), gates.size() * 4, cudaMemcpyHostToDevice));
+  for (moejit_dtype out_dtype : {MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_FLOAT16}) {
+    for (int64_t H : {int64_t{64}, int64_t{7168}}) {
+      SCOPED_TRACE("out " + std::to_string(out_dtype) + " H=" + std::to_string(H));
+      const size_t bytes = static_cast<size_t>(T * H * 2);
+      CUDA_OK(cudaMalloc(&d_out, bytes + 16));
+      std::vector<std::vector<uint8_t>> got;
+      for (size_t offset : {size_t{0}, size_t{2}}) {  // bytes: one 2-byte element off
+        void* out = static_cast<char*>(d_out) + offset;
+        moejit_combine_args a =
+            bf16_args(MOEJIT_LAYOUT_GATHER_MAP, T, K, R, H, p.device[MOEJIT_DTYPE_BFLOAT16],
+                      static_cast<const float*>(d_gates), d_map, out);
+        a.out_dtype = out_dtype;
+        ASSERT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS)
+            << moejit_last_error_message();
+        CUDA_OK(cudaDeviceSynchronize());
+        got.emplace_back(bytes);
+        CUDA_OK(cudaMemcpy(got.back().data(), out, bytes, cudaMemcpyDeviceToHost));
+      }
+      int64_t differ = 0;
+      for (size_t i = 0; i < bytes; i += 2)
+        if (std::memcmp(&got[0][i], &got[1][i], 2) != 0 && ++differ <= 3) {
+          uint16_t x, y;
+          std::memcpy(&x, &got[0][i], 2);
+          std::memcpy(&y, &got[1][i], 2);
+          ADD_FAILURE() << "token " << i / 2 / H << " element " << i / 2 % H << ": 0x" << std::hex
+                        << x << " aligned, 0x" << y << " one element off";
+        }
+      EXPECT_EQ(differ, 0);
+      // Token 0 is NaN throughout (the check above is not vacuous).
+      const double first = decode(got[0].data(), out_dtype, 0);
+      EXPECT_TRUE(std::isnan(first)) << first;
+      cudaFree(d_out);
+    }
+  }
+  cudaFree(d_map);
+  cudaFree(d_gates);
+  moejit_runtime_destroy(rt);
+}
+
 // *d = a new device copy of v (the caller frees it).
 template <typename T>
 void device_copy(const std::vector<T>& v, void** d) {
