@@ -3,7 +3,10 @@
 // Host only (targets sm_90 without a GPU). Keeps compiles few: NVRTC takes ~0.1-0.2 s each.
 #include <sys/stat.h>
 
+#include <chrono>
+#include <filesystem>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <thread>
 
 #include "cache_key.h"
@@ -256,6 +259,66 @@ TEST(Concurrency, ParallelJobsAndTwoProcessesIntoOneDirectory) {
   EXPECT_EQ(v.entries, expected);
   EXPECT_EQ(v.valid, expected);
   EXPECT_TRUE(v.invalid_paths.empty());
+  test::remove_tree(scratch);
+}
+
+// A cache size cap smaller than the set: each store evicts least recently used entries older than
+// a few seconds, and a hit younger than a minute does not refresh its entry, so later compiles of
+// a run can evict what earlier jobs of the same run compiled or found. Exit 0 would then be a lie
+// (a serving process in no-compile mode would miss): those jobs must fail as "evicted", exit 3.
+TEST(SizeCap, EntriesEvictedLaterInTheRunFailIt) {
+  unsetenv("MOEJIT_TEMPLATE_DIR");
+  unsetenv("MOEJIT_CACHE_MODE");
+  unsetenv("MOEJIT_CACHE_MAX_BYTES");
+  const std::string scratch = test::make_temp_dir("pc-cap");
+  const std::string cache = scratch + "/cache";
+  // -j 1: the hidden 64 jobs (hits) run before the hidden 128 compiles that evict them.
+  const std::string args = "--json -j 1 --arch sm_90 --dtype bf16 --topk 2" + std::string(kNarrow) +
+                           " --cache-dir '" + cache + "' --hidden ";
+  test::ToolRun r = test::run_tool(args + "64", scratch);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const size_t per_shape = parse_json(r)["compiled"].get<size_t>();
+  ASSERT_GT(per_shape, 0u);
+
+  // Last used 30 s ago: old enough to be evicted, too recent for a hit to refresh it.
+  namespace fs = std::filesystem;
+  size_t backdated = 0;
+  for (const fs::directory_entry& e : fs::recursive_directory_iterator(cache))
+    if (e.is_regular_file() && e.path().extension() == ".moejit") {
+      fs::last_write_time(e.path(), fs::file_time_type::clock::now() - std::chrono::seconds(30));
+      ++backdated;
+    }
+  ASSERT_EQ(backdated, per_shape);
+
+  r = test::run_tool(args + "64,128", scratch, "MOEJIT_CACHE_MAX_BYTES=1 ");
+  EXPECT_EQ(r.rc, 3) << r.out << r.err;
+  json j = parse_json(r);
+  EXPECT_EQ(j["total"], 2 * per_shape);
+  EXPECT_EQ(j["compiled"], per_shape);
+  EXPECT_EQ(j["cached"], 0);
+  EXPECT_EQ(j["evicted"], per_shape);
+  EXPECT_EQ(j["failed"], per_shape);
+  std::set<std::string> evicted_keys;
+  for (const json& job : j["jobs"]) {
+    const bool small = job["spec"].get<std::string>().find(" H=64 ") != std::string::npos;
+    EXPECT_EQ(job["status"], small ? "evicted" : "compiled") << job.dump();
+    if (!small) continue;
+    evicted_keys.insert(job["key"].get<std::string>());
+    const std::string error = job.value("error", "");
+    EXPECT_NE(error.find("MOEJIT_CACHE_MAX_BYTES"), std::string::npos) << error;
+    EXPECT_NE(error.find("1 bytes"), std::string::npos) << error;  // the cap in force
+  }
+  EXPECT_EQ(evicted_keys.size(), per_shape);
+  EXPECT_NE(r.err.find("evicted by the cache size cap"), std::string::npos) << r.err;
+
+  // What the run reported evicted is exactly what a dry run now finds missing.
+  r = test::run_tool(args + "64,128 --dry-run", scratch);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  j = parse_json(r);
+  EXPECT_EQ(j["missing"], per_shape);
+  for (const json& job : j["jobs"])
+    EXPECT_EQ(job["status"] == "missing", evicted_keys.count(job["key"].get<std::string>()) == 1)
+        << job.dump();
   test::remove_tree(scratch);
 }
 

@@ -281,6 +281,24 @@ TEST(Manifest, ExactAndShapeLines) {
           .find("vec = 3"),
       std::string::npos);
   EXPECT_NE(bad("layout=gather_map in=bf16 H=64").find("\"out\" is missing"), std::string::npos);
+  // Threads per token and tokens per block are bounded before their product is taken:
+  // 65536 * 65536 would wrap a 32-bit int to 0, a "multiple of 32 at most 1024".
+  EXPECT_NE(bad("layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=65536 tpb=65536 "
+                "upt=1 cap=0")
+                .find("m.txt:2: tpt = 65536: expected 4..1024"),
+            std::string::npos);
+  EXPECT_NE(bad("layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=32 tpb=65536 "
+                "upt=1 cap=0")
+                .find("m.txt:2: tpb = 65536: expected 1..1024"),
+            std::string::npos);
+  EXPECT_NE(bad("layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=32 tpb=0 upt=1 "
+                "cap=0")
+                .find("tpb = 0: expected 1..1024"),
+            std::string::npos);
+  EXPECT_NE(bad("layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=64 tpb=32 upt=1 "
+                "cap=0")
+                .find("tpt = 64: tpt >= 4, tpb >= 1, tpt * tpb a multiple of 32 and at most 1024"),
+            std::string::npos);
   EXPECT_NE(
       bad("layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=8 tpb=16 upt=1 cap=0 "
           "scan=1")
@@ -373,6 +391,7 @@ TEST_F(Cli, HelpDocumentsExitCodesAndManifest) {
   EXPECT_EQ(r.rc, 0) << r.err;
   EXPECT_NE(r.out.find("Exit codes"), std::string::npos);
   EXPECT_NE(r.out.find("3  the cache directory is unusable"), std::string::npos);
+  EXPECT_NE(r.out.find("evicted before the run ended"), std::string::npos);
   EXPECT_NE(r.out.find("KernelSpec::describe()"), std::string::npos);
 }
 
@@ -383,6 +402,9 @@ TEST_F(Cli, BadInputsExitTwoWithAClearMessage) {
   test::write_file(scratch_ + "/fp8.json",
                    R"({"hidden_size": 7168, "num_experts_per_tok": 8, "torch_dtype": "float8"})");
   test::write_file(scratch_ + "/nodtype.json", R"({"hidden_size": 7168, "top_k": 8})");
+  test::write_file(scratch_ + "/overflow.txt",
+                   "layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=65536 "
+                   "tpb=65536 upt=1 cap=0\n");
   struct Case {
     std::string args;
     std::vector<std::string> message;
@@ -399,6 +421,8 @@ TEST_F(Cli, BadInputsExitTwoWithAClearMessage) {
       {"--hidden 4096 --topk 99 --dtype bf16", {"top-k 99", "1..64"}},
       {"--hidden 4096 --topk 2 --dtype bf16 --layout diagonal", {"--layout", "diagonal"}},
       {"--manifest '" + scratch_ + "/none.txt'", {"none.txt", "cannot be read"}},
+      {"--dry-run --manifest '" + scratch_ + "/overflow.txt'",
+       {"overflow.txt:1", "tpt = 65536", "4..1024"}},
       {"", {"nothing to compile"}},
       {"--jobs 0 --hidden 4096 --topk 2 --dtype bf16", {"jobs"}},
       {"--no-such-flag", {"no-such-flag"}},

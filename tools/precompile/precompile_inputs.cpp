@@ -189,7 +189,12 @@ KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string&
       fail("K", s.top_k, "expected 1.." + std::to_string(MOEJIT_MAX_TOP_K));
     if (s.list_cap != 0) fail("cap", s.list_cap, "only the token_index layout has a list cap");
   }
-  if (s.tpt < 4 || s.tpb < 1 || s.tpt * s.tpb > 1024 || (s.tpt * s.tpb) % 32 != 0)
+  // Each bounded first: parse_int takes up to 2^30, and tpt * tpb could overflow int.
+  if (s.tpt < 4 || s.tpt > 1024)
+    fail("tpt", s.tpt, "expected 4..1024, tpt * tpb a multiple of 32 and at most 1024");
+  if (s.tpb < 1 || s.tpb > 1024)
+    fail("tpb", s.tpb, "expected 1..1024, tpt * tpb a multiple of 32 and at most 1024");
+  if (s.tpt * s.tpb > 1024 || (s.tpt * s.tpb) % 32 != 0)
     fail("tpt", s.tpt, "tpt >= 4, tpb >= 1, tpt * tpb a multiple of 32 and at most 1024");
   if (s.upt != 1 && s.upt != 2 && s.upt != 4) fail("upt", s.upt, "expected 1, 2 or 4");
   if (scan != 0 && scan != 1) fail("scan", scan, "expected 0 or 1");

@@ -90,7 +90,9 @@ Exit codes:
   1  a compilation failed (the NVRTC log is printed)
   2  bad input or usage: unreadable file, invalid JSON, missing field, unknown dtype, unsupported
      arch, no GPU and no --arch
-  3  the cache directory is unusable (cannot be created or written)
+  3  the cache directory is unusable (cannot be created or written), or an entry did not land
+     or was evicted before the run ended (a cache size cap, MOEJIT_CACHE_MAX_BYTES, smaller
+     than the set being precompiled)
   4  --verify found invalid entries (without --repair, or some could not be removed)
 )";
 
@@ -205,6 +207,12 @@ class Progress {
   Progress(size_t total, bool quiet)
       : total_(total), quiet_(quiet), tty_(isatty(STDERR_FILENO) != 0) {}
 
+  // A job found failed after every job finished (its entry evicted since): the error only.
+  void failed_later(const std::string& what, const std::string& error) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::fprintf(stderr, "FAILED %s:\n%s\n", what.c_str(), error.c_str());
+  }
+
   void done(const std::string& what, const char* status, double seconds, const std::string& error) {
     std::lock_guard<std::mutex> lock(mutex_);
     ++finished_;
@@ -244,10 +252,11 @@ class Progress {
 };
 
 struct JobResult {
-  std::string status;  // compiled | cached | failed | not_written | missing (dry run)
+  std::string status;  // compiled | cached | failed | not_written | evicted | missing (dry run)
   std::string key;
   std::string error;
-  uint64_t bytes = 0;
+  uint64_t bytes = 0;        // written by this run
+  uint64_t entry_bytes = 0;  // the entry's size once this job had it (compiled or cached)
   double seconds = 0;
 };
 
@@ -404,8 +413,10 @@ int run_precompile(const Options& o) {
             r.error = "compiled, but no cache entry appeared at " +
                       cache_entry_path(settings.cache_dir, r.key) +
                       " (disk full, cache size cap (MOEJIT_CACHE_MAX_BYTES), or permissions)";
+          r.entry_bytes = r.bytes;
         } else {
           r.status = "cached";
+          r.entry_bytes = file_size(cache_entry_path(settings.cache_dir, r.key));
         }
       } catch (const std::exception& e) {
         r.status = "failed";
@@ -421,13 +432,35 @@ int run_precompile(const Options& o) {
   work();
   for (std::thread& t : pool) t.join();
 
-  size_t compiled = 0, cached = 0, failed = 0, not_written = 0;
+  // Each store evicts least recently used entries while the cache is over its size cap, and a hit
+  // does not always refresh an entry's last use: with a cap smaller than the set, later jobs of
+  // this run can evict entries that earlier ones compiled or found. Look again now, so that exit
+  // status 0 means every entry is in the cache when the run ends.
+  uint64_t set_bytes = 0;
+  for (const JobResult& r : results) set_bytes += r.entry_bytes;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    JobResult& r = results[i];
+    if (r.status != "compiled" && r.status != "cached") continue;
+    const std::string path = cache_entry_path(settings.cache_dir, r.key);
+    if (file_size(path) != 0) continue;
+    r.error = std::string(r.status == "compiled" ? "compiled" : "found in the cache") +
+              ", but evicted before the run ended (" + path +
+              " is gone): the cache size cap (MOEJIT_CACHE_MAX_BYTES or cache_max_bytes, " +
+              std::to_string(settings.cache_max_bytes) +
+              " bytes) is smaller than the set being precompiled (at least " +
+              std::to_string(set_bytes) + " bytes); raise MOEJIT_CACHE_MAX_BYTES to at least that";
+    r.status = "evicted";
+    progress.failed_later(jobs[i].target.name() + " " + jobs[i].spec.describe(), r.error);
+  }
+
+  size_t compiled = 0, cached = 0, failed = 0, not_written = 0, evicted = 0;
   uint64_t bytes = 0;
   for (const JobResult& r : results) {
     compiled += r.status == "compiled";
     cached += r.status == "cached";
     failed += r.status == "failed";
     not_written += r.status == "not_written";
+    evicted += r.status == "evicted";
     bytes += r.bytes;
   }
   const double seconds =
@@ -437,8 +470,9 @@ int run_precompile(const Options& o) {
   summary << "moejit-precompile: " << jobs.size() << " kernels (" << specs.size()
           << " specializations x " << targets.size()
           << (targets.size() == 1 ? " target" : " targets") << "): " << compiled << " compiled, "
-          << cached << " already cached, " << failed + not_written << " failed, " << bytes
-          << " bytes written, " << std::fixed;
+          << cached << " already cached, " << failed + not_written + evicted << " failed";
+  if (evicted != 0) summary << " (" << evicted << " evicted by the cache size cap)";
+  summary << ", " << bytes << " bytes written, " << std::fixed;
   summary.precision(2);
   summary << seconds << " s (cache " << settings.cache_dir << ")";
   if (o.json) {
@@ -451,7 +485,8 @@ int run_precompile(const Options& o) {
                       {"total", jobs.size()},
                       {"compiled", compiled},
                       {"cached", cached},
-                      {"failed", failed + not_written},
+                      {"failed", failed + not_written + evicted},
+                      {"evicted", evicted},
                       {"bytes_written", bytes},
                       {"seconds", seconds},
                       {"jobs", list}}
@@ -462,7 +497,7 @@ int run_precompile(const Options& o) {
     std::cout << summary.str() << "\n";
   }
   if (failed != 0) return kExitCompileFailed;
-  if (not_written != 0) return kExitCacheUnusable;
+  if (not_written != 0 || evicted != 0) return kExitCacheUnusable;
   return kExitOk;
 }
 
