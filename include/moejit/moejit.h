@@ -144,7 +144,8 @@ typedef struct CUstream_st* moejit_stream_t;
  *   out[t, h] = scale * sum_{rows r of token t} gate(r) * expert_hidden[r, h]   (+ out[t, h] if
  *   accumulate). Rows of a token are summed in slot order (k = 0..K-1) for the token-major and
  *   gather-map layouts, in ascending row order for the token-index layout. A token with no rows
- *   gets 0 (or keeps its value when accumulating). Results are bitwise deterministic.
+ *   gets 0 (or keeps its value when accumulating: out + scale * 0, so a -0.0 there may come back
+ *   as +0.0, and a NaN as the canonical one). Results are bitwise deterministic.
  *
  * Index values outside their range (gather map: not in [0, num_rows); token_idx: not in
  * [0, num_tokens)) are treated like -1 (dropped): device memory is never read out of bounds. The
