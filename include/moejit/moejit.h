@@ -260,7 +260,8 @@ typedef enum moejit_log_level {
 
 /*
  * Options of an explicit runtime, versioned by struct_size (use moejit_runtime_options_init()).
- * Zero / NULL fields take the environment's value, then the built-in default:
+ * Zero / NULL fields (log_level: MOEJIT_LOG_DEFAULT, -1; 0 is MOEJIT_LOG_TRACE) take the
+ * environment's value, then the built-in default:
  *   cache_dir        MOEJIT_CACHE_DIR, else $XDG_CACHE_HOME/moejit, else $HOME/.cache/moejit
  *   cache_mode       MOEJIT_CACHE_MODE (read-write | read-only | disabled | no-compile)
  *   cache_max_bytes  MOEJIT_CACHE_MAX_BYTES, else 1 GiB
@@ -294,7 +295,9 @@ MOEJIT_API moejit_status moejit_runtime_options_init(moejit_runtime_options* opt
  *   runtime  receives the handle (NULL on failure); must not be NULL. Release it with
  *            moejit_runtime_destroy().
  * Returns MOEJIT_SUCCESS; MOEJIT_ERROR_INVALID_ARGUMENT for a NULL runtime, a bad struct_size,
- * cache_mode or log_level, or a malformed environment variable (the message names it);
+ * cache_mode or log_level, a malformed MOEJIT_CACHE_MODE or MOEJIT_CACHE_MAX_BYTES, or an
+ * unreadable template directory (the message names it; a malformed MOEJIT_LOG_LEVEL or
+ * MOEJIT_CACHE_LOCK_TIMEOUT only warns and keeps its default);
  * MOEJIT_ERROR_OUT_OF_MEMORY. Needs no GPU: the driver is first used by the first combine.
  * Thread-safe. Since 0.1.
  */
@@ -327,8 +330,9 @@ MOEJIT_API moejit_status moejit_runtime_destroy(moejit_runtime_t runtime);
  * Returns MOEJIT_SUCCESS; caller errors MOEJIT_ERROR_INVALID_ARGUMENT, _UNSUPPORTED,
  * _WORKSPACE_TOO_SMALL; environment errors _DRIVER_NOT_FOUND, _NO_DEVICE, _CUDA, _COMPILE,
  * _NOT_CACHED, _OUT_OF_MEMORY; _INTERNAL for a library bug. The message is in
- * moejit_last_error_message(). An invalid environment setting (e.g. MOEJIT_CACHE_MODE) makes
- * every call on the default runtime fail with _INVALID_ARGUMENT naming the variable.
+ * moejit_last_error_message(). An invalid MOEJIT_CACHE_MODE, MOEJIT_CACHE_MAX_BYTES or
+ * MOEJIT_TEMPLATE_DIR makes every call on the default runtime fail with _INVALID_ARGUMENT naming
+ * the variable.
  * Uses the default runtime (created on first use from the environment). Thread-safe: any number
  * of threads may call it at once, on the same or different streams and contexts. Since 0.1.
  */
