@@ -85,14 +85,28 @@ const char* moejit_last_error_message(void) {
   return last_error.c_str();
 }
 
-moejit_status moejit_combine_args_init(moejit_combine_args* args) {
-  if (args == nullptr)
-    return fail(MOEJIT_ERROR_INVALID_ARGUMENT,
-                "invalid argument args = NULL: must point to a "
-                "moejit_combine_args");
-  const moejit_combine_args defaults = MOEJIT_COMBINE_ARGS_INIT;
-  *args = defaults;
-  return MOEJIT_SUCCESS;
+// Writes the defaults into the caller's struct, never past its size: a caller built against an
+// older header has a shorter struct (0.1's ended before dependent_launch).
+moejit_status moejit_combine_args_init_sized(moejit_combine_args* args, size_t struct_size) {
+  return guarded([&] {
+    if (args == nullptr)
+      moejit::invalid_argument("args", "NULL", "must point to a moejit_combine_args");
+    if (struct_size != sizeof(moejit_combine_args) && struct_size != moejit::kCombineArgsSizeV01)
+      moejit::invalid_argument(
+          "struct_size", std::to_string(struct_size),
+          "must be sizeof(moejit_combine_args) of a libmoejit header no newer than this library (" +
+              std::to_string(sizeof(moejit_combine_args)) + " for " + moejit_version_string() +
+              ", " + std::to_string(moejit::kCombineArgsSizeV01) + " for 0.1)");
+    moejit_combine_args defaults = MOEJIT_COMBINE_ARGS_INIT;
+    defaults.struct_size = struct_size;
+    std::memcpy(args, &defaults, struct_size);
+  });
+}
+
+// The 0.1 entry point (the header's moejit_combine_args_init is now a macro over the sized form):
+// binaries built against the 0.1 header call it with a struct of the 0.1 size.
+moejit_status(moejit_combine_args_init)(moejit_combine_args* args) {
+  return moejit_combine_args_init_sized(args, moejit::kCombineArgsSizeV01);
 }
 
 moejit_status moejit_combine_workspace_size(const moejit_combine_args* args, size_t* bytes) {

@@ -291,13 +291,12 @@ moejit_combine_args validated_shape(const moejit_combine_args* in) {
   moejit_combine_args a;
   moejit_combine_args_init(&a);
   // A 0.1 header's struct ends before dependent_launch: its fields keep their defaults.
-  constexpr size_t kSizeV01 = offsetof(moejit_combine_args, dependent_launch);
-  if (in->struct_size != sizeof(moejit_combine_args) && in->struct_size != kSizeV01)
+  if (in->struct_size != sizeof(moejit_combine_args) && in->struct_size != kCombineArgsSizeV01)
     invalid_argument(
         "args->struct_size", std::to_string(in->struct_size),
         "must be sizeof(moejit_combine_args) = " + std::to_string(sizeof(moejit_combine_args)) +
             " for this library version (" + moejit_version_string() + "), or " +
-            std::to_string(kSizeV01) +
+            std::to_string(kCombineArgsSizeV01) +
             " from a 0.1 header; initialize args with moejit_combine_args_init()");
   std::memcpy(&a, in, in->struct_size);
   a.struct_size = sizeof(a);

@@ -17,6 +17,10 @@
 
 namespace moejit {
 
+// sizeof(moejit_combine_args) in the 0.1 header: it ended before dependent_launch. A struct of
+// that size is accepted (its later fields take their defaults).
+constexpr size_t kCombineArgsSizeV01 = offsetof(moejit_combine_args, dependent_launch);
+
 struct CombinePlan {
   KernelSpec spec;
   CombineParams params{};

@@ -210,14 +210,27 @@ typedef struct moejit_combine_args {
   }
 
 /*
- * Fills *args with the defaults of this header's version (the same as MOEJIT_COMBINE_ARGS_INIT):
- * struct_size = sizeof(moejit_combine_args), token-major layout, all counts 0, all pointers NULL,
- * fp32 data, int32 indices, scale 1, accumulate 0, dependent_launch 0.
+ * moejit_combine_args_init(args) fills *args with the defaults of this header's version (the same
+ * as MOEJIT_COMBINE_ARGS_INIT): struct_size = sizeof(moejit_combine_args), token-major layout,
+ * all counts 0, all pointers NULL, fp32 data, int32 indices, scale 1, accumulate 0,
+ * dependent_launch 0.
  *   args  the struct to fill; must not be NULL.
  * Returns MOEJIT_SUCCESS, or MOEJIT_ERROR_INVALID_ARGUMENT if args is NULL. Needs no GPU.
  * Thread-safe (touches only *args). Since 0.1.
+ *
+ * It is a macro over moejit_combine_args_init_sized(), which is told the size of the caller's
+ * struct: a library newer than the header it was compiled with then writes only the fields that
+ * struct has (moejit_combine_args_init_sized: sizeof(moejit_combine_args) of any released header,
+ * else MOEJIT_ERROR_INVALID_ARGUMENT). Bindings that load symbols by name call it directly. The
+ * function named moejit_combine_args_init (parenthesized, or through a pointer) is the 0.1 entry
+ * point, kept for binaries built against the 0.1 header: it fills the 0.1 fields only, with
+ * struct_size set to their size. Since 0.2.
  */
-MOEJIT_API moejit_status moejit_combine_args_init(moejit_combine_args* args);
+MOEJIT_API moejit_status moejit_combine_args_init_sized(moejit_combine_args* args,
+                                                        size_t struct_size);
+MOEJIT_API moejit_status(moejit_combine_args_init)(moejit_combine_args* args);
+#define moejit_combine_args_init(args) \
+  moejit_combine_args_init_sized((args), sizeof(moejit_combine_args))
 
 /*
  * The number of bytes of device workspace moe_combine() needs for the shape in *args: nonzero only

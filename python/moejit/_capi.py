@@ -166,7 +166,7 @@ def _declare(lib):
         "moejit_status_name": (ctypes.c_char_p, [c_status]),
         "moejit_status_description": (ctypes.c_char_p, [c_status]),
         "moejit_last_error_message": (ctypes.c_char_p, []),
-        "moejit_combine_args_init": (c_status, [args_p]),
+        "moejit_combine_args_init_sized": (c_status, [args_p, ctypes.c_size_t]),
         "moejit_combine_workspace_size": (c_status, [args_p, ctypes.POINTER(ctypes.c_size_t)]),
         "moejit_runtime_options_init": (c_status, [ctypes.POINTER(RuntimeOptions)]),
         "moejit_runtime_create": (
@@ -236,7 +236,14 @@ def check(function, status):
 def new_combine_args():
     """A CombineArgs with the library's defaults (struct_size set, scale 1)."""
     args = CombineArgs()
-    check("moejit_combine_args_init", load_library().moejit_combine_args_init(ctypes.byref(args)))
+    # The sized form (the C header's moejit_combine_args_init macro): the library writes no more
+    # than this mirror's size, whatever its own version.
+    check(
+        "moejit_combine_args_init_sized",
+        load_library().moejit_combine_args_init_sized(
+            ctypes.byref(args), ctypes.sizeof(CombineArgs)
+        ),
+    )
     return args
 
 

@@ -304,6 +304,48 @@ TEST(Api, ArgsFromAnOlderHeaderAreAccepted) {
             std::string::npos);
 }
 
+// Initializing never writes past the caller's struct: a binary built against the 0.1 header
+// calls the function moejit_combine_args_init with a struct that ends before dependent_launch
+// (the 0.2 header's moejit_combine_args_init is a macro over the sized form).
+TEST(Api, InitWritesNoMoreThanTheCallersStruct) {
+  constexpr size_t kV01 = offsetof(moejit_combine_args, dependent_launch);
+  struct Padded {
+    moejit_combine_args args;
+    unsigned char after[16];
+  };
+  for (int form = 0; form < 3; ++form) {
+    SCOPED_TRACE(form);
+    Padded p;
+    std::memset(&p, 0xAB, sizeof(p));
+    unsigned char* bytes = reinterpret_cast<unsigned char*>(&p);
+    size_t expect_size = kV01;
+    if (form == 0) {
+      ASSERT_EQ((moejit_combine_args_init)(&p.args), MOEJIT_SUCCESS);  // the 0.1 entry point
+    } else if (form == 1) {
+      ASSERT_EQ(moejit_combine_args_init_sized(&p.args, kV01), MOEJIT_SUCCESS);
+    } else {
+      ASSERT_EQ(moejit_combine_args_init(&p.args), MOEJIT_SUCCESS);  // the macro: this header's
+      expect_size = sizeof(moejit_combine_args);
+    }
+    EXPECT_EQ(p.args.struct_size, expect_size);
+    for (size_t i = expect_size; i < sizeof(p); ++i)
+      ASSERT_EQ(bytes[i], 0xAB) << "byte " << i << " past the struct was written";
+    EXPECT_EQ(p.args.scale, 1.0f);
+    EXPECT_EQ(p.args.layout, MOEJIT_LAYOUT_TOKEN_MAJOR);
+    EXPECT_EQ(p.args.workspace_bytes, 0u);  // the last 0.1 field
+  }
+  moejit_combine_args a;
+  for (size_t size : {size_t{0}, size_t{8}, kV01 + 4, sizeof(moejit_combine_args) + 8}) {
+    EXPECT_EQ(moejit_combine_args_init_sized(&a, size), MOEJIT_ERROR_INVALID_ARGUMENT) << size;
+    EXPECT_NE(std::string(moejit_last_error_message())
+                  .find("invalid argument struct_size = " + std::to_string(size) +
+                        ": must be sizeof(moejit_combine_args)"),
+              std::string::npos)
+        << moejit_last_error_message();
+  }
+  EXPECT_EQ(moejit_combine_args_init_sized(nullptr, sizeof(a)), MOEJIT_ERROR_INVALID_ARGUMENT);
+}
+
 TEST(Api, ZeroTokensIsANoOpEvenWithoutADriver) {
   moejit_combine_args a = valid_args();
   a.num_tokens = 0;

@@ -65,8 +65,17 @@ class Moejit:
         lib.moejit_status_name.restype = ctypes.c_char_p
         lib.moejit_status_name.argtypes = [ctypes.c_int]
         lib.moejit_last_error_message.restype = ctypes.c_char_p
-        lib.moejit_combine_args_init.restype = ctypes.c_int
-        lib.moejit_combine_args_init.argtypes = [ctypes.POINTER(CombineArgs)]
+        # The sized init (the C header's moejit_combine_args_init macro) writes no more than the
+        # mirror's size; libraries older than it (A/B runs against earlier builds) have only the
+        # unsized one, which wrote their own size.
+        self._sized_init = hasattr(lib, "moejit_combine_args_init_sized")
+        if self._sized_init:
+            lib.moejit_combine_args_init_sized.restype = ctypes.c_int
+            lib.moejit_combine_args_init_sized.argtypes = [
+                ctypes.POINTER(CombineArgs), ctypes.c_size_t]
+        else:
+            lib.moejit_combine_args_init.restype = ctypes.c_int
+            lib.moejit_combine_args_init.argtypes = [ctypes.POINTER(CombineArgs)]
         lib.moejit_combine_workspace_size.restype = ctypes.c_int
         lib.moejit_combine_workspace_size.argtypes = [
             ctypes.POINTER(CombineArgs), ctypes.POINTER(ctypes.c_size_t)]
@@ -76,12 +85,22 @@ class Moejit:
         lib.moejit_runtime_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(Stats)]
         self.lib = lib
         self.version = lib.moejit_version_string().decode()
-        probe = CombineArgs()
-        self._check(lib.moejit_combine_args_init(ctypes.byref(probe)), "moejit_combine_args_init")
-        # The library's own sizeof(moejit_combine_args): a mismatch means the header changed.
+        probe = self._init_args()
+        # The library's own sizeof(moejit_combine_args) (or one it accepts): a mismatch means the
+        # header changed.
         if probe.struct_size != ctypes.sizeof(CombineArgs):
             raise RuntimeError(f"{path}: sizeof(moejit_combine_args) is {probe.struct_size}, "
                                f"peers.py mirrors {ctypes.sizeof(CombineArgs)}: update the mirror")
+
+    def _init_args(self):
+        a = CombineArgs()
+        if self._sized_init:
+            self._check(self.lib.moejit_combine_args_init_sized(ctypes.byref(a), ctypes.sizeof(a)),
+                        "moejit_combine_args_init_sized")
+        else:
+            self._check(self.lib.moejit_combine_args_init(ctypes.byref(a)),
+                        "moejit_combine_args_init")
+        return a
 
     def _check(self, status, call):
         if status != 0:
@@ -91,8 +110,7 @@ class Moejit:
 
     def args(self, layout, num_tokens, top_k, num_rows, hidden, expert, expert_dtype, gates,
              indices, out, out_dtype):
-        a = CombineArgs()
-        self._check(self.lib.moejit_combine_args_init(ctypes.byref(a)), "moejit_combine_args_init")
+        a = self._init_args()
         a.layout = LAYOUTS[layout]
         a.num_tokens, a.top_k, a.num_rows, a.hidden_dim = num_tokens, top_k, num_rows, hidden
         a.expert_hidden, a.expert_dtype = expert, DTYPES[expert_dtype]
