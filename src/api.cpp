@@ -116,15 +116,27 @@ moejit_status moejit_combine_workspace_size(const moejit_combine_args* args, siz
   });
 }
 
-moejit_status moejit_runtime_options_init(moejit_runtime_options* options) {
-  if (options == nullptr)
-    return fail(MOEJIT_ERROR_INVALID_ARGUMENT,
-                "invalid argument options = NULL: must point to a moejit_runtime_options");
-  std::memset(options, 0, sizeof(*options));
-  options->struct_size = sizeof(*options);
-  options->cache_mode = MOEJIT_CACHE_MODE_DEFAULT;
-  options->log_level = MOEJIT_LOG_DEFAULT;
-  return MOEJIT_SUCCESS;
+// Every released header's moejit_runtime_options has this library's size (none added a field).
+moejit_status moejit_runtime_options_init_sized(moejit_runtime_options* options,
+                                                size_t struct_size) {
+  return guarded([&] {
+    if (options == nullptr)
+      moejit::invalid_argument("options", "NULL", "must point to a moejit_runtime_options");
+    if (struct_size != sizeof(moejit_runtime_options))
+      moejit::invalid_argument("struct_size", std::to_string(struct_size),
+                               "must be sizeof(moejit_runtime_options) = " +
+                                   std::to_string(sizeof(moejit_runtime_options)) +
+                                   " for this library version");
+    std::memset(options, 0, sizeof(*options));
+    options->struct_size = sizeof(*options);
+    options->cache_mode = MOEJIT_CACHE_MODE_DEFAULT;
+    options->log_level = MOEJIT_LOG_DEFAULT;
+  });
+}
+
+// The 0.1 entry point (the header's name is now a macro over the sized form).
+moejit_status(moejit_runtime_options_init)(moejit_runtime_options* options) {
+  return moejit_runtime_options_init_sized(options, sizeof(moejit_runtime_options));
 }
 
 moejit_status moejit_runtime_create(const moejit_runtime_options* options,

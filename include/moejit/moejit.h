@@ -291,13 +291,21 @@ typedef struct moejit_runtime_options {
 } moejit_runtime_options;
 
 /*
- * Fills *options with the defaults: struct_size set, every other field zero / NULL /
- * MOEJIT_CACHE_MODE_DEFAULT / MOEJIT_LOG_DEFAULT, i.e. "take it from the environment".
+ * moejit_runtime_options_init(options) fills *options with the defaults: struct_size set, every
+ * other field zero / NULL / MOEJIT_CACHE_MODE_DEFAULT / MOEJIT_LOG_DEFAULT, i.e. "take it from
+ * the environment".
  *   options  the struct to fill; must not be NULL.
  * Returns MOEJIT_SUCCESS, or MOEJIT_ERROR_INVALID_ARGUMENT if options is NULL. Needs no GPU.
  * Thread-safe (touches only *options). Since 0.1.
+ * As moejit_combine_args_init: a macro over moejit_runtime_options_init_sized() (since 0.2), which
+ * writes no more than the caller's struct; the function of that name is the 0.1 entry point (the
+ * struct has not changed since).
  */
-MOEJIT_API moejit_status moejit_runtime_options_init(moejit_runtime_options* options);
+MOEJIT_API moejit_status moejit_runtime_options_init_sized(moejit_runtime_options* options,
+                                                           size_t struct_size);
+MOEJIT_API moejit_status(moejit_runtime_options_init)(moejit_runtime_options* options);
+#define moejit_runtime_options_init(options) \
+  moejit_runtime_options_init_sized((options), sizeof(moejit_runtime_options))
 
 /*
  * Creates an explicit runtime with its own settings, kernel caches and statistics. The settings

@@ -364,6 +364,15 @@ TEST(Api, RuntimeOptions) {
   moejit_runtime_options o;
   ASSERT_EQ(moejit_runtime_options_init(&o), MOEJIT_SUCCESS);
   EXPECT_EQ(o.struct_size, sizeof(o));
+  std::memset(&o, 0xAB, sizeof(o));
+  ASSERT_EQ((moejit_runtime_options_init)(&o), MOEJIT_SUCCESS);  // the 0.1 entry point
+  EXPECT_EQ(o.struct_size, sizeof(o));
+  EXPECT_EQ(o.log_level, MOEJIT_LOG_DEFAULT);
+  EXPECT_EQ(moejit_runtime_options_init_sized(&o, sizeof(o) + 8), MOEJIT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moejit_last_error_message())
+                .find("invalid argument struct_size = " + std::to_string(sizeof(o) + 8)),
+            std::string::npos)
+      << moejit_last_error_message();
   set_c_enum(o.cache_mode, 9);
   moejit_runtime_t rt = nullptr;
   EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
