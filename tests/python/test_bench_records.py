@@ -376,6 +376,49 @@ def test_record_takes_a_second_decode_run_and_tables_it_apart(merge_results):
     assert "The decode shapes again" not in merge_results.markdown(plain)
 
 
+def test_a_record_with_only_decode_peers_renders_again(merge_results, tmp_path, capsys,
+                                                       monkeypatch):
+    # bench.json + --decode-peers, no peers.json: re-rendering the record must keep paired_decode
+    # and peers_decode, not take it for a bench JSON and merge it again without them.
+    import json
+    import sys
+    decode = {"date": "2026-12-01T13:14:30Z", "empty_kernel_us": 3.5, "shapes": [
+        {"T": 1, "K": 8, "H": 7168, "in_dtype": "bf16", "out_dtype": "bf16",
+         "peers": [{"name": "triton_gather_inv", "config": "BLOCK_H=128 num_warps=1"}],
+         "paired": [dict(paired_entry("libmoejit_gather_map", "triton_gather_inv", 1.014, 1.0,
+                                      1.024, "level (within the interval)"), rounds=1000)]}]}
+    merged = merge_results.merge(bench_json(), None, decode)
+    assert merged["peers"] is None
+    assert merge_results.is_merged_record(merged)
+    assert not merge_results.is_merged_record(bench_json())
+    # A record written before merge() marked its records: known by its peers_decode summary.
+    legacy = {k: v for k, v in merged.items() if k != "record"}
+    assert merge_results.is_merged_record(legacy)
+    for record in (merged, legacy):
+        path = tmp_path / "record.json"
+        path.write_text(json.dumps(record))
+        monkeypatch.setattr(sys, "argv", ["merge_results.py", str(path), "--markdown"])
+        assert merge_results.main() == 0
+        text = capsys.readouterr().out
+        assert text == merge_results.markdown(merged)
+        assert "The decode shapes again" in text and "(1000 rounds)" in text
+        # The JSON form keeps them too.
+        monkeypatch.setattr(sys, "argv", ["merge_results.py", str(path)])
+        assert merge_results.main() == 0
+        again = json.loads(capsys.readouterr().out)
+        gm = [c for c in again["cases"] if c["layout"] == "gather_map" and c["T"] == 1][0]
+        assert gm["paired_decode"]["triton_gather_inv"]["rounds"] == 1000
+        assert again["peers_decode"] == merged["peers_decode"]
+
+
+def test_jit_line_without_a_gpu_has_no_module_load_figure(merge_results):
+    # moejit-bench without a GPU writes module_load_ms null: not measured.
+    bench = bench_json()
+    bench["jit"]["module_load_ms"] = None
+    text = merge_results.markdown(merge_results.merge(bench, None))
+    assert "module load n/a (no GPU)." in text
+
+
 def test_peers_selects_the_decode_shapes(peers):
     shapes = peers.builtin_shapes(False, True)
     decode = peers.select_shapes(shapes, 64)

@@ -74,6 +74,7 @@ struct PipelineResult {
   double combine_plain_evicted_us = 0.0, combine_dependent_evicted_us = 0.0;
   bool correct = false;  // the dependent step's output == a plain call's, bitwise (rows poisoned)
   std::string error;
+  std::string skipped;  // why this case was not timed (not a failure); empty: it ran
 };
 
 class HelperKernels;

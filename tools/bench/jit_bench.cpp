@@ -336,7 +336,10 @@ void measure_disk_cache(const moejit::Target& target, bool gpu, JitFigures* figu
       figures->disk_note = "median of 5 fresh stores on one directory";
     }
   }
-  if (gpu) figures->module_load_ms = median_load_ms(*module, 20);
+  if (gpu) {
+    figures->module_load_ms = median_load_ms(*module, 20);
+    figures->module_load_measured = true;
+  }
 }
 
 void measure_calls(cudaStream_t stream, JitFigures* figures) {
@@ -415,14 +418,18 @@ void print_jit(const JitFigures& f) {
       "  list-path combine + list helpers (%s), fresh stores, median of %d: one after the other "
       "%.1f ms, concurrently (as a first call builds them) %.1f ms\n",
       f.pair_spec.c_str(), kLaterCompiles, f.pair_serial_ms, f.pair_concurrent_ms);
-  if (f.disk_available)
+  if (f.disk_available && f.module_load_measured)
     std::printf(
         "  disk-cache hit (read + validate): %.3f ms; + cuModuleLoadData %.3f ms = %.3f ms"
         " (%s)\n",
         f.disk_hit_ms, f.module_load_ms, f.disk_hit_ms + f.module_load_ms, f.disk_note.c_str());
+  else if (f.disk_available)
+    std::printf(
+        "  disk-cache hit (read + validate): %.3f ms; + cuModuleLoadData n/a (no GPU) (%s)\n",
+        f.disk_hit_ms, f.disk_note.c_str());
   else
     std::printf("  %s\n", f.disk_note.c_str());
-  if (f.module_load_ms > 0)
+  if (f.module_load_measured)
     std::printf("  cuModuleLoadData + cuModuleGetFunction: %.3f ms (median of 20)\n",
                 f.module_load_ms);
   if (f.host_calls > 0) {

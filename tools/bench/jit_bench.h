@@ -54,9 +54,10 @@ struct JitFigures {
   double pair_concurrent_ms = 0.0;  // median: helpers on a second thread meanwhile
 
   bool disk_available = false;
-  std::string disk_note;        // why it is unavailable, or what was measured
-  double disk_hit_ms = 0.0;     // median obtain() on a fresh store (read + validate)
-  double module_load_ms = 0.0;  // median cuModuleLoadData + cuModuleGetFunction (0: no GPU)
+  std::string disk_note;              // why it is unavailable, or what was measured
+  double disk_hit_ms = 0.0;           // median obtain() on a fresh store (read + validate)
+  bool module_load_measured = false;  // false without a GPU: module_load_ms means nothing
+  double module_load_ms = 0.0;        // median cuModuleLoadData + cuModuleGetFunction
 
   double first_call_ms = 0.0;   // fresh runtime, cache disabled: first call + synchronize
   double second_call_us = 0.0;  // the same runtime's next call + synchronize

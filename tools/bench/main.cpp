@@ -7,6 +7,9 @@
 // non-deterministic output, or moe_combine returned an error).
 #include <cuda_runtime.h>
 
+#include <cerrno>
+#include <climits>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -47,7 +50,8 @@ void usage(FILE* to) {
       to,
       "usage: moejit-bench [options]\n"
       "  --case T,K,H,dtype[,out_dtype]  run this shape (repeatable); dtype fp32|fp16|bf16.\n"
-      "                                  With --case only the given shapes run, unless --all\n"
+      "                                  With --case only the given shapes run, unless --all;\n"
+      "                                  T 1..2^40, K 1..64, H 1..65536, buffers <= 64 GiB\n"
       "  --all                           with --case: also run the built-in shapes\n"
       "  --layout L[,L...]               token_major | gather_map | token_index (default all)\n"
       "  --quick                         a short subset, 50 timed runs each\n"
@@ -111,11 +115,79 @@ std::vector<std::string> split(const std::string& text, char sep) {
   return parts;
 }
 
-bool parse_int(const std::string& text, int64_t min, int64_t* value) {
+// A decimal integer in min..max; false for anything else (empty, trailing text, overflow).
+bool parse_int(const std::string& text, int64_t min, int64_t max, int64_t* value) {
+  if (text.empty()) return false;
   char* end = nullptr;
+  errno = 0;
   const long long v = std::strtoll(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || v < min) return false;
+  if (errno == ERANGE || *end != '\0' || v < min || v > max) return false;
   *value = v;
+  return true;
+}
+
+// Host memory a case holds at once (make_inputs: the rows twice, token-major and sorted; the
+// gates twice, the gather map, token_idx and the permutation, 4 bytes per row each; the output
+// downloaded twice); the device holds less (the rows once, the routing, the output).
+double case_host_bytes(const Shape& s) {
+  const double r = static_cast<double>(s.rows()), t = static_cast<double>(s.tokens),
+               h = static_cast<double>(s.hidden);
+  return 2.0 * r * h * dtype_bytes(s.in_dtype) + 20.0 * r + 2.0 * t * h * dtype_bytes(s.out_dtype);
+}
+
+// Larger cases are refused: their buffers would not fit a host or a GPU of today.
+constexpr double kMaxCaseBytes = 64.0 * (1ull << 30);
+
+// Parses --case's value into *s; false after printing why.
+bool parse_case(const std::string& v, Shape* s) {
+  const std::vector<std::string> f = split(v, ',');
+  if (f.size() != 4 && f.size() != 5) {
+    std::fprintf(stderr,
+                 "moejit-bench: --case %s: expected T,K,H,dtype[,out_dtype] (dtype "
+                 "fp32|fp16|bf16)\n",
+                 v.c_str());
+    return false;
+  }
+  struct Field {
+    const char* name;
+    int64_t max;
+    int64_t* value;
+  };
+  const Field fields[] = {{"T", MOEJIT_MAX_NUM_TOKENS, &s->tokens},
+                          {"K", MOEJIT_MAX_TOP_K, &s->top_k},
+                          {"H", MOEJIT_MAX_HIDDEN_DIM, &s->hidden}};
+  for (size_t i = 0; i < 3; ++i)
+    if (!parse_int(f[i], 1, fields[i].max, fields[i].value)) {
+      std::fprintf(stderr, "moejit-bench: --case %s: %s = '%s' must be an integer in 1..%lld\n",
+                   v.c_str(), fields[i].name, f[i].c_str(), static_cast<long long>(fields[i].max));
+      return false;
+    }
+  for (size_t i = 3; i < f.size(); ++i) {
+    moejit_dtype* dtype = i == 3 ? &s->in_dtype : &s->out_dtype;
+    if (!parse_dtype(f[i], dtype)) {
+      std::fprintf(stderr, "moejit-bench: --case %s: %s = '%s' must be fp32, fp16 or bf16\n",
+                   v.c_str(), i == 3 ? "dtype" : "out_dtype", f[i].c_str());
+      return false;
+    }
+  }
+  if (f.size() == 4) s->out_dtype = s->in_dtype;
+  // The bench's routing is int32 (gather map, token_idx, the permutation): R = T*K rows at most
+  // INT32_MAX. T <= 2^40 and K <= 64: the product cannot overflow.
+  if (s->rows() > INT32_MAX) {
+    std::fprintf(stderr,
+                 "moejit-bench: --case %s: T*K = %lld rows; the bench's int32 routing allows at "
+                 "most %d\n",
+                 v.c_str(), static_cast<long long>(s->rows()), INT32_MAX);
+    return false;
+  }
+  const double bytes = case_host_bytes(*s);
+  if (bytes > kMaxCaseBytes) {
+    std::fprintf(stderr,
+                 "moejit-bench: --case %s: its buffers need about %.1f GiB of host memory (the "
+                 "rows twice, the routing, the output); at most %.0f GiB is allowed\n",
+                 v.c_str(), bytes / (1ull << 30), kMaxCaseBytes / (1ull << 30));
+    return false;
+  }
   return true;
 }
 
@@ -138,20 +210,8 @@ bool parse(int argc, char** argv, Options* o) {
       std::exit(0);
     } else if (a == "--case") {
       if (!next(&v)) return false;
-      const std::vector<std::string> f = split(v, ',');
       Shape s;
-      bool ok = (f.size() == 4 || f.size() == 5) && parse_int(f[0], 1, &s.tokens) &&
-                parse_int(f[1], 1, &s.top_k) && parse_int(f[2], 1, &s.hidden) &&
-                parse_dtype(f[3], &s.in_dtype);
-      s.out_dtype = s.in_dtype;
-      if (ok && f.size() == 5) ok = parse_dtype(f[4], &s.out_dtype);
-      if (!ok) {
-        std::fprintf(stderr,
-                     "moejit-bench: --case %s: expected T,K,H,dtype[,out_dtype] with "
-                     "positive integers and dtype fp32|fp16|bf16\n",
-                     v.c_str());
-        return false;
-      }
+      if (!parse_case(v, &s)) return false;
       o->cases.push_back(s);
     } else if (a == "--layout") {
       if (!next(&v)) return false;
@@ -183,9 +243,13 @@ bool parse(int argc, char** argv, Options* o) {
     } else if (a == "--json") {
       if (!next(&o->json_path)) return false;
     } else if (a == "--reps" || a == "--warmup" || a == "--check-tokens" || a == "--seed") {
-      if (!next(&v) || !parse_int(v, a == "--reps" ? 1 : (a == "--check-tokens" ? 2 : 0), &n)) {
-        std::fprintf(stderr, "moejit-bench: %s needs a number%s\n", a.c_str(),
-                     a == "--check-tokens" ? " >= 2" : "");
+      // --reps and --warmup are ints; --check-tokens and --seed take any non-negative int64.
+      const int64_t min = a == "--reps" ? 1 : (a == "--check-tokens" ? 2 : 0);
+      const int64_t max = a == "--reps" || a == "--warmup" ? INT_MAX : INT64_MAX;
+      if (!next(&v)) return false;
+      if (!parse_int(v, min, max, &n)) {
+        std::fprintf(stderr, "moejit-bench: %s %s: expected an integer in %lld..%lld\n", a.c_str(),
+                     v.c_str(), static_cast<long long>(min), static_cast<long long>(max));
         return false;
       }
       if (a == "--reps") o->bench.reps = static_cast<int>(n);
@@ -277,6 +341,11 @@ void print_pipeline(const std::vector<PipelineResult>& results) {
               "producer", "plain", "PDL", "saved", "empty", "empty_PDL", "plain_ev", "PDL_ev",
               "saved_ev", "check");
   for (const PipelineResult& r : results) {
+    if (!r.skipped.empty()) {
+      std::printf("%-12s %-22s pipeline: skipped (%s)\n", layout_text(r.layout),
+                  r.shape.describe().c_str(), r.skipped.c_str());
+      continue;
+    }
     if (!r.error.empty()) {
       std::printf("%-12s %-22s FAILED: %s\n", layout_text(r.layout), r.shape.describe().c_str(),
                   r.error.c_str());
@@ -373,7 +442,10 @@ void write_json(const std::string& path, const std::string& device, const Floors
       j.member("disk_hit_ms", jit->disk_hit_ms);
     else
       j.key("disk_hit_ms").null();
-    j.member("module_load_ms", jit->module_load_ms);
+    if (jit->module_load_measured)
+      j.member("module_load_ms", jit->module_load_ms);
+    else
+      j.key("module_load_ms").null();  // no GPU: not measured
     j.member("first_call_ms", jit->first_call_ms);
     j.member("second_call_us", jit->second_call_us);
     j.member("first_call_token_index_case", jit->first_call_token_index_case);
@@ -390,7 +462,9 @@ void write_json(const std::string& path, const std::string& device, const Floors
     for (const PipelineResult& r : pipeline) {
       j.begin_object();
       write_case_shape(j, r.shape, r.layout);
-      if (!r.error.empty()) {
+      if (!r.skipped.empty()) {
+        j.member("skipped", r.skipped);
+      } else if (!r.error.empty()) {
         j.member("error", r.error);
       } else {
         j.member("producer_us", r.producer_plain_us);
@@ -494,7 +568,7 @@ int run(const Options& o) {
     for (const Shape& shape : o.cases)
       if (shape.tokens <= 64)
         for (const PipelineResult& r : run_pipeline(shape, o.layouts, o.bench, helpers, stream)) {
-          all_correct = all_correct && r.error.empty() && r.correct;
+          if (r.skipped.empty()) all_correct = all_correct && r.error.empty() && r.correct;
           pipeline.push_back(r);
         }
     print_pipeline(pipeline);

@@ -28,6 +28,9 @@ PEERS = [
     ("triton_atomic_scatter", "Triton atomic scatter", "token_index"),
 ]
 LAYOUTS = ["token_major", "gather_map", "token_index"]
+# The key merge() writes first: what tells a record apart from moejit-bench's JSON on re-rendering.
+RECORD_MARKER = "moejit-bench + peers.py, merged by merge_results.py"
+
 # What the record keeps of each paired comparison (peers.py, paired_summary).
 PAIRED_FIELDS = ("rounds", "lib_us", "peer_us", "peer_over_lib", "ci95", "lib_minus_peer_us",
                  "verdict")
@@ -103,6 +106,7 @@ def merge(bench, peers, decode_peers=None):
             row["paired_decode"] = paired_decode
         cases.append(row)
     return {
+        "record": RECORD_MARKER,
         "device": bench.get("device"),
         "date": bench.get("date"),
         "library_version": bench.get("library_version"),
@@ -244,12 +248,13 @@ def markdown(merged):
                        f"first list-path call needs together: {jit['pair_serial_ms']:.0f} ms one "
                        f"after the other, {jit['pair_concurrent_ms']:.0f} ms built concurrently "
                        "(as the library does).")
+        # module_load_ms is null where moejit-bench ran without a GPU.
+        load = jit.get("module_load_ms", 0)
+        load = "n/a (no GPU)" if load is None else f"{load:.2f} ms"
         if jit.get("disk_cache_available"):
-            out.append(f"Disk-cache hit {jit['disk_hit_ms']:.2f} ms + module load "
-                       f"{jit.get('module_load_ms', 0):.2f} ms.")
+            out.append(f"Disk-cache hit {jit['disk_hit_ms']:.2f} ms + module load {load}.")
         else:
-            out.append(f"{jit.get('disk_cache_note')}; module load "
-                       f"{jit.get('module_load_ms', 0):.2f} ms.")
+            out.append(f"{jit.get('disk_cache_note')}; module load {load}.")
         if jit.get("host_calls"):
             out.append(f"Host time per call ({jit['host_case']}): moe_combine "
                        f"{jit['moe_combine_host_us']:.2f} us vs bare cuLaunchKernel "
@@ -390,9 +395,13 @@ def launch_adjusted(merged, rows):
 
 
 def is_merged_record(data):
-    """A record merge() wrote (results/h200.json) rather than moejit-bench's own JSON: its peers
-    section is a summary, not peers.py's shapes."""
-    return isinstance(data.get("peers"), dict) and "configs" in data["peers"]
+    """A record merge() wrote (results/h200.json) rather than moejit-bench's own JSON: merge()
+    marks it ("record"); older records are known by a peers or peers_decode section that is a
+    summary ("configs"), not peers.py's shapes."""
+    if data.get("record") == RECORD_MARKER:
+        return True
+    return any(isinstance(data.get(k), dict) and "configs" in data[k]
+               for k in ("peers", "peers_decode"))
 
 
 def cpu_reading(with_cpu, kind):

@@ -87,7 +87,9 @@ def main():
             stops[i].record()
         torch.cuda.synchronize()
         t = sorted(s.elapsed_time(e) * 1000.0 for s, e in zip(starts, stops))
-        return t[len(t) // 2]
+        # Of an even count, the mean of the two middle values (as moejit-bench's median).
+        n = len(t)
+        return t[n // 2] if n % 2 else (t[n // 2 - 1] + t[n // 2]) / 2
 
     print(f"{'case':<44}{'max rows':>9}{'moejit us':>11}{'index_add_ us':>15}{'x':>7}"
           f"{'rel err':>10}")
