@@ -80,7 +80,7 @@ install(FILES ${PROJECT_BINARY_DIR}/package/moejit.pc
 # Installed tools that link the shared library find it in ../lib (whatever the prefix), unless the
 # tool chose its own RPATH.
 file(RELATIVE_PATH MOEJIT_BIN_TO_LIB "/root/${CMAKE_INSTALL_BINDIR}" "/root/${CMAKE_INSTALL_LIBDIR}")
-foreach(tool moejit-precompile moejit-bench)
+foreach(tool moejit-precompile moejit-bench moejit-demo)
   if(TARGET ${tool})
     get_target_property(tool_rpath ${tool} INSTALL_RPATH)
     if(NOT tool_rpath)

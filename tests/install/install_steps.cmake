@@ -1,5 +1,6 @@
 # One step of the install test (see CMakeLists.txt), run as `cmake -DSTEP=<step> ... -P`.
 cmake_minimum_required(VERSION 3.24)
+string(REPLACE "," ";" TOOLS "${TOOLS}")  # comma-separated on the command line (CMakeLists.txt)
 
 function(run)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -81,8 +82,16 @@ elseif(STEP STREQUAL "layout")
     expect_file(${PREFIX}/${CMAKEDIR}/${f})
   endforeach()
   expect_file(${PREFIX}/${PKGCONFIGDIR}/moejit.pc)
+  # Each tool finds the library in ../lib wherever the prefix lies (cmake/install.cmake).
+  find_program(READELF readelf)
   foreach(tool IN LISTS TOOLS)
     expect_file(${PREFIX}/${BINDIR}/${tool})
+    if(READELF)
+      run(${READELF} -d ${PREFIX}/${BINDIR}/${tool})
+      if(NOT run_output MATCHES "R(UN)?PATH[^\n]*\\$ORIGIN/")
+        message(FATAL_ERROR "${tool} has no RUNPATH relative to $ORIGIN:\n${run_output}")
+      endif()
+    endif()
   endforeach()
   # The internals stay internal: no static core library, no private headers.
   file(GLOB_RECURSE leaked ${PREFIX}/*moejit_core* ${PREFIX}/*.a)

@@ -7,8 +7,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -44,32 +47,112 @@ uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// A decimal integer in min..max; false for anything else (empty, trailing text, overflow).
+bool parse_int(const char* text, int64_t min, int64_t max, int64_t* value) {
+  if (*text == '\0') return false;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(text, &end, 10);
+  if (errno == ERANGE || *end != '\0' || v < min || v > max) return false;
+  *value = v;
+  return true;
+}
+
+// Host memory the demo holds at once: the rows (bf16), gates, permutation and indices (4 bytes per
+// row each), row_of and gate_of (8 each), and the output (bf16). The device holds less.
+double host_bytes(const Options& o) {
+  const double t = static_cast<double>(o.tokens), r = t * static_cast<double>(o.top_k),
+               h = static_cast<double>(o.hidden);
+  return 2.0 * r * h + 28.0 * r + 2.0 * t * h;
+}
+
+// Larger shapes are refused: their buffers would not fit a host or a GPU of today.
+constexpr double kMaxBytes = 64.0 * (1ull << 30);
+
+// Returns false (after printing why) on a bad command line.
 bool parse(int argc, char** argv, Options* o) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    auto value = [&](int64_t* v) {
-      if (i + 1 >= argc) return false;
-      *v = std::atoll(argv[++i]);
-      return *v > 0;
-    };
-    if (a == "--tokens" && value(&o->tokens)) continue;
-    if (a == "--topk" && value(&o->top_k)) continue;
-    if (a == "--hidden" && value(&o->hidden)) continue;
-    if (a == "--layout" && i + 1 < argc) {
-      const std::string l = argv[++i];
-      if (l == "token_major")
-        o->layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
-      else if (l == "gather_map")
-        o->layout = MOEJIT_LAYOUT_GATHER_MAP;
-      else if (l == "token_index")
-        o->layout = MOEJIT_LAYOUT_TOKEN_INDEX;
-      else
-        return false;
-      continue;
+    if (a != "--tokens" && a != "--topk" && a != "--hidden" && a != "--layout") {
+      std::fprintf(stderr, "moejit-demo: unknown option %s\n", a.c_str());
+      return false;
     }
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "moejit-demo: %s needs a value\n", a.c_str());
+      return false;
+    }
+    const char* v = argv[++i];
+    int64_t* field = a == "--tokens"   ? &o->tokens
+                     : a == "--topk"   ? &o->top_k
+                     : a == "--hidden" ? &o->hidden
+                                       : nullptr;
+    if (field != nullptr) {
+      const int64_t max = a == "--tokens" ? MOEJIT_MAX_NUM_TOKENS
+                          : a == "--topk" ? MOEJIT_MAX_TOP_K
+                                          : MOEJIT_MAX_HIDDEN_DIM;
+      if (!parse_int(v, 1, max, field)) {
+        std::fprintf(stderr, "moejit-demo: %s %s: expected an integer in 1..%lld\n", a.c_str(), v,
+                     static_cast<long long>(max));
+        return false;
+      }
+    } else {  // --layout
+      const std::string l = v;
+      if (l == "token_major") {
+        o->layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
+      } else if (l == "gather_map") {
+        o->layout = MOEJIT_LAYOUT_GATHER_MAP;
+      } else if (l == "token_index") {
+        o->layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+      } else {
+        std::fprintf(stderr,
+                     "moejit-demo: --layout %s: expected token_major, gather_map or token_index\n",
+                     v);
+        return false;
+      }
+    }
+  }
+  // The demo's routing is int32: R = T*K rows at most INT32_MAX (T <= 2^40 and K <= 64: no
+  // overflow).
+  if (o->tokens * o->top_k > INT32_MAX) {
+    std::fprintf(stderr,
+                 "moejit-demo: --tokens %lld --topk %lld: %lld rows; the demo's int32 routing "
+                 "allows at most %d\n",
+                 static_cast<long long>(o->tokens), static_cast<long long>(o->top_k),
+                 static_cast<long long>(o->tokens * o->top_k), INT32_MAX);
+    return false;
+  }
+  if (host_bytes(*o) > kMaxBytes) {
+    std::fprintf(stderr,
+                 "moejit-demo: T=%lld K=%lld H=%lld needs about %.1f GiB of host memory; at most "
+                 "%.0f GiB is allowed\n",
+                 static_cast<long long>(o->tokens), static_cast<long long>(o->top_k),
+                 static_cast<long long>(o->hidden), host_bytes(*o) / (1ull << 30),
+                 kMaxBytes / (1ull << 30));
     return false;
   }
   return true;
+}
+
+// A failed CUDA runtime call or library call: say which and exit 1.
+void check_cuda(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return;
+  std::fprintf(stderr, "moejit-demo: %s failed: %s: %s\n", what, cudaGetErrorName(e),
+               cudaGetErrorString(e));
+  std::exit(1);
+}
+void check_status(moejit_status st, const char* what) {
+  if (st == MOEJIT_SUCCESS) return;
+  std::fprintf(stderr, "moejit-demo: %s failed: %s: %s\n", what, moejit_status_name(st),
+               moejit_last_error_message());
+  std::exit(1);
+}
+
+// The median; of an even count, the mean of the two middle values (as moejit-bench's).
+double median(std::vector<float> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2]
+                    : 0.5 * (static_cast<double>(values[n / 2 - 1]) + values[n / 2]);
 }
 
 // No GPU: compile what a call at this shape would need, for the H200's sm_90, through the same
@@ -84,21 +167,43 @@ int compile_only(const Options& o, const std::string& why) {
   try {
     moejit::Stats stats;
     moejit::KernelStore store(moejit::resolve_settings(nullptr), stats);
-    const moejit::KernelSpec spec = moejit::spec_for_shape(
-        o.layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32,
-        static_cast<int>(o.hidden), static_cast<int>(o.top_k), 256, o.tokens);
-    const auto start = std::chrono::steady_clock::now();
-    moejit::KernelStore::Source source;
-    const auto module = store.obtain(spec, moejit::Target{90, false}, &source);
-    const double ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    std::printf("  %s\n  -> %zu-byte sm_90 cubin, %s in %.1f ms (cache: %s, %s)\n",
-                spec.describe().c_str(), module->image.size(),
-                source == moejit::KernelStore::Source::kDisk ? "loaded from the disk cache"
-                                                             : "compiled with NVRTC",
-                ms,
-                store.settings().cache_dir.empty() ? "none" : store.settings().cache_dir.c_str(),
-                store.has_disk_cache() ? "on disk" : "memory only");
+    // The plan a real call at this shape makes (plan_combine reads no device memory and needs no
+    // GPU), on stand-in addresses aligned like fresh allocations: the combine's module, and for
+    // the token index's list path also the list helpers' module, as ModuleCache loads them.
+    moejit_combine_args a;
+    moejit_combine_args_init(&a);
+    auto fake = [](uintptr_t n) { return reinterpret_cast<void*>(n << 32); };
+    a.layout = o.layout;
+    a.num_tokens = o.tokens;
+    a.top_k = o.top_k;
+    a.num_rows = o.tokens * o.top_k;
+    a.hidden_dim = o.hidden;
+    a.expert_hidden = fake(1);
+    a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
+    a.gates = static_cast<const float*>(fake(2));
+    a.indices = o.layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? nullptr : fake(3);
+    a.out = fake(4);
+    a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+    a.workspace_bytes = moejit::combine_workspace_bytes(&a);
+    if (a.workspace_bytes > 0) a.workspace = fake(5);
+    const moejit::CombinePlan plan = moejit::plan_combine(&a);
+    std::vector<moejit::KernelSpec> specs = {plan.spec};
+    if (plan.list_helpers()) specs.push_back(plan.spec.helpers_spec());
+    for (const moejit::KernelSpec& spec : specs) {
+      const auto start = std::chrono::steady_clock::now();
+      moejit::KernelStore::Source source;
+      const auto module = store.obtain(spec, moejit::Target{90, false}, &source);
+      const double ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+              .count();
+      std::printf("  %s\n  -> %zu-byte sm_90 cubin, %s in %.1f ms (cache: %s, %s)\n",
+                  spec.describe().c_str(), module->image.size(),
+                  source == moejit::KernelStore::Source::kDisk ? "loaded from the disk cache"
+                                                               : "compiled with NVRTC",
+                  ms,
+                  store.settings().cache_dir.empty() ? "none" : store.settings().cache_dir.c_str(),
+                  store.has_disk_cache() ? "on disk" : "memory only");
+    }
     std::printf(
         "Kernels compile here; run this on a machine with an NVIDIA GPU to execute and "
         "time them.\n");
@@ -116,7 +221,8 @@ int main(int argc, char** argv) {
   if (!parse(argc, argv, &o)) {
     std::fprintf(stderr,
                  "usage: moejit-demo [--tokens T] [--topk K] [--hidden H] "
-                 "[--layout token_major|gather_map|token_index]\n");
+                 "[--layout token_major|gather_map|token_index]\n"
+                 "  T 1..2^40 (T*K at most 2^31-1, buffers at most 64 GiB), K 1..64, H 1..65536\n");
     return 2;
   }
   int devices = 0;
@@ -125,8 +231,8 @@ int main(int argc, char** argv) {
     return compile_only(o, probe != cudaSuccess ? cudaGetErrorString(probe) : "0 devices");
 
   cudaDeviceProp prop;
-  cudaGetDeviceProperties(&prop, 0);
-  cudaSetDevice(0);
+  check_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  check_cuda(cudaSetDevice(0), "cudaSetDevice");
   const int64_t T = o.tokens, K = o.top_k, H = o.hidden, R = T * K;
   std::printf(
       "GPU: %s (sm_%d%d). Combine: %s layout, T=%lld tokens, top_k=%lld, hidden=%lld, "
@@ -159,17 +265,20 @@ int main(int argc, char** argv) {
   void *d_x, *d_out, *d_idx = nullptr, *d_ws = nullptr, *d_flush;
   float* d_gates;
   const size_t flush_bytes = 256u << 20;
-  cudaMalloc(&d_x, x.size() * 2);
-  cudaMalloc(&d_gates, gates.size() * 4);
-  cudaMalloc(&d_out, static_cast<size_t>(T * H * 2));
-  cudaMalloc(&d_flush, flush_bytes);
-  cudaMemcpy(d_x, x.data(), x.size() * 2, cudaMemcpyHostToDevice);
-  cudaMemcpy(d_gates, gates.data(), gates.size() * 4, cudaMemcpyHostToDevice);
+  check_cuda(cudaMalloc(&d_x, x.size() * 2), "cudaMalloc(rows)");
+  check_cuda(cudaMalloc(&d_gates, gates.size() * 4), "cudaMalloc(gates)");
+  check_cuda(cudaMalloc(&d_out, static_cast<size_t>(T * H * 2)), "cudaMalloc(out)");
+  check_cuda(cudaMalloc(&d_flush, flush_bytes), "cudaMalloc(L2 flush buffer)");
+  check_cuda(cudaMemcpy(d_x, x.data(), x.size() * 2, cudaMemcpyHostToDevice), "cudaMemcpy(rows)");
+  check_cuda(cudaMemcpy(d_gates, gates.data(), gates.size() * 4, cudaMemcpyHostToDevice),
+             "cudaMemcpy(gates)");
   if (!indices.empty()) {
-    cudaMalloc(&d_idx, indices.size() * 4);
-    cudaMemcpy(d_idx, indices.data(), indices.size() * 4, cudaMemcpyHostToDevice);
+    check_cuda(cudaMalloc(&d_idx, indices.size() * 4), "cudaMalloc(indices)");
+    check_cuda(cudaMemcpy(d_idx, indices.data(), indices.size() * 4, cudaMemcpyHostToDevice),
+               "cudaMemcpy(indices)");
   }
-  cudaMemset(d_out, 0xFF, static_cast<size_t>(T * H * 2));  // poison: NaN everywhere
+  // poison: NaN everywhere
+  check_cuda(cudaMemset(d_out, 0xFF, static_cast<size_t>(T * H * 2)), "cudaMemset(out)");
 
   moejit_combine_args a;
   moejit_combine_args_init(&a);
@@ -185,29 +294,26 @@ int main(int argc, char** argv) {
   a.out = d_out;
   a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
   size_t ws = 0;
-  moejit_combine_workspace_size(&a, &ws);
+  check_status(moejit_combine_workspace_size(&a, &ws), "moejit_combine_workspace_size");
   if (ws) {
-    cudaMalloc(&d_ws, ws);
+    check_cuda(cudaMalloc(&d_ws, ws), "cudaMalloc(workspace)");
     a.workspace = d_ws;
     a.workspace_bytes = ws;
   }
   cudaStream_t stream;
-  cudaStreamCreate(&stream);
+  check_cuda(cudaStreamCreate(&stream), "cudaStreamCreate");
 
   const auto t0 = std::chrono::steady_clock::now();
   moejit_status st = moe_combine(&a, stream);
   const double first_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  if (st != MOEJIT_SUCCESS) {
-    std::fprintf(stderr, "moe_combine failed: %s: %s\n", moejit_status_name(st),
-                 moejit_last_error_message());
-    return 1;
-  }
-  cudaStreamSynchronize(stream);
+  check_status(st, "moe_combine");
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
 
   // Check every output element against a float64 reference.
   std::vector<uint16_t> out(static_cast<size_t>(T * H));
-  cudaMemcpy(out.data(), d_out, out.size() * 2, cudaMemcpyDeviceToHost);
+  check_cuda(cudaMemcpy(out.data(), d_out, out.size() * 2, cudaMemcpyDeviceToHost),
+             "cudaMemcpy(out)");
   double err2 = 0, ref2 = 0, worst = 0;
   {
     const unsigned n = std::max(1u, std::thread::hardware_concurrency());
@@ -244,21 +350,20 @@ int main(int argc, char** argv) {
 
   // Time: median of 50 runs, L2 flushed between runs (the expert rows come from HBM).
   cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
+  check_cuda(cudaEventCreate(&start), "cudaEventCreate");
+  check_cuda(cudaEventCreate(&stop), "cudaEventCreate");
   std::vector<float> times;
   for (int i = 0; i < 55; ++i) {
-    cudaMemsetAsync(d_flush, i, flush_bytes, stream);
-    cudaEventRecord(start, stream);
-    moe_combine(&a, stream);
-    cudaEventRecord(stop, stream);
-    cudaEventSynchronize(stop);
+    check_cuda(cudaMemsetAsync(d_flush, i, flush_bytes, stream), "cudaMemsetAsync(L2 flush)");
+    check_cuda(cudaEventRecord(start, stream), "cudaEventRecord");
+    check_status(moe_combine(&a, stream), "moe_combine (timed)");
+    check_cuda(cudaEventRecord(stop, stream), "cudaEventRecord");
+    check_cuda(cudaEventSynchronize(stop), "cudaEventSynchronize");
     float ms = 0;
-    cudaEventElapsedTime(&ms, start, stop);
+    check_cuda(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
     if (i >= 5) times.push_back(ms);
   }
-  std::sort(times.begin(), times.end());
-  const double us = times[times.size() / 2] * 1e3;
+  const double us = median(times) * 1e3;
   const double bytes = static_cast<double>(R * H * 2 + R * 8 + T * H * 2);
   moejit_stats s;
   s.struct_size = sizeof(s);
