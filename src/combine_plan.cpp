@@ -611,7 +611,14 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   // geometry (one_token_map_spec). On the H200 against the fixed layouts' kernel, A B C C B A x 2
   // (tools/bench/NOTES.md, version 37), T = 1, us: K8 H7168 bf16 5.41 -> 5.08, K8 H4096 5.38 ->
   // 5.04, K4 H2880 5.17 -> 4.81, K2 H4096 fp32 5.17 -> 4.75, K1 H5120 5.05 -> 4.71.
-  if (s.layout == MOEJIT_LAYOUT_GATHER_MAP && a.num_tokens == 1 && a.num_rows <= a.top_k) {
+  //
+  // Not as a programmatic dependent (args->dependent_launch): it stages the rows in shared memory,
+  // and after a producer kernel that uses none the dependent launch then started late. In a decode
+  // step of `moejit-bench --pipeline` (a PDL-aware producer, then the combine) it took 1.0 us
+  // longer as a dependent than as a plain launch, where the fixed kernel saves 0.3 us (NOTES,
+  // version 44; the same cause as the small-call scan's 2 KB list, version 28).
+  if (s.layout == MOEJIT_LAYOUT_GATHER_MAP && a.num_tokens == 1 && a.num_rows <= a.top_k &&
+      a.dependent_launch == 0) {
     const KernelSpec one = one_token_map_spec(s);
     if (one.fits_one_token_map()) s = one;
   }

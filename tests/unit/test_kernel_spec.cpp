@@ -194,6 +194,11 @@ TEST(KernelSpec, PlanMatchesSpecForShapeOnAlignedBuffers) {
                          MOEJIT_INDEX_INT32, hidden, 2, 256, tokens);
       EXPECT_EQ(planned, tokens == 1 ? one_token_map_spec(shape) : shape)
           << "hidden " << hidden << " tokens " << tokens;
+      // As a programmatic dependent, the fixed kernel (the one-token kernel's shared-memory
+      // staging made a dependent launch start late), which precompile warms as well.
+      a.dependent_launch = 1;
+      EXPECT_EQ(plan_combine(&a).spec, shape) << "hidden " << hidden << " tokens " << tokens;
+      a.dependent_launch = 0;
       const auto all = specs_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                        MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, hidden, 2, 256);
       EXPECT_NE(std::find(all.begin(), all.end(), planned), all.end());
