@@ -15,10 +15,32 @@
 
 namespace {
 
-thread_local std::string last_error;
+// The calling thread's last error message. A pointer, not a thread_local std::string: a thread's
+// non-trivial thread_locals are destroyed before it finishes exiting, and the main thread's before
+// the host's static destructors run, which may still call the library (and read the message).
+// The owner frees the string at thread exit; a call after that (exit-time static destructors)
+// allocates one that is never freed, once per such thread.
+thread_local std::string* t_last_error = nullptr;
+thread_local bool t_last_error_owner_gone = false;
+struct LastErrorOwner {
+  ~LastErrorOwner() {
+    delete t_last_error;
+    t_last_error = nullptr;
+    t_last_error_owner_gone = true;
+  }
+};
+thread_local LastErrorOwner t_last_error_owner;
+
+std::string& last_error() {
+  if (t_last_error == nullptr) {
+    t_last_error = new std::string;
+    if (!t_last_error_owner_gone) (void)&t_last_error_owner;  // registers its destructor
+  }
+  return *t_last_error;
+}
 
 moejit_status fail(moejit_status status, const std::string& message) {
-  last_error = message;
+  last_error() = message;
   moejit::logger().debug("{}: {}", moejit_status_name(status), message);
   return status;
 }
@@ -82,7 +104,7 @@ const char* moejit_status_description(moejit_status status) {
 }
 
 const char* moejit_last_error_message(void) {
-  return last_error.c_str();
+  return last_error().c_str();
 }
 
 // Writes the defaults into the caller's struct, never past its size: a caller built against an

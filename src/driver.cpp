@@ -76,7 +76,9 @@ LoadedDriver load() {
 }  // namespace
 
 const DriverApi& driver() {
-  static const LoadedDriver loaded = load();  // thread-safe initialization (C++11)
+  // Thread-safe initialization (C++11), and never destroyed: the host's static destructors may
+  // still call the library at exit, and the error message must outlive them.
+  static const LoadedDriver& loaded = *new LoadedDriver(load());
   if (loaded.status != MOEJIT_SUCCESS) throw Error(loaded.status, loaded.message);
   return loaded.api;
 }

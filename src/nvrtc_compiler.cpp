@@ -2,7 +2,10 @@
 
 #include <nvrtc.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <utility>
 
@@ -48,22 +51,24 @@ std::string Target::name() const {
   return (ptx ? "compute_" : "sm_") + std::to_string(sm);
 }
 
+// These two are never destroyed (allocated once, leaked): the host's static destructors may still
+// call the library at exit, and a shape already loaded must find them.
 const std::string& nvrtc_version() {
-  static const std::string version = [] {
+  static const std::string& version = *new std::string([] {
     const std::pair<int, int> v = nvrtc_major_minor();
     return std::to_string(v.first) + "." + std::to_string(v.second);
-  }();
+  }());
   return version;
 }
 
 const std::vector<int>& nvrtc_supported_archs() {
-  static const std::vector<int> archs = [] {
+  static const std::vector<int>& archs = *new std::vector<int>([] {
     int count = 0;
     check_nvrtc(nvrtcGetNumSupportedArchs(&count), "nvrtcGetNumSupportedArchs");
     std::vector<int> list(static_cast<size_t>(count));
     if (count > 0) check_nvrtc(nvrtcGetSupportedArchs(list.data()), "nvrtcGetSupportedArchs");
     return list;
-  }();
+  }());
   return archs;
 }
 
@@ -91,7 +96,28 @@ Target target_for_device(int sm) {
                                             " (it builds for:" + supported.str() + ")");
 }
 
+namespace {
+
+// Set once the process has begun to exit, by an atexit handler registered right after NVRTC's first
+// compile: handlers run in reverse order of registration, so this one runs before NVRTC's own
+// teardown (registered during that compile) and before the destructors of the host's statics
+// constructed earlier. A compile after it would run in a torn-down NVRTC (it crashed there, in
+// nvrtcCompileProgram, from a static destructor); kernels already built or cached still load.
+std::atomic<bool> g_exiting{false};
+std::once_flag g_exit_hook;
+
+void note_exit_hook() {
+  std::call_once(g_exit_hook, [] { std::atexit([] { g_exiting.store(true); }); });
+}
+
+}  // namespace
+
 CompiledModule compile(const CompileRequest& request) {
+  if (g_exiting.load())
+    throw Error(MOEJIT_ERROR_UNSUPPORTED,
+                "cannot compile " + request.program_name + " for " + request.target.name() +
+                    ": the process is exiting (NVRTC may already be shut down); only kernels "
+                    "already loaded or in the disk cache can run now");
   std::vector<const char*> header_names, header_bytes;
   for (const auto& [name, bytes] : request.headers) {
     header_names.push_back(name.c_str());
@@ -109,6 +135,7 @@ CompiledModule compile(const CompileRequest& request) {
   for (const std::string& o : request.options) options.push_back(o.c_str());
   const nvrtcResult compiled =
       nvrtcCompileProgram(guard.program, static_cast<int>(options.size()), options.data());
+  note_exit_hook();
 
   CompiledModule out;
   size_t log_size = 0;
