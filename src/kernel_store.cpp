@@ -72,10 +72,12 @@ std::shared_ptr<const CompiledModule> KernelStore::obtain(const KernelSpec& spec
     return module;
   } catch (...) {
     // Forget the failed attempt so a later call retries (the cache may have been warmed since),
-    // and hand the error to the threads waiting on this one.
+    // and hand the error to the threads waiting on this one. Only this attempt: an invalidate()
+    // meanwhile may have let another thread start a build of its own under the key.
     promise.set_exception(std::current_exception());
     std::lock_guard<std::mutex> lock(mutex_);
-    modules_.erase(key);
+    auto it = modules_.find(key);
+    if (it != modules_.end() && it->second == built) modules_.erase(it);
     throw;
   }
 }
