@@ -50,13 +50,17 @@ std::string cache_entry_path(const std::string& dir, const std::string& key);
 
 // For tools (moejit-precompile --verify): every entry file under dir, validated as the runtime
 // would (regular file, not a symlink, not writable by others, header, checksums, metadata, key
-// echo equal to the file name). With repair, invalid entries are deleted. Never throws.
+// echo equal to the file name). With repair, invalid entries are deleted. The cache directory
+// and v1 must pass the runtime's checks (not a symlink, owned by this user or root, not writable
+// by group or others); otherwise error says why and nothing is examined or removed. An absent
+// directory is an empty cache. Never throws.
 struct CacheVerifyReport {
   size_t entries = 0;
   size_t valid = 0;
   std::vector<std::string> invalid_paths;
   size_t removed = 0;
-  uint64_t bytes = 0;
+  uint64_t bytes = 0;  // the sizes of the valid entries
+  std::string error;   // why the runtime would refuse the directory; empty when usable
 };
 CacheVerifyReport verify_cache_dir(const std::string& dir, bool repair);
 

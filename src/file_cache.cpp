@@ -636,8 +636,18 @@ CacheVerifyReport verify_cache_dir(const std::string& dir, bool repair) {
   CacheVerifyReport report;
   try {
     const std::string root_path = dir + "/" + version_dir_name();
-    Fd root(open(root_path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-    if (!root) return report;
+    // The cache directory and v1 pass the runtime's checks (no symlink, owned by this user or
+    // root, not writable by group or others) or nothing is examined: a cache the runtime refuses
+    // is not called valid, and repair never deletes through a symlink. An absent one is empty.
+    std::string refused;
+    bool missing = false;
+    Fd top = open_cache_root(dir, false, &refused, &missing);
+    Fd root;
+    if (top) root = open_dir(top.get(), version_dir_name(), false, &refused, &missing);
+    if (!root) {
+      if (!missing) report.error = refused;
+      return report;
+    }
     for (const std::string& shard_name : list_dir(root.get())) {
       if (!is_shard_name(shard_name)) continue;
       Fd shard(
@@ -648,18 +658,15 @@ CacheVerifyReport verify_cache_dir(const std::string& dir, bool repair) {
         ++report.entries;
         const std::string key = name.substr(0, name.size() - std::strlen(kEntrySuffix));
         std::string why;
-        uint64_t bytes = 0;
         struct stat st {};
-        if (fstatat(shard.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0)
-          bytes = static_cast<uint64_t>(st.st_size);
         // The owner is not checked: the tool may run as another user than the cache's; the
         // runtime checks it.
         const bool valid =
             is_cache_key(key) && key.compare(0, 2, shard_name) == 0 &&
-            read_entry(shard.get(), key, false, false, nullptr, &why, nullptr) == ReadResult::kOk;
-        report.bytes += bytes;
+            read_entry(shard.get(), key, false, false, nullptr, &why, &st) == ReadResult::kOk;
         if (valid) {
           ++report.valid;
+          report.bytes += static_cast<uint64_t>(st.st_size);  // the file that was validated
           continue;
         }
         report.invalid_paths.push_back(root_path + "/" + shard_name + "/" + name);

@@ -153,6 +153,9 @@ TEST_F(CacheStore, VerifyReportsAndRepairs) {
   EXPECT_EQ(report.valid, 2u);
   EXPECT_EQ(report.invalid_paths.size(), 2u);
   EXPECT_EQ(report.removed, 0u);
+  EXPECT_TRUE(report.error.empty()) << report.error;
+  // The bytes are those of the valid entries only.
+  EXPECT_EQ(report.bytes, fs::file_size(entry_of(0)) + fs::file_size(entry_of(2)));
   report = verify_cache_dir(dir_, true);
   EXPECT_EQ(report.removed, 2u);
   EXPECT_FALSE(fs::exists(bad));
@@ -160,6 +163,56 @@ TEST_F(CacheStore, VerifyReportsAndRepairs) {
   EXPECT_EQ(report.entries, 2u);
   EXPECT_EQ(report.valid, 2u);
   EXPECT_EQ(verify_cache_dir(scratch_ / "nothing-here", false).entries, 0u);
+  EXPECT_TRUE(verify_cache_dir(scratch_ / "nothing-here", false).error.empty());
+}
+
+// verify applies the runtime's directory checks to the cache directory and v1: a directory the
+// runtime refuses is reported, and repair never deletes anything through a symlink.
+TEST_F(CacheStore, VerifyRefusesUnsafeDirectoriesAndNeverFollowsSymlinks) {
+  Stats s;
+  obtain(0, &s);
+  // Junk outside the cache, laid out as a version directory.
+  const std::string elsewhere = scratch_ / "elsewhere";
+  const std::string junk = elsewhere + "/ab/ab" + std::string(30, '0') + ".moejit";
+  fs::create_directories(elsewhere + "/ab");
+  test::write_file(junk, "junk, not an entry");
+  auto expect_refused = [&](const std::string& dir, const std::string& reason) {
+    for (bool repair : {false, true}) {
+      const CacheVerifyReport r = verify_cache_dir(dir, repair);
+      EXPECT_NE(r.error.find(reason), std::string::npos) << dir << ": " << r.error;
+      EXPECT_EQ(r.entries, 0u) << dir;
+      EXPECT_EQ(r.valid, 0u) << dir;
+      EXPECT_EQ(r.removed, 0u) << dir;
+      EXPECT_TRUE(r.invalid_paths.empty()) << dir;
+    }
+    EXPECT_TRUE(fs::exists(junk));
+    EXPECT_TRUE(fs::exists(entry_of(0)));
+  };
+
+  // <dir>/v1 a symlink to the junk.
+  const std::string linked_v1 = scratch_ / "linked-v1";
+  fs::create_directory(linked_v1);
+  chmod(linked_v1.c_str(), 0700);
+  fs::create_directory_symlink(elsewhere, linked_v1 + "/v1");
+  expect_refused(linked_v1, "symbolic link");
+  expect_refused(linked_v1 + "/", "symbolic link");
+
+  // The cache directory itself a symlink (to a good cache), with or without a trailing slash.
+  const std::string linked_dir = scratch_ / "linked-dir";
+  fs::create_directory_symlink(dir_, linked_dir);
+  expect_refused(linked_dir, "symbolic link");
+  expect_refused(linked_dir + "/", "symbolic link");
+
+  // Writable by group or others: the cache directory, then v1.
+  const std::string v1 = fs::path(entry_of(0)).parent_path().parent_path().string();
+  for (const std::string& d : {dir_, v1}) {
+    ASSERT_EQ(chmod(d.c_str(), 0770), 0);
+    expect_refused(dir_, "writable by group or others");
+    ASSERT_EQ(chmod(d.c_str(), 0700), 0);
+  }
+  const CacheVerifyReport good = verify_cache_dir(dir_, true);
+  EXPECT_TRUE(good.error.empty()) << good.error;
+  EXPECT_EQ(good.valid, 1u);
 }
 
 TEST_F(CacheStore, ReadOnlyModeServesHitsAndWritesNothing) {

@@ -215,12 +215,21 @@ TEST_F(WarmedCache, VerifyReportsAndRepairsInvalidEntries) {
   const std::string path = cache_entry_path(cache_, cache_key(keys.request_for(spec, kSm90)));
   const std::string bytes = test::slurp(path);
   ASSERT_GT(bytes.size(), 64u) << path;
+  const std::string dir = " --cache-dir '" + cache_ + "'";
+  test::ToolRun r = test::run_tool("--verify --json" + dir, scratch_);
+  EXPECT_EQ(r.rc, 0) << r.out << r.err;
+  const uint64_t all_bytes = parse_json(r)["bytes"];
   test::write_file(path, bytes.substr(0, bytes.size() / 2));
 
-  const std::string dir = " --cache-dir '" + cache_ + "'";
-  test::ToolRun r = test::run_tool("--verify" + dir, scratch_);
+  r = test::run_tool("--verify --json" + dir, scratch_);
+  EXPECT_EQ(r.rc, 4) << r.out << r.err;
+  EXPECT_EQ(parse_json(r)["bytes"], all_bytes - bytes.size()) << "bytes count valid entries only";
+  r = test::run_tool("--verify" + dir, scratch_);
   EXPECT_EQ(r.rc, 4) << r.out << r.err;
   EXPECT_NE(r.out.find(path), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(std::to_string(all_bytes - bytes.size()) + " bytes valid"),
+            std::string::npos)
+      << r.out;
 
   r = test::run_tool("--verify --repair --json" + dir, scratch_);
   EXPECT_EQ(r.rc, 0) << r.out << r.err;
@@ -236,6 +245,27 @@ TEST_F(WarmedCache, VerifyReportsAndRepairsInvalidEntries) {
   EXPECT_EQ(r.rc, 0) << r.err;
   EXPECT_EQ(parse_json(r)["compiled"], 1);
   expect_cache_valid(expected_entries_);
+}
+
+// A symlinked version directory: the runtime refuses it, so --verify reports an unusable cache
+// (exit 3) and --repair deletes nothing through it.
+TEST(Verify, SymlinkedVersionDirectoryIsUnusableAndNeverRepaired) {
+  const std::string scratch = test::make_temp_dir("pc-verify-link");
+  const std::string cache = scratch + "/cache";
+  const std::string junk = scratch + "/elsewhere/ab/ab" + std::string(30, '0') + ".moejit";
+  std::filesystem::create_directories(scratch + "/elsewhere/ab");
+  test::write_file(junk, "junk, not an entry");
+  ASSERT_EQ(mkdir(cache.c_str(), 0700), 0);
+  std::filesystem::create_directory_symlink(scratch + "/elsewhere", cache + "/v1");
+  for (const char* args : {"--verify", "--verify --repair", "--verify --repair --json"}) {
+    const test::ToolRun r =
+        test::run_tool(std::string(args) + " --cache-dir '" + cache + "'", scratch);
+    EXPECT_EQ(r.rc, 3) << args << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find("symbolic link"), std::string::npos) << args << "\n" << r.err;
+    EXPECT_NE(r.err.find(cache), std::string::npos) << args << "\n" << r.err;
+    EXPECT_TRUE(std::filesystem::exists(junk)) << args;
+  }
+  test::remove_tree(scratch);
 }
 
 TEST(Concurrency, ParallelJobsAndTwoProcessesIntoOneDirectory) {

@@ -90,7 +90,8 @@ Exit codes:
   1  a compilation failed (the NVRTC log is printed)
   2  bad input or usage: unreadable file, invalid JSON, missing field, unknown dtype, unsupported
      arch, no GPU and no --arch
-  3  the cache directory is unusable (cannot be created or written), or an entry did not land
+  3  the cache directory is unusable (cannot be created or written, or one the runtime refuses:
+     a symlink, not owned by this user or root, writable by others), or an entry did not land
      or was evicted before the run ended (a cache size cap, MOEJIT_CACHE_MAX_BYTES, smaller
      than the set being precompiled)
   4  --verify found invalid entries (without --repair, or some could not be removed)
@@ -304,6 +305,11 @@ int run_verify(const Options& o) {
   if (!is_directory(s.cache_dir))
     throw Fatal{kExitCacheUnusable, "cache directory \"" + s.cache_dir + "\" does not exist"};
   const CacheVerifyReport r = verify_cache_dir(s.cache_dir, o.repair);
+  // A directory the runtime would refuse (a symlink, another user's, writable by others): its
+  // entries were neither examined nor removed.
+  if (!r.error.empty())
+    throw Fatal{kExitCacheUnusable, "cache directory \"" + s.cache_dir + "\" is unusable: " +
+                                        r.error + " (the runtime would not use it)"};
   const size_t left = r.invalid_paths.size() - std::min(r.removed, r.invalid_paths.size());
   if (o.json) {
     std::cout << json{{"cache_dir", s.cache_dir},   {"entries", r.entries}, {"valid", r.valid},
