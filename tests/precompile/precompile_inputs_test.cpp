@@ -92,15 +92,66 @@ TEST(ModelConfig, ErrorsNameFileFieldAndExpectation) {
   EXPECT_NE(m.find("num_experts_per_tok"), std::string::npos) << m;
   EXPECT_NE(m.find("experts_per_token"), std::string::npos) << m;
 
-  m = error_of([] { parse_model_config(R"({"hidden_size": "big", "top_k": 2})", "s.json"); });
+  m = error_of(
+      [] { parse_model_config(R"({"hidden_size": "big", "num_experts_per_tok": 2})", "s.json"); });
   EXPECT_NE(m.find("hidden_size = \"big\""), std::string::npos) << m;
   EXPECT_NE(m.find("positive integer"), std::string::npos) << m;
 
   m = error_of([] {
-    parse_model_config(R"({"hidden_size": 64, "top_k": 2, "num_experts_per_tok": 4})", "k.json");
+    parse_model_config(R"({"hidden_size": 64, "moe_top_k": 2, "num_experts_per_tok": 4})",
+                       "k.json");
   });
   EXPECT_NE(m.find("num_experts_per_tok = 4"), std::string::npos) << m;
-  EXPECT_NE(m.find("top_k = 2"), std::string::npos) << m;
+  EXPECT_NE(m.find("moe_top_k = 2"), std::string::npos) << m;
+  EXPECT_NE(m.find("disagree"), std::string::npos) << m;
+}
+
+// In Hugging Face configs a plain top_k is usually the sampling setting (50 by default), which
+// full config dumps carry next to the MoE fields and in dense models.
+TEST(ModelConfig, PlainTopKIsSamplingUnlessNextToAnExpertCount) {
+  // Next to an MoE top-k field, top_k is ignored: no disagreement, K from the MoE field.
+  ModelConfig c = parse_model_config(R"({"torch_dtype": "bfloat16", "top_k": 50,
+      "text_config": {"hidden_size": 4096, "num_experts_per_tok": 8, "top_k": 50,
+                      "num_local_experts": 64}})",
+                                     "nested.json");
+  EXPECT_EQ(c.top_k, 8);
+  EXPECT_EQ(c.top_k_field, "text_config.num_experts_per_tok");
+  EXPECT_EQ(c.hidden_field, "text_config.hidden_size");
+
+  // A dense config with a sampling top_k has no top-k: the usual error, which explains why.
+  std::string m =
+      error_of([] { parse_model_config(R"({"hidden_size": 4096, "top_k": 50})", "dense.json"); });
+  EXPECT_NE(m.find("dense.json: missing the top-k field"), std::string::npos) << m;
+  EXPECT_NE(m.find("sampling setting"), std::string::npos) << m;
+  EXPECT_NE(m.find("--hidden and --topk"), std::string::npos) << m;
+  // A null or zero expert count is no expert count.
+  for (const char* count : {"null", "0"}) {
+    m = error_of([&] {
+      parse_model_config(
+          std::string(R"({"hidden_size": 4096, "top_k": 50, "num_experts": )") + count + "}",
+          "dense.json");
+    });
+    EXPECT_NE(m.find("missing the top-k field"), std::string::npos) << count << ": " << m;
+  }
+
+  // top_k next to an expert count, and no MoE top-k field: it is the top-k, at any nesting.
+  for (const std::string& count : expert_count_field_names()) {
+    c = parse_model_config(R"({"hidden_size": 2048, "top_k": 6, ")" + count + R"(": 64})",
+                           "moe.json");
+    EXPECT_EQ(c.top_k, 6) << count;
+    EXPECT_EQ(c.top_k_field, "top_k") << count;
+  }
+  c = parse_model_config(R"({"top_k": 50, "num_experts": 16,
+      "text_config": {"hidden_size": 1024, "top_k": 2, "num_experts": 16}})",
+                         "moe.json");
+  EXPECT_EQ(c.top_k, 2);
+  EXPECT_EQ(c.top_k_field, "text_config.top_k");
+  // The expert count must sit at the same level as top_k.
+  m = error_of([] {
+    parse_model_config(R"({"num_experts": 16, "text_config": {"hidden_size": 1024, "top_k": 50}})",
+                       "split.json");
+  });
+  EXPECT_NE(m.find("missing the top-k field"), std::string::npos) << m;
 }
 
 TEST(Parse, DtypesLayoutsIndexTypes) {
@@ -401,7 +452,10 @@ TEST_F(Cli, BadInputsExitTwoWithAClearMessage) {
   test::write_file(scratch_ + "/nohidden.json", "{\"num_experts_per_tok\": 8}");
   test::write_file(scratch_ + "/fp8.json",
                    R"({"hidden_size": 7168, "num_experts_per_tok": 8, "torch_dtype": "float8"})");
-  test::write_file(scratch_ + "/nodtype.json", R"({"hidden_size": 7168, "top_k": 8})");
+  test::write_file(scratch_ + "/nodtype.json",
+                   R"({"hidden_size": 7168, "num_experts_per_tok": 8})");
+  test::write_file(scratch_ + "/dense.json",
+                   R"({"hidden_size": 4096, "top_k": 50, "torch_dtype": "bfloat16"})");
   test::write_file(scratch_ + "/overflow.txt",
                    "layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=65536 "
                    "tpb=65536 upt=1 cap=0\n");
@@ -416,6 +470,8 @@ TEST_F(Cli, BadInputsExitTwoWithAClearMessage) {
       {"--model-config '" + scratch_ + "/fp8.json'",
        {"fp8.json", "torch_dtype", "\"float8\"", "unknown dtype"}},
       {"--model-config '" + scratch_ + "/nodtype.json'", {"nodtype.json", "--dtype"}},
+      {"--model-config '" + scratch_ + "/dense.json'",
+       {"dense.json", "missing the top-k field", "sampling setting"}},
       {"--hidden 4096 --topk 2 --dtype int8", {"--dtype", "int8", "fp32, fp16 or bf16"}},
       {"--hidden 4096 --dtype bf16", {"--hidden needs --topk"}},
       {"--hidden 4096 --topk 99 --dtype bf16", {"top-k 99", "1..64"}},
@@ -439,6 +495,22 @@ TEST_F(Cli, BadInputsExitTwoWithAClearMessage) {
   EXPECT_EQ(arch.rc, 2);
   EXPECT_NE(arch.err.find("sm_42"), std::string::npos) << arch.err;
   EXPECT_NE(arch.err.find("supports: sm_"), std::string::npos) << arch.err;
+}
+
+// A full config dump: the MoE top-k next to the sampling top_k (50) precompiles K=8, exit 0.
+TEST_F(Cli, SamplingTopKNextToMoeTopKIsIgnored) {
+  test::write_file(scratch_ + "/full.json", R"({"torch_dtype": "bfloat16", "top_k": 50,
+      "text_config": {"hidden_size": 2048, "num_experts_per_tok": 8, "top_k": 50}})");
+  const test::ToolRun r = run("--dry-run --json --arch sm_90 --layout gather_map --model-config '" +
+                              scratch_ + "/full.json' --cache-dir '" + scratch_ + "/cache'");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  ASSERT_FALSE(j["jobs"].empty());
+  for (const nlohmann::json& job : j["jobs"]) {
+    const std::string spec = job["spec"];
+    EXPECT_NE(spec.find(" H=2048 "), std::string::npos) << spec;
+    EXPECT_NE(spec.find(" K=8 "), std::string::npos) << spec;
+  }
 }
 
 TEST_F(Cli, WithoutGpuAsksForArch) {

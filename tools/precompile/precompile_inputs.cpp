@@ -95,6 +95,7 @@ int positive_int(const json& value, const std::string& path, const std::string& 
 }
 
 const char* kShapeHelp = "pass the shape explicitly with --hidden and --topk";
+const std::string kPlainTopK = "top_k";
 
 void add_unique(const KernelSpec& spec, std::vector<KernelSpec>* specs) {
   if (std::find(specs->begin(), specs->end(), spec) == specs->end()) specs->push_back(spec);
@@ -246,10 +247,42 @@ moejit_index_type parse_index_type(const std::string& text, const std::string& w
 }
 
 const std::vector<std::string>& top_k_field_names() {
-  static const std::vector<std::string> names{"num_experts_per_tok", "moe_top_k", "top_k",
+  static const std::vector<std::string> names{"num_experts_per_tok", "moe_top_k",
                                               "num_experts_per_token", "experts_per_token"};
   return names;
 }
+
+const std::vector<std::string>& expert_count_field_names() {
+  static const std::vector<std::string> names{"num_experts", "num_local_experts",
+                                              "n_routed_experts", "moe_num_experts"};
+  return names;
+}
+
+namespace {
+
+// Whether obj names a positive expert count (a dense config may carry "num_experts": null or 0).
+bool has_expert_count(const json& obj) {
+  for (const std::string& name : expert_count_field_names()) {
+    if (!obj.contains(name)) continue;
+    const json& v = obj[name];
+    if ((v.is_number_integer() || v.is_number_unsigned()) && v.get<long long>() > 0) return true;
+  }
+  return false;
+}
+
+// The top-k fields obj holds, in the order they are read: the MoE-specific ones; failing those, a
+// plain top_k, but only next to an expert count. Elsewhere top_k is the sampling setting (50 by
+// default, written by full config dumps), ignored and never compared with the others.
+std::vector<std::string> top_k_fields_of(const json& obj) {
+  std::vector<std::string> fields;
+  for (const std::string& name : top_k_field_names())
+    if (obj.contains(name)) fields.push_back(name);
+  if (fields.empty() && obj.contains(kPlainTopK) && has_expert_count(obj))
+    fields.push_back(kPlainTopK);
+  return fields;
+}
+
+}  // namespace
 
 ModelConfig parse_model_config(const std::string& text, const std::string& path) {
   json root;
@@ -266,29 +299,40 @@ ModelConfig parse_model_config(const std::string& text, const std::string& path)
   for (const Candidate& c : objects) {
     if (!c.object->contains("hidden_size")) continue;
     if (hidden_only == nullptr) hidden_only = &c;
-    for (const std::string& name : top_k_field_names())
-      if (c.object->contains(name)) model = &c;
-    if (model != nullptr) break;
+    if (!top_k_fields_of(*c.object).empty()) {
+      model = &c;
+      break;
+    }
   }
-  std::string names;
-  for (const std::string& n : top_k_field_names()) names += (names.empty() ? "" : ", ") + n;
+  auto join = [](const std::vector<std::string>& list) {
+    std::string out;
+    for (size_t i = 0; i < list.size(); ++i)
+      out += (i == 0 ? "" : i + 1 == list.size() ? " or " : ", ") + list[i];
+    return out;
+  };
   if (hidden_only == nullptr)
     throw InputError(path +
                      ": missing field hidden_size (looked at the top level and in nested "
                      "configs such as text_config); " +
                      kShapeHelp);
-  if (model == nullptr)
-    throw InputError(path + ": missing the top-k field (expected one of " + names + " next to " +
-                     hidden_only->prefix + "hidden_size); is this a Mixture-of-Experts model? " +
-                     kShapeHelp);
+  if (model == nullptr) {
+    const std::string note = hidden_only->object->contains(kPlainTopK)
+                                 ? " (" + hidden_only->prefix + kPlainTopK +
+                                       " without an expert count is taken for the sampling setting)"
+                                 : std::string();
+    throw InputError(path + ": missing the top-k field (expected one of " +
+                     join(top_k_field_names()) + " next to " + hidden_only->prefix +
+                     "hidden_size, or " + kPlainTopK +
+                     " together with an expert count: " + join(expert_count_field_names()) + ")" +
+                     note + "; is this a Mixture-of-Experts model? " + kShapeHelp);
+  }
 
   ModelConfig cfg;
   cfg.path = path;
   const json& obj = *model->object;
   cfg.hidden_field = model->prefix + "hidden_size";
   cfg.hidden = positive_int(obj["hidden_size"], path, cfg.hidden_field);
-  for (const std::string& name : top_k_field_names()) {
-    if (!obj.contains(name)) continue;
+  for (const std::string& name : top_k_fields_of(obj)) {
     const std::string field = model->prefix + name;
     const int k = positive_int(obj[name], path, field);
     if (cfg.top_k_field.empty()) {

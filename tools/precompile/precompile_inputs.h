@@ -45,14 +45,17 @@ struct ModelConfig {
   std::string dtype_field;
 };
 
-// The top-k field names, in the order they are looked for.
+// The MoE top-k field names, in the order they are looked for. A plain top_k (in Hugging Face
+// configs usually the sampling setting) counts only in an object without any of these that also
+// names a positive expert count (one of expert_count_field_names()).
 const std::vector<std::string>& top_k_field_names();
+const std::vector<std::string>& expert_count_field_names();
 
 // Reads the model config at path. The top level is searched first, then nested configs
 // (text_config and the like, as multimodal models nest their language model): the first object
 // holding hidden_size together with a top-k field is the model; its dtype is taken from it or the
 // nearest enclosing object. Throws InputError (missing file, invalid JSON, missing or non-integer
-// field, top-k aliases that disagree).
+// field, MoE top-k aliases that disagree).
 ModelConfig read_model_config(const std::string& path);
 // The same, from text already read (`path` only names it in messages).
 ModelConfig parse_model_config(const std::string& text, const std::string& path);
