@@ -39,4 +39,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'moejit' has no attribute {name!r}")
 
 
-__all__ = ["combine", "combine_op", "version", "stats", "MoejitError", "LibraryNotFoundError"]
+# combine / combine_op are left out so that `from moejit import *` works without torch (the star
+# import would load them through the hook above); use moejit.combine or import them by name.
+__all__ = ["version", "stats", "MoejitError", "LibraryNotFoundError"]

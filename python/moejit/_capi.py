@@ -199,6 +199,10 @@ def load_library():
                     break
                 except OSError as e:
                     tried.append(f"{source}: {path}: {e}")
+                except AttributeError as e:
+                    # Loaded, but an older libmoejit without a function this package calls (the
+                    # same SONAME): not usable, say so and try the next candidate.
+                    tried.append(f"{source}: {path}: too old for this package ({e})")
             else:
                 raise LibraryNotFoundError(
                     "cannot load libmoejit; tried:\n  "

@@ -56,6 +56,9 @@ def dtype_name(dtype):
     return s[len("torch."):] if s.startswith("torch.") else s
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _fail(exc, message):
     raise exc("moejit.combine: " + message)
 
@@ -132,9 +135,21 @@ def _check_indices(name, x, device):
     _require_contiguous(name, x)
 
 
+def check_index_args(layout, gather_map, token_idx):
+    """gather_map goes with layout='gather_map' and token_idx with 'token_index' only (combine_op
+    merges them into one argument, so it checks before merging)."""
+    for name, value, used_by in (("gather_map", gather_map, "gather_map"),
+                                 ("token_idx", token_idx, "token_index")):
+        if value is not None and layout != used_by:
+            _fail(ValueError, f"{name} is given but layout = {layout!r}; {name} is only used by "
+                  f"layout={used_by!r}")
+
+
 def plan_combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=None,
                  token_idx=None, gates=None, num_tokens=None, out=None, out_dtype=None,
-                 scale=1.0, accumulate=False) -> CombinePlan:
+                 scale=1.0, accumulate=False, out_arg="out", out_copied=False) -> CombinePlan:
+    """out_arg names `out` in messages; out_copied: the launch writes a contiguous copy of it
+    (combine_op's base), so its own strides do not matter."""
     if layout not in LAYOUTS:
         _fail(ValueError, f"layout = {layout!r}; allowed: " + ", ".join(repr(k) for k in LAYOUTS))
     _require_tensor("expert_hidden", expert_hidden)
@@ -151,11 +166,7 @@ def plan_combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=
     if num_tokens is not None and not 0 <= num_tokens <= _capi.MAX_NUM_TOKENS:
         _fail(ValueError, f"num_tokens = {num_tokens}; allowed: 0..{_capi.MAX_NUM_TOKENS} (2^40)")
 
-    for name, value, used_by in (("gather_map", gather_map, "gather_map"),
-                                 ("token_idx", token_idx, "token_index")):
-        if value is not None and layout != used_by:
-            _fail(ValueError, f"{name} is given but layout = {layout!r}; {name} is only used by "
-                  f"layout={used_by!r}")
+    check_index_args(layout, gather_map, token_idx)
 
     indices, index_type = None, _capi.INDEX_INT32
     if layout == "token_major":
@@ -247,6 +258,13 @@ def plan_combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=
             indices = token_idx
         index_type = INDEX_DTYPES[dtype_name(indices.dtype)]
 
+    # top_k read from a shape is checked like one passed in (the library would refuse it too, but
+    # as MoejitError, not the ValueError promised for bad arguments).
+    if layout != "token_index" and not 1 <= K <= _capi.MAX_TOP_K:
+        _fail(ValueError, f"top_k = {K} (from the shapes: expert_hidden {shape}"
+              + (f", gather_map {tuple(gather_map.shape)}" if gather_map is not None else "")
+              + f"); allowed: 1..{_capi.MAX_TOP_K}")
+
     if not 1 <= H <= _capi.MAX_HIDDEN_DIM:
         _fail(ValueError, f"hidden size {H} of expert_hidden {shape} is not in "
               f"1..{_capi.MAX_HIDDEN_DIM}")
@@ -268,16 +286,16 @@ def plan_combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=
     if not isinstance(accumulate, (bool, int)) or accumulate not in (0, 1):
         _fail(TypeError, f"accumulate must be a bool, got {accumulate!r}")
     if out is not None:
-        _require_tensor("out", out)
-        _require_dtype("out", out, FLOAT_DTYPES, _FLOATS)
-        _require_device("out", out, device)
+        _require_tensor(out_arg, out)
+        _require_dtype(out_arg, out, FLOAT_DTYPES, _FLOATS)
+        _require_device(out_arg, out, device)
         if tuple(out.shape) != (T, H):
-            _fail(ValueError, f"out has shape {tuple(out.shape)}; must be [num_tokens, hidden] = "
-                  f"({T}, {H})")
-        out_row_stride = _row_stride("out", out, T, H)
+            _fail(ValueError, f"{out_arg} has shape {tuple(out.shape)}; must be [num_tokens, "
+                  f"hidden] = ({T}, {H})")
+        out_row_stride = H if out_copied else _row_stride(out_arg, out, T, H)
         if out_dtype is not None and dtype_name(out_dtype) != dtype_name(out.dtype):
-            _fail(ValueError, f"out_dtype = {out_dtype} but out has dtype {out.dtype}; pass one "
-                  "or make them agree")
+            _fail(ValueError, f"out_dtype = {out_dtype} but {out_arg} has dtype {out.dtype}; "
+                  "pass one or make them agree")
         out_name = dtype_name(out.dtype)
     else:
         if accumulate:
@@ -290,8 +308,10 @@ def plan_combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=
 
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         _fail(TypeError, f"scale must be a float, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        _fail(ValueError, f"scale = {scale}; must be a finite number")
+    # The library takes a float32: a larger magnitude would arrive as infinity.
+    if not math.isfinite(scale) or abs(scale) > _FLOAT32_MAX:
+        _fail(ValueError, f"scale = {scale}; must be a finite number within float32's range "
+              f"(|scale| <= {_FLOAT32_MAX:.7g})")
 
     return CombinePlan(
         layout=LAYOUTS[layout], num_tokens=T, top_k=K, num_rows=R, hidden_dim=H,

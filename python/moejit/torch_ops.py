@@ -94,10 +94,14 @@ def combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=None,
 
 
 def _op_plan(expert_hidden, indices, gates, base, layout, top_k, num_tokens, out_dtype, scale):
+    # `indices` is the gather map or token_idx by layout (combine_op checked which was given).
+    # base: the op accumulates into a contiguous copy, so base's own strides (a broadcast bias,
+    # a transposed tensor) are fine.
     index_arg = {"token_idx" if layout == "token_index" else "gather_map": indices}
     return _plan.plan_combine(expert_hidden, layout=layout, top_k=top_k, gates=gates,
                               num_tokens=num_tokens, out=base, out_dtype=out_dtype, scale=scale,
-                              accumulate=base is not None, **index_arg)
+                              accumulate=base is not None, out_arg="base", out_copied=True,
+                              **index_arg)
 
 
 @torch.library.custom_op("moejit::combine", mutates_args=())
@@ -132,6 +136,9 @@ def combine_op(expert_hidden, *, layout="token_major", top_k=None, gather_map=No
     combine(), with `base` instead of out/accumulate. Use this inside torch.compile'd code."""
     if gather_map is not None and token_idx is not None:
         raise ValueError("moejit.combine_op: pass gather_map or token_idx, not both")
+    # The op takes one `indices` argument, read by layout: check which one was given first, or a
+    # gather map passed with layout='token_index' would be read as token_idx (and the reverse).
+    _plan.check_index_args(layout, gather_map, token_idx)
     indices = gather_map if gather_map is not None else token_idx
     return torch.ops.moejit.combine(expert_hidden, indices, gates, base, layout, top_k,
                                     num_tokens, out_dtype, float(scale))

@@ -224,6 +224,31 @@ def test_library_next_to_the_package(tmp_path):
     assert r.stdout.strip() == str(pkg / "libmoejit.so.0")
 
 
+def test_a_library_without_this_packages_functions_is_skipped(tmp_path):
+    # Loads, but lacks the package's functions (as a libmoejit older than the package would):
+    # named in what was tried, then the next candidate; never a bare AttributeError.
+    import ctypes.util
+    libc = ctypes.util.find_library("c")
+    if not libc:
+        pytest.skip("no libc to stand in for an old library")
+    r = run_python("import moejit._capi as c\n"
+                   "try:\n    c.load_library(); print('loaded another candidate')\n"
+                   "except c.LibraryNotFoundError as e:\n    print(e)",
+                   {"MOEJIT_LIBRARY": libc, "PYTHONPATH": str(REPO / "python")}, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "AttributeError" not in r.stderr
+    if "loaded another candidate" not in r.stdout:
+        assert "too old for this package" in r.stdout and libc in r.stdout
+
+
+def test_star_import_does_not_import_torch(tmp_path):
+    r = run_python("import sys\nfrom moejit import *\nprint('torch' in sys.modules, "
+                   "'combine' in dir())",
+                   {"PYTHONPATH": str(REPO / "python")}, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False False"
+
+
 def test_import_does_not_import_torch(tmp_path):
     r = run_python("import sys, moejit; moejit.version(); moejit.stats(); "
                    "print('torch' in sys.modules)",

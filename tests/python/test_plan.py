@@ -115,6 +115,43 @@ def test_index_for_the_wrong_layout():
         gather_map=T((33, 2), "int32"))
 
 
+def test_index_check_of_the_merged_op_argument():
+    # combine_op merges gather_map and token_idx into one argument read by layout: it checks which
+    # one was given first (a gather map must never be read as token_idx).
+    _plan.check_index_args("gather_map", T((33, 2), "int32"), None)
+    _plan.check_index_args("token_index", None, T((66,), "int32"))
+    with pytest.raises(ValueError, match="gather_map is given but layout = 'token_index'"):
+        _plan.check_index_args("token_index", T((66,), "int32"), None)
+    with pytest.raises(ValueError, match="token_idx is given but layout = 'gather_map'"):
+        _plan.check_index_args("gather_map", None, T((33, 2), "int32"))
+
+
+def test_top_k_from_the_shapes_is_checked():
+    err(ValueError, r"top_k = 100 \(from the shapes: expert_hidden \(4, 100, 8\)\); allowed: 1..64",
+        expert_hidden=T((4, 100, 8)))
+    err(ValueError, r"top_k = 0 \(from the shapes: .*gather_map \(4, 0\)\)", layout="gather_map",
+        gather_map=T((4, 0), "int32"))
+
+
+def test_scale_must_fit_float32():
+    err(ValueError, "scale = 1e\\+39; must be a finite number within float32's range", top_k=2,
+        scale=1e39)
+    _plan.plan_combine(T((66, H)), top_k=2, scale=3.0e38)
+
+
+def test_base_of_the_functional_op():
+    # combine_op accumulates into a contiguous copy of base: a broadcast or transposed base is
+    # fine, and messages name base.
+    bias = T((33, H), strides=(0, 1))
+    plan = _plan.plan_combine(T((66, H)), top_k=2, out=bias, accumulate=True, out_arg="base",
+                              out_copied=True)
+    assert plan.out_row_stride == H
+    with pytest.raises(ValueError, match=r"base has shape \(33, 4095\)"):
+        _plan.plan_combine(T((66, H)), top_k=2, out=T((33, H - 1)), accumulate=True,
+                           out_arg="base", out_copied=True)
+    err(ValueError, "out has row stride 0", top_k=2, out=bias, accumulate=True)
+
+
 def test_layout_and_types():
     err(ValueError, "layout = 'sorted'; allowed: 'token_major', 'gather_map', 'token_index'",
         layout="sorted")

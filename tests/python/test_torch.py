@@ -267,6 +267,25 @@ def test_custom_op_is_functional():
 
 
 @needs_gpu
+def test_custom_op_index_argument_goes_with_its_layout_and_base_may_broadcast():
+    T, K, H = 8, 2, 256
+    expert, g, index = make_case("gather_map", T, K, H, torch.float32, seed=10)
+    # The op's single `indices` argument is read by layout: a gather map with layout
+    # 'token_index' (or token_idx with 'gather_map') is refused, never read as the other.
+    with pytest.raises(ValueError, match="gather_map is given but layout = 'token_index'"):
+        moejit.combine_op(expert, layout="token_index", gather_map=index, num_tokens=T)
+    with pytest.raises(ValueError, match="token_idx is given but layout = 'gather_map'"):
+        moejit.combine_op(expert, layout="gather_map", token_idx=index, top_k=K)
+    # A broadcast bias as base: the op accumulates into a contiguous copy.
+    bias = torch.randn(H, device="cuda")
+    got = moejit.combine_op(expert, layout="gather_map", gather_map=index.reshape(T, K), gates=g,
+                            base=bias.expand(T, H))
+    ref = reference(expert, "gather_map", T=T, K=K, gates=g, index=index,
+                    base=bias.expand(T, H).contiguous())
+    assert_close(got, ref, torch.float32)
+
+
+@needs_gpu
 @pytest.mark.parametrize("layout", ["token_major", "gather_map", "token_index"])
 def test_custom_op_opcheck(layout):
     T, K, H = 9, 2, 256
