@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -284,6 +285,39 @@ void check_extent(const char* name, int64_t stride, int64_t rows, const char* ro
                          " elements span more than 2^62 bytes, more memory than any device has");
 }
 
+// One device buffer an argument names: [begin, end) in bytes (empty where the call reads none).
+struct ByteRange {
+  const char* name;
+  uint64_t begin = 0, end = 0;
+};
+
+ByteRange byte_range(const char* name, const void* p, uint64_t bytes) {
+  const uint64_t begin = reinterpret_cast<uintptr_t>(p);
+  uint64_t end = 0;
+  if (p == nullptr || bytes == 0) return {name, 0, 0};
+  if (__builtin_add_overflow(begin, bytes, &end)) end = UINT64_MAX;
+  return {name, begin, end};
+}
+
+// The kernels read the routing, gates and rows (and the workspace lists) while they write out, in
+// no order between blocks: buffers that share bytes give a race, not an error. Every pair is
+// compared (a few comparisons per call). A padded row stride counts its padding.
+void check_no_overlap(std::initializer_list<ByteRange> written,
+                      std::initializer_list<ByteRange> all) {
+  for (const ByteRange& w : written)
+    for (const ByteRange& o : all) {
+      if (std::strcmp(o.name, w.name) == 0) continue;
+      if (w.begin < w.end && o.begin < o.end && w.begin < o.end && o.begin < w.end)
+        invalid_argument(w.name,
+                         "[" + hex(reinterpret_cast<const void*>(w.begin)) + ", " +
+                             hex(reinterpret_cast<const void*>(w.end)) + ")",
+                         std::string("overlaps ") + o.name + " [" +
+                             hex(reinterpret_cast<const void*>(o.begin)) + ", " +
+                             hex(reinterpret_cast<const void*>(o.end)) +
+                             "): the kernels read it while they write; pass separate buffers");
+    }
+}
+
 // Copies the caller's struct into a full-size one (defaults for fields an older caller lacks) and
 // checks every shape field. Shared by plan_combine and combine_workspace_bytes.
 moejit_combine_args validated_shape(const moejit_combine_args* in) {
@@ -543,6 +577,28 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
     return plan;
   }
 
+  // The bytes each buffer spans (strides included), for the overlap checks here and with the
+  // workspace below.
+  const uint64_t idx_b = a.index_type == MOEJIT_INDEX_INT64 ? 8 : 4;
+  const uint64_t routed = a.layout == MOEJIT_LAYOUT_TOKEN_INDEX
+                              ? static_cast<uint64_t>(a.num_rows)
+                              : static_cast<uint64_t>(a.num_tokens * a.top_k);
+  const ByteRange out_bytes = byte_range(
+      "args->out", a.out,
+      (static_cast<uint64_t>(a.num_tokens - 1) * static_cast<uint64_t>(a.out_row_stride) +
+       static_cast<uint64_t>(a.hidden_dim)) *
+          static_cast<uint64_t>(out_b));
+  const ByteRange expert_bytes =
+      byte_range("args->expert_hidden", any_rows ? a.expert_hidden : nullptr,
+                 (static_cast<uint64_t>(a.num_rows > 0 ? a.num_rows - 1 : 0) *
+                      static_cast<uint64_t>(a.expert_row_stride) +
+                  static_cast<uint64_t>(a.hidden_dim)) *
+                     static_cast<uint64_t>(in_b));
+  const ByteRange index_bytes = byte_range(
+      "args->indices", a.layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? nullptr : a.indices, routed * idx_b);
+  const ByteRange gate_bytes = byte_range("args->gates", a.gates, routed * 4);
+  check_no_overlap({out_bytes}, {out_bytes, expert_bytes, index_bytes, gate_bytes});
+
   const int64_t rows_per_token = a.layout == MOEJIT_LAYOUT_TOKEN_INDEX
                                      ? (a.num_rows + a.num_tokens - 1) / a.num_tokens
                                      : a.top_k;
@@ -578,6 +634,8 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
                       ": the token-index layout needs " + std::to_string(needed) +
                       " bytes of device memory here (moejit_combine_workspace_size())");
     check_aligned("args->workspace", a.workspace, 16, "the workspace");
+    const ByteRange ws_bytes = byte_range("args->workspace", a.workspace, needed);
+    check_no_overlap({ws_bytes}, {ws_bytes, out_bytes, expert_bytes, index_bytes, gate_bytes});
     char* ws = static_cast<char*>(a.workspace);
     p.token_counts = reinterpret_cast<int*>(ws);
     p.token_rows = reinterpret_cast<int*>(ws + counts_bytes(a.num_tokens));

@@ -147,6 +147,10 @@ typedef struct CUstream_st* moejit_stream_t;
  *   gets 0 (or keeps its value when accumulating: out + scale * 0, so a -0.0 there may come back
  *   as +0.0, and a NaN as the canonical one). Results are bitwise deterministic.
  *
+ * out (and the workspace) must not share bytes with expert_hidden, indices, gates or each other,
+ * counting the padding of strided rows: the kernels read those while they write, so such a call
+ * is refused with MOEJIT_ERROR_INVALID_ARGUMENT (since 0.2).
+ *
  * Index values outside their range (gather map: not in [0, num_rows); token_idx: not in
  * [0, num_tokens)) are treated like -1 (dropped): device memory is never read out of bounds. The
  * library cannot check device data without synchronizing, so such values are not reported.

@@ -138,6 +138,23 @@ const BadCase kBadCases[] = {
      },
      MOEJIT_ERROR_INVALID_ARGUMENT,
      "args->indices = NULL: must be a device pointer (the token_idx)"},
+    // Buffers the kernels read while they write out (or the workspace): a race, refused.
+    {"out_overlaps_expert", [](auto& a) { a.out = fake(0x7f0000000000 + 65 * 4096 * 2); },
+     MOEJIT_ERROR_INVALID_ARGUMENT,
+     "overlaps args->expert_hidden [0x7f0000000000, 0x7f0000084000)"},
+    {"out_overlaps_gates", [](auto& a) { a.out = fake(0x7f0010000000 - 4096 * 2 * 33 + 8); },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "overlaps args->gates"},
+    {"out_overlaps_map", [](auto& a) { a.out = fake(0x7f0020000000); },
+     MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->out = [0x7f0020000000, 0x7f0020042000): overlaps "
+     "args->indices"},
+    {"workspace_overlaps_out",
+     [](auto& a) {
+       a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+       a.workspace = fake(0x7f0030000000 + 4096);
+       a.workspace_bytes = 1 << 20;
+     },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "args->workspace = [0x7f0030001000"},
     {"expert_misaligned", [](auto& a) { a.expert_hidden = fake(0x7f0000000001); },
      MOEJIT_ERROR_INVALID_ARGUMENT, "args->expert_hidden = 0x7f0000000001: must be aligned"},
     {"out_misaligned",

@@ -153,19 +153,22 @@ def test_combine_null_args():
 
 
 # The cases below fail argument validation, which the library finishes before it touches the
-# driver, so the (fake, aligned) pointers are never dereferenced, GPU or not.
+# driver, so the (fake, aligned) pointers are never dereferenced, GPU or not. Separate buffers: the
+# library refuses an out that overlaps its inputs.
 FAKE = 0x10000
+FAKE_INDICES = 0x20000
+FAKE_OUT = 0x30000
 
 
 def test_combine_token_index_without_workspace():
     a = shape_args(layout=_capi.LAYOUT_TOKEN_INDEX, hidden_dim=64, num_tokens=4, num_rows=8,
-                   expert_hidden=FAKE, indices=FAKE, out=FAKE)
+                   expert_hidden=FAKE, indices=FAKE_INDICES, out=FAKE_OUT)
     e = expect_error(_capi.ERROR_WORKSPACE_TOO_SMALL, _capi.combine, a, 0)
     assert "moejit_combine_workspace_size" in e.message
 
 
 def test_combine_bad_accumulate():
-    a = shape_args(hidden_dim=64, top_k=2, num_tokens=4, expert_hidden=FAKE, out=FAKE,
+    a = shape_args(hidden_dim=64, top_k=2, num_tokens=4, expert_hidden=FAKE, out=FAKE_OUT,
                    accumulate=2)
     e = expect_error(_capi.ERROR_INVALID_ARGUMENT, _capi.combine, a, 0)
     assert "args->accumulate = 2" in e.message
@@ -178,7 +181,7 @@ def test_combine_missing_out():
 
 
 def test_combine_bad_dtype_enum():
-    a = shape_args(hidden_dim=64, top_k=2, num_tokens=4, expert_hidden=FAKE, out=FAKE,
+    a = shape_args(hidden_dim=64, top_k=2, num_tokens=4, expert_hidden=FAKE, out=FAKE_OUT,
                    out_dtype=7)
     e = expect_error(_capi.ERROR_INVALID_ARGUMENT, _capi.combine, a, 0)
     assert "args->out_dtype = 7" in e.message

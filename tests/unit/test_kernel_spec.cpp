@@ -11,7 +11,12 @@
 namespace moejit {
 namespace {
 
+// expert and out are fake addresses whose low bits set the alignment a test wants; each is moved
+// into a region of its own (far apart), since the library refuses buffers that overlap.
 moejit_combine_args gather_args(void* expert, void* out, int64_t hidden) {
+  constexpr uintptr_t kRegion = uintptr_t{1} << 46;  // past the largest span a test plans
+  expert = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(expert) + 1 * kRegion);
+  out = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(out) + 2 * kRegion);
   moejit_combine_args a;
   moejit_combine_args_init(&a);
   a.layout = MOEJIT_LAYOUT_GATHER_MAP;
