@@ -149,7 +149,9 @@ typedef struct CUstream_st* moejit_stream_t;
  *
  * out (and the workspace) must not share bytes with expert_hidden, indices, gates or each other,
  * counting the padding of strided rows: the kernels read those while they write, so such a call
- * is refused with MOEJIT_ERROR_INVALID_ARGUMENT (since 0.2).
+ * is refused with MOEJIT_ERROR_INVALID_ARGUMENT (since 0.2). In place included (out ==
+ * expert_hidden): the kernels read rows through the read-only data path and as restrict pointers,
+ * which assumes no write to them during the kernel.
  *
  * Index values outside their range (gather map: not in [0, num_rows); token_idx: not in
  * [0, num_tokens)) are treated like -1 (dropped): device memory is never read out of bounds. The
