@@ -300,22 +300,19 @@ ByteRange byte_range(const char* name, const void* p, uint64_t bytes) {
 }
 
 // The kernels read the routing, gates and rows (and the workspace lists) while they write out, in
-// no order between blocks: buffers that share bytes give a race, not an error. Every pair is
-// compared (a few comparisons per call). A padded row stride counts its padding.
-void check_no_overlap(std::initializer_list<ByteRange> written,
-                      std::initializer_list<ByteRange> all) {
-  for (const ByteRange& w : written)
-    for (const ByteRange& o : all) {
-      if (std::strcmp(o.name, w.name) == 0) continue;
-      if (w.begin < w.end && o.begin < o.end && w.begin < o.end && o.begin < w.end)
-        invalid_argument(w.name,
-                         "[" + hex(reinterpret_cast<const void*>(w.begin)) + ", " +
-                             hex(reinterpret_cast<const void*>(w.end)) + ")",
-                         std::string("overlaps ") + o.name + " [" +
-                             hex(reinterpret_cast<const void*>(o.begin)) + ", " +
-                             hex(reinterpret_cast<const void*>(o.end)) +
-                             "): the kernels read it while they write; pass separate buffers");
-    }
+// no order between blocks: buffers that share bytes give a race, not an error. The written buffer
+// w is compared with each one read (a few comparisons per call); a padded row stride counts its
+// padding.
+void check_no_overlap(const ByteRange& w, std::initializer_list<ByteRange> read) {
+  for (const ByteRange& o : read)
+    if (w.begin < w.end && o.begin < o.end && w.begin < o.end && o.begin < w.end)
+      invalid_argument(w.name,
+                       "[" + hex(reinterpret_cast<const void*>(w.begin)) + ", " +
+                           hex(reinterpret_cast<const void*>(w.end)) + ")",
+                       std::string("overlaps ") + o.name + " [" +
+                           hex(reinterpret_cast<const void*>(o.begin)) + ", " +
+                           hex(reinterpret_cast<const void*>(o.end)) +
+                           "): the kernels read it while they write; pass separate buffers");
 }
 
 // Copies the caller's struct into a full-size one (defaults for fields an older caller lacks) and
@@ -597,7 +594,7 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   const ByteRange index_bytes = byte_range(
       "args->indices", a.layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? nullptr : a.indices, routed * idx_b);
   const ByteRange gate_bytes = byte_range("args->gates", a.gates, routed * 4);
-  check_no_overlap({out_bytes}, {out_bytes, expert_bytes, index_bytes, gate_bytes});
+  check_no_overlap(out_bytes, {expert_bytes, index_bytes, gate_bytes});
 
   const int64_t rows_per_token = a.layout == MOEJIT_LAYOUT_TOKEN_INDEX
                                      ? (a.num_rows + a.num_tokens - 1) / a.num_tokens
@@ -635,7 +632,7 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
                       " bytes of device memory here (moejit_combine_workspace_size())");
     check_aligned("args->workspace", a.workspace, 16, "the workspace");
     const ByteRange ws_bytes = byte_range("args->workspace", a.workspace, needed);
-    check_no_overlap({ws_bytes}, {ws_bytes, out_bytes, expert_bytes, index_bytes, gate_bytes});
+    check_no_overlap(ws_bytes, {out_bytes, expert_bytes, index_bytes, gate_bytes});
     char* ws = static_cast<char*>(a.workspace);
     p.token_counts = reinterpret_cast<int*>(ws);
     p.token_rows = reinterpret_cast<int*>(ws + counts_bytes(a.num_tokens));

@@ -13,13 +13,12 @@
 #include <string>
 #include <thread>
 
+#include "fake_combine_args.h"
 #include "moejit/moejit.h"
 
 namespace {
 
-void* fake(uintptr_t address) {
-  return reinterpret_cast<void*>(address);
-}
+constexpr auto fake = &moejit_test::fake_address;
 
 // Stores any int in an enum-typed field, as a C caller can. (Not by returning the enum: in C++
 // an enum holding a value outside its enumerators' bit range may not even be loaded; the library
@@ -30,22 +29,10 @@ void set_c_enum(E& field, int value) {
   std::memcpy(&field, &value, sizeof(field));
 }
 
-// A valid gather-map combine on (fake, well aligned) device pointers.
+// A valid gather-map combine on (fake, well aligned) device pointers, with gates.
 moejit_combine_args valid_args() {
-  moejit_combine_args a;
-  moejit_combine_args_init(&a);
-  a.layout = MOEJIT_LAYOUT_GATHER_MAP;
-  a.num_tokens = 33;
-  a.top_k = 2;
-  a.num_rows = 66;
-  a.hidden_dim = 4096;
-  a.expert_hidden = fake(0x7f0000000000);
-  a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
-  a.gates = static_cast<const float*>(fake(0x7f0010000000));
-  a.indices = fake(0x7f0020000000);
-  a.index_type = MOEJIT_INDEX_INT32;
-  a.out = fake(0x7f0030000000);
-  a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+  moejit_combine_args a = moejit_test::fake_gather_map_args(33, 2, 4096);
+  a.gates = static_cast<const float*>(fake(moejit_test::kFakeGates));
   return a;
 }
 

@@ -10,24 +10,13 @@
 #include <cstring>
 #include <string>
 
+#include "fake_combine_args.h"
 #include "moejit/moejit.h"
 
 namespace {
 
 moejit_combine_args shape(int64_t hidden) {
-  moejit_combine_args a;
-  moejit_combine_args_init(&a);
-  a.layout = MOEJIT_LAYOUT_GATHER_MAP;
-  a.num_tokens = 4;
-  a.top_k = 2;
-  a.num_rows = 8;
-  a.hidden_dim = hidden;
-  a.expert_hidden = reinterpret_cast<void*>(uintptr_t{0x7f0000000000});
-  a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
-  a.indices = reinterpret_cast<void*>(uintptr_t{0x7f0020000000});
-  a.out = reinterpret_cast<void*>(uintptr_t{0x7f0030000000});
-  a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
-  return a;
+  return moejit_test::fake_gather_map_args(4, 2, hidden);
 }
 
 bool check(bool ok, const char* what) {

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "fake_combine_args.h"
 #include "moejit/moejit.h"
 
 namespace {
@@ -67,25 +68,9 @@ std::vector<std::pair<std::string, fs::file_time_type>> entries(const std::strin
   return found;
 }
 
-void* fake(uintptr_t address) {
-  return reinterpret_cast<void*>(address);
-}
-
-// A gather-map combine on fake, aligned device pointers: the fake driver never dereferences them.
+// A gather-map combine on fake device addresses: the fake driver never dereferences them.
 moejit_combine_args gather_map_args() {
-  moejit_combine_args a;
-  moejit_combine_args_init(&a);
-  a.layout = MOEJIT_LAYOUT_GATHER_MAP;
-  a.num_tokens = 33;
-  a.top_k = 2;
-  a.num_rows = 66;
-  a.hidden_dim = 256;
-  a.expert_hidden = fake(0x7f0000000000);
-  a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
-  a.indices = fake(0x7f0020000000);
-  a.out = fake(0x7f0030000000);
-  a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
-  return a;
+  return moejit_test::fake_gather_map_args(33, 2, 256);
 }
 
 moejit_runtime_t runtime_on(const std::string& dir, moejit_cache_mode mode) {
