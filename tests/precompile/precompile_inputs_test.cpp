@@ -59,6 +59,37 @@ TEST(ModelConfig, EveryTopKNameAndDtypeField) {
   }
 }
 
+// Published configs that name the top-k otherwise: LongCat-Flash (moe_topk), ERNIE 4.5 (moe_k),
+// Hunyuan-A13B (moe_topk, one value per layer, next to a per-layer num_experts list).
+TEST(ModelConfig, MoeTopkMoeKAndPerLayerLists) {
+  ModelConfig c = parse_model_config(
+      R"({"hidden_size": 6144, "moe_topk": 12, "n_routed_experts": 512, "torch_dtype": "bfloat16"})",
+      "longcat.json");
+  EXPECT_EQ(c.top_k, 12);
+  EXPECT_EQ(c.top_k_field, "moe_topk");
+  c = parse_model_config(
+      R"({"hidden_size": 2560, "moe_k": 6, "moe_num_experts": 64, "dtype": "bfloat16"})",
+      "ernie.json");
+  EXPECT_EQ(c.top_k, 6);
+  EXPECT_EQ(c.top_k_field, "moe_k");
+  c = parse_model_config(R"({"hidden_size": 4096, "num_experts": 64, "moe_topk": [8, 8, 8, 8],
+      "torch_dtype": "bfloat16"})",
+                         "hunyuan.json");
+  EXPECT_EQ(c.top_k, 8);
+  EXPECT_EQ(c.top_k_field, "moe_topk");
+
+  std::string m = error_of(
+      [] { parse_model_config(R"({"hidden_size": 32, "moe_topk": [2, 1]})", "mixed.json"); });
+  EXPECT_NE(m.find("mixed.json: field moe_topk = [2,1]"), std::string::npos) << m;
+  EXPECT_NE(m.find("differs between layers"), std::string::npos) << m;
+  EXPECT_NE(m.find("--topk"), std::string::npos) << m;
+  m = error_of(
+      [] { parse_model_config(R"({"hidden_size": 32, "moe_topk": [2, "x"]})", "bad.json"); });
+  EXPECT_NE(m.find("moe_topk[1] = \"x\""), std::string::npos) << m;
+  m = error_of([] { parse_model_config(R"({"hidden_size": 32, "moe_topk": []})", "empty.json"); });
+  EXPECT_NE(m.find("moe_topk = []: expected a positive integer"), std::string::npos) << m;
+}
+
 TEST(ModelConfig, LooksInsideNestedTextConfig) {
   // A multimodal layout: the vision tower has its own hidden_size, which must not be taken.
   const ModelConfig c = parse_model_config(R"({

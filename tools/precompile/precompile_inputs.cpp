@@ -95,6 +95,18 @@ int positive_int(const json& value, const std::string& path, const std::string& 
 }
 
 const char* kShapeHelp = "pass the shape explicitly with --hidden and --topk";
+
+// A top-k field: an integer, or one per layer (Hunyuan's moe_topk) that must all be the same.
+int top_k_value(const json& value, const std::string& path, const std::string& field) {
+  if (!value.is_array() || value.empty()) return positive_int(value, path, field);
+  const int k = positive_int(value[0], path, field + "[0]");
+  for (size_t i = 1; i < value.size(); ++i)
+    if (positive_int(value[i], path, field + "[" + std::to_string(i) + "]") != k)
+      throw InputError(path + ": field " + field + " = " + value.dump() +
+                       ": the top-k differs between layers; " + kShapeHelp + " (a comma list)");
+  return k;
+}
+
 const std::string kPlainTopK = "top_k";
 
 void add_unique(const KernelSpec& spec, std::vector<KernelSpec>* specs) {
@@ -247,8 +259,9 @@ moejit_index_type parse_index_type(const std::string& text, const std::string& w
 }
 
 const std::vector<std::string>& top_k_field_names() {
-  static const std::vector<std::string> names{"num_experts_per_tok", "moe_top_k",
-                                              "num_experts_per_token", "experts_per_token"};
+  static const std::vector<std::string> names{
+      "num_experts_per_tok",   "moe_top_k",        "moe_topk", "moe_k",
+      "num_experts_per_token", "experts_per_token"};
   return names;
 }
 
@@ -334,7 +347,7 @@ ModelConfig parse_model_config(const std::string& text, const std::string& path)
   cfg.hidden = positive_int(obj["hidden_size"], path, cfg.hidden_field);
   for (const std::string& name : top_k_fields_of(obj)) {
     const std::string field = model->prefix + name;
-    const int k = positive_int(obj[name], path, field);
+    const int k = top_k_value(obj[name], path, field);
     if (cfg.top_k_field.empty()) {
       cfg.top_k = k;
       cfg.top_k_field = field;
