@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "combine_plan.h"
+#include "driver.h"
 #include "error.h"
 #include "kernel_store.h"
 #include "moejit/moejit.h"
@@ -69,10 +70,19 @@ double host_bytes(const Options& o) {
 // Larger shapes are refused: their buffers would not fit a host or a GPU of today.
 constexpr double kMaxBytes = 64.0 * (1ull << 30);
 
-// Returns false (after printing why) on a bad command line.
-bool parse(int argc, char** argv, Options* o) {
+const char* kUsage =
+    "usage: moejit-demo [--tokens T] [--topk K] [--hidden H] "
+    "[--layout token_major|gather_map|token_index]\n"
+    "  T 1..2^40 (T*K at most 2^31-1, buffers at most 64 GiB), K 1..64, H 1..65536\n";
+
+// Returns false (after printing why) on a bad command line; sets *help for -h / --help.
+bool parse(int argc, char** argv, Options* o, bool* help) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    if (a == "-h" || a == "--help") {
+      *help = true;
+      return true;
+    }
     if (a != "--tokens" && a != "--topk" && a != "--hidden" && a != "--layout") {
       std::fprintf(stderr, "moejit-demo: unknown option %s\n", a.c_str());
       return false;
@@ -158,7 +168,7 @@ double median(std::vector<float> values) {
 // No GPU: compile what a call at this shape would need, for the H200's sm_90, through the same
 // store (and disk cache) the runtime uses.
 int compile_only(const Options& o, const std::string& why) {
-  std::printf("No GPU found (the CUDA runtime says: %s).\n", why.c_str());
+  std::printf("No GPU found (%s).\n", why.c_str());
   std::printf(
       "Compiling the kernels a %s combine at T=%lld K=%lld H=%lld bf16 would use, for "
       "sm_90, without running them.\n",
@@ -218,17 +228,30 @@ int compile_only(const Options& o, const std::string& why) {
 
 int main(int argc, char** argv) {
   Options o;
-  if (!parse(argc, argv, &o)) {
-    std::fprintf(stderr,
-                 "usage: moejit-demo [--tokens T] [--topk K] [--hidden H] "
-                 "[--layout token_major|gather_map|token_index]\n"
-                 "  T 1..2^40 (T*K at most 2^31-1, buffers at most 64 GiB), K 1..64, H 1..65536\n");
+  bool help = false;
+  if (!parse(argc, argv, &o, &help)) {
+    std::fputs(kUsage, stderr);
     return 2;
+  }
+  if (help) {
+    std::fputs(kUsage, stdout);
+    return 0;
   }
   int devices = 0;
   const cudaError_t probe = cudaGetDeviceCount(&devices);
-  if (probe != cudaSuccess || devices == 0)
-    return compile_only(o, probe != cudaSuccess ? cudaGetErrorString(probe) : "0 devices");
+  if (probe != cudaSuccess || devices == 0) {
+    std::string why = std::string("the CUDA runtime says: ") +
+                      (probe != cudaSuccess ? cudaGetErrorString(probe) : "0 devices");
+    // Without any driver the runtime reports an "insufficient" driver version: say that none
+    // could be loaded instead, as the library does.
+    try {
+      moejit::driver();
+    } catch (const moejit::Error& e) {
+      why = e.what();
+      if (!why.empty() && why.back() == '.') why.pop_back();
+    }
+    return compile_only(o, why);
+  }
 
   cudaDeviceProp prop;
   check_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
