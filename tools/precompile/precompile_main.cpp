@@ -93,9 +93,9 @@ Exit codes:
   2  bad input or usage: unreadable file, invalid JSON, missing field, unknown dtype, unsupported
      arch, no GPU and no --arch
   3  the cache directory is unusable (cannot be created or written, or one the runtime refuses:
-     a symlink, not owned by this user or root, writable by others), or an entry did not land
-     or was evicted before the run ended (a cache size cap, MOEJIT_CACHE_MAX_BYTES, smaller
-     than the set being precompiled)
+     a symlink, not owned by this user or root, writable by group or others), or an entry did
+     not land or was evicted before the run ended (a cache size cap, MOEJIT_CACHE_MAX_BYTES,
+     smaller than the set being precompiled)
   4  --verify found invalid entries (without --repair, or some could not be removed)
 )";
 
@@ -307,8 +307,8 @@ int run_verify(const Options& o) {
   if (!is_directory(s.cache_dir))
     throw Fatal{kExitCacheUnusable, "cache directory \"" + s.cache_dir + "\" does not exist"};
   const CacheVerifyReport r = verify_cache_dir(s.cache_dir, o.repair);
-  // A directory the runtime would refuse (a symlink, another user's, writable by others): its
-  // entries were neither examined nor removed.
+  // A directory the runtime would refuse (a symlink, another user's, writable by group or others):
+  // its entries were neither examined nor removed.
   if (!r.error.empty())
     throw Fatal{kExitCacheUnusable, "cache directory \"" + s.cache_dir + "\" is unusable: " +
                                         r.error + " (the runtime would not use it)"};
@@ -354,10 +354,11 @@ int run_precompile(const Options& o) {
     throw InputError(e.what());  // e.g. an unreadable MOEJIT_TEMPLATE_DIR
   }
   if (!o.dry_run && !store->has_disk_cache())
-    throw Fatal{kExitCacheUnusable,
-                "cache directory \"" + settings.cache_dir +
-                    "\" is unusable: it must be a directory this user can create and write, "
-                    "owned by this user and not writable by others (see the warning above)"};
+    throw Fatal{
+        kExitCacheUnusable,
+        "cache directory \"" + settings.cache_dir +
+            "\" is unusable: it must be a directory this user can create and write, "
+            "owned by this user and not writable by group or others (see the warning above)"};
 
   std::vector<JobResult> results(jobs.size());
   for (size_t i = 0; i < jobs.size(); ++i)
