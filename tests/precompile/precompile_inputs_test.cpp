@@ -477,6 +477,20 @@ TEST_F(Cli, HelpDocumentsExitCodesAndManifest) {
   EXPECT_NE(r.out.find("KernelSpec::describe()"), std::string::npos);
 }
 
+// --verify checks the whole directory: an option that would seem to narrow it is refused, not
+// ignored (--topk, --dtype, --layout and --arch once passed silently, with exit 0).
+TEST_F(Cli, VerifyRefusesSelectionOptions) {
+  const std::string cache = " --cache-dir '" + scratch_ + "/cache'";
+  for (const char* extra :
+       {"--model-config x.json", "--hidden 7168 --topk 8", "--topk 8", "--dtype bf16",
+        "--out-dtype fp32", "--layout gather_map", "--index-type int32", "--manifest m.txt",
+        "--arch sm_90", "--dry-run"}) {
+    const test::ToolRun r = run(std::string("--verify ") + extra + cache);
+    EXPECT_EQ(r.rc, 2) << extra << ": " << r.err;
+    EXPECT_NE(r.err.find("--verify checks every entry"), std::string::npos) << extra << r.err;
+  }
+}
+
 TEST_F(Cli, BadInputsExitTwoWithAClearMessage) {
   const std::string cache = " --cache-dir '" + scratch_ + "/cache' --arch sm_90 ";
   test::write_file(scratch_ + "/broken.json", "{\"hidden_size\": 7168,");

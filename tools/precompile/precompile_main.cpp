@@ -553,8 +553,13 @@ int main_impl(int argc, char** argv) {
 
   try {
     if (o.verify) {
-      if (!o.model_configs.empty() || !o.hidden.empty() || !o.manifests.empty() || o.dry_run)
-        throw InputError("--verify checks the cache directory only; it takes no model inputs");
+      // Refused rather than ignored: none of them narrows what --verify checks.
+      if (!o.model_configs.empty() || !o.hidden.empty() || !o.top_k.empty() || !o.dtypes.empty() ||
+          !o.out_dtype.empty() || !o.layouts.empty() || !o.index_types.empty() ||
+          !o.manifests.empty() || !o.arch.empty() || o.dry_run)
+        throw InputError(
+            "--verify checks every entry of the cache directory; it takes no model inputs, "
+            "shapes, --layout, --index-type, --arch or --dry-run");
       return run_verify(o);
     }
     return run_precompile(o);
