@@ -81,6 +81,10 @@ std::vector<std::string> compile_options(const Target& target) {
   // same cubin, bit for bit, 3-5 ms sooner per compile (2-5%; NVRTC 13.0, sm_90). Learned from
   // the option's release note and the FLAMEGPU2 issue that tracked it (#1187).
   if (nvrtc_major_minor() >= std::make_pair(12, 4)) options.push_back("-minimal");
+  // Without it, NVRTC looks for a quoted include that is not among the named headers in the
+  // process's working directory: bytes that change the binary but are not in the cache key (an
+  // edit there served the old cubin). With it, such an include is a compile error.
+  options.push_back("-no-source-include");
   return options;
 }
 

@@ -398,6 +398,35 @@ TEST_F(CacheStore, InvalidateDropsAnEntry) {
   EXPECT_EQ(ro->lock(key_of(0)), nullptr) << "read-only caches hand out no build lock";
 }
 
+// Every byte NVRTC reads must be in the key. NVRTC searches the working directory for a quoted
+// include that is not one of the named headers; such a file would change the binary without
+// changing the key (an edit to it served the old cubin). It must be a compile error instead.
+TEST_F(CacheStore, AnIncludeOutsideTheTemplatesIsNotReadFromTheWorkingDirectory) {
+  const std::string templates = scratch_ / "templates", work = scratch_ / "work";
+  fs::create_directories(templates);
+  fs::create_directories(work);
+  for (const auto& [name, bytes] : load_templates("", "template_dir"))
+    test::write_file(templates + "/" + name, name == "combine_params.h"
+                                                 ? "#include \"moejit_probe.inc\"\n" + bytes
+                                                 : bytes);
+  test::write_file(work + "/moejit_probe.inc", "#define MOEJIT_PROBE 1\n");
+
+  Settings settings = test::cache_settings("", MOEJIT_CACHE_MODE_DISABLED);
+  settings.template_dir = templates;
+  Stats s;
+  KernelStore store(settings, s);
+  const fs::path cwd = fs::current_path();
+  fs::current_path(work);
+  try {
+    store.obtain(test::small_spec(0), test::test_target());
+    ADD_FAILURE() << "moejit_probe.inc was read from the working directory";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), MOEJIT_ERROR_COMPILE);
+    EXPECT_NE(std::string(e.what()).find("moejit_probe.inc"), std::string::npos) << e.what();
+  }
+  fs::current_path(cwd);
+}
+
 TEST_F(CacheStore, NonKeysNeverBecomePaths) {
   Stats s;
   auto cache = open_disk_cache(test::cache_settings(dir_), s);
