@@ -52,8 +52,9 @@ std::string cache_entry_path(const std::string& dir, const std::string& key);
 // would (regular file, not a symlink, not writable by others, header, checksums, metadata, key
 // echo equal to the file name). With repair, invalid entries are deleted. The cache directory
 // and v1 must pass the runtime's checks (not a symlink, owned by this user or root, not writable
-// by group or others); otherwise error says why and nothing is examined or removed. An absent
-// directory is an empty cache. Never throws.
+// by group or others); otherwise error says why and nothing is examined or removed. A shard
+// directory that fails those checks is listed in invalid_paths and nothing in it is removed. An
+// absent directory is an empty cache. Never throws.
 struct CacheVerifyReport {
   size_t entries = 0;
   size_t valid = 0;

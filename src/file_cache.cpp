@@ -650,9 +650,16 @@ CacheVerifyReport verify_cache_dir(const std::string& dir, bool repair) {
     }
     for (const std::string& shard_name : list_dir(root.get())) {
       if (!is_shard_name(shard_name)) continue;
-      Fd shard(
-          openat(root.get(), shard_name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-      if (!shard) continue;
+      // The runtime's checks here too: the runtime loads nothing from a shard that is a symlink
+      // or writable by group or others (and cannot replace what is there), so its entries are
+      // not valid. The shard is reported, never repaired: that is a permission or a link to fix
+      // by hand, and nothing is deleted through it.
+      bool shard_missing = false;
+      Fd shard = open_dir(root.get(), shard_name, false, &refused, &shard_missing);
+      if (!shard) {
+        if (!shard_missing) report.invalid_paths.push_back(root_path + "/" + shard_name);
+        continue;
+      }
       for (const std::string& name : list_dir(shard.get())) {
         if (!ends_with(name, kEntrySuffix)) continue;
         ++report.entries;

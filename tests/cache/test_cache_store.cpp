@@ -215,6 +215,40 @@ TEST_F(CacheStore, VerifyRefusesUnsafeDirectoriesAndNeverFollowsSymlinks) {
   EXPECT_EQ(good.valid, 1u);
 }
 
+// A shard directory the runtime refuses (writable by group or others, or a symlink) hides its
+// entries from every load: verify must not call them valid (a cache it passes could still miss
+// everything there in no-compile mode), and repair deletes nothing in it or through it.
+TEST_F(CacheStore, VerifyReportsShardDirectoriesTheRuntimeRefuses) {
+  Stats s;
+  obtain(0, &s);
+  const std::string entry = entry_of(0);
+  const std::string shard = fs::path(entry).parent_path().string();
+  auto expect_refused = [&](const std::string& entry_now) {
+    for (bool repair : {false, true}) {
+      const CacheVerifyReport r = verify_cache_dir(dir_, repair);
+      EXPECT_TRUE(r.error.empty()) << r.error;
+      EXPECT_EQ(r.valid, 0u);
+      EXPECT_EQ(r.bytes, 0u);
+      EXPECT_EQ(r.removed, 0u);
+      ASSERT_EQ(r.invalid_paths.size(), 1u);
+      EXPECT_EQ(r.invalid_paths[0], shard);
+      EXPECT_TRUE(fs::exists(entry_now));
+    }
+    Stats miss;
+    EXPECT_EQ(obtain(0, &miss), Source::kCompiled) << "the runtime refuses it as well";
+  };
+
+  ASSERT_EQ(chmod(shard.c_str(), 0770), 0);
+  expect_refused(entry);
+  ASSERT_EQ(chmod(shard.c_str(), 0700), 0);
+  EXPECT_EQ(verify_cache_dir(dir_, false).valid, 1u);
+
+  const std::string moved = scratch_ / "shard";
+  fs::rename(shard, moved);
+  fs::create_directory_symlink(moved, shard);
+  expect_refused(moved + "/" + fs::path(entry).filename().string());
+}
+
 TEST_F(CacheStore, ReadOnlyModeServesHitsAndWritesNothing) {
   Stats s;
   // Missing directory: not created.
