@@ -27,7 +27,10 @@ moejit_cache_mode parse_cache_mode(const char* text) {
 
 std::string default_cache_dir() {
   // Never /tmp: a shared, world-writable default invites cache poisoning by other users.
-  if (const char* xdg = env("XDG_CACHE_HOME")) return std::string(xdg) + "/moejit";
+  // A relative XDG_CACHE_HOME is invalid and ignored (XDG Base Directory spec): taken as it is,
+  // it put the cache (and created directories) under whatever the working directory was.
+  const char* xdg = env("XDG_CACHE_HOME");
+  if (xdg != nullptr && xdg[0] == '/') return std::string(xdg) + "/moejit";
   if (const char* home = env("HOME")) return std::string(home) + "/.cache/moejit";
   return std::string();
 }

@@ -461,6 +461,30 @@ TEST_F(CacheStore, AnIncludeOutsideTheTemplatesIsNotReadFromTheWorkingDirectory)
   fs::current_path(cwd);
 }
 
+// The default directory: $XDG_CACHE_HOME/moejit only for an absolute XDG_CACHE_HOME (the XDG
+// spec calls a relative one invalid); a relative one must not put the cache under the working
+// directory.
+TEST_F(CacheStore, ARelativeXdgCacheHomeIsIgnored) {
+  // Put back afterwards: the other tests of this binary may run in this process.
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved;
+  for (const char* name : {"MOEJIT_CACHE_DIR", "HOME", "XDG_CACHE_HOME"}) {
+    const char* v = std::getenv(name);
+    saved.emplace_back(name, v != nullptr ? std::optional<std::string>(v) : std::nullopt);
+  }
+  ::unsetenv("MOEJIT_CACHE_DIR");
+  ::setenv("HOME", "/home/moejit-test", 1);
+  ::setenv("XDG_CACHE_HOME", "/var/cache/moejit-test", 1);
+  EXPECT_EQ(resolve_settings(nullptr).cache_dir, "/var/cache/moejit-test/moejit");
+  ::setenv("XDG_CACHE_HOME", "relative/cache", 1);
+  EXPECT_EQ(resolve_settings(nullptr).cache_dir, "/home/moejit-test/.cache/moejit");
+  for (const auto& [name, value] : saved) {
+    if (value)
+      ::setenv(name.c_str(), value->c_str(), 1);
+    else
+      ::unsetenv(name.c_str());
+  }
+}
+
 TEST_F(CacheStore, NonKeysNeverBecomePaths) {
   Stats s;
   auto cache = open_disk_cache(test::cache_settings(dir_), s);
