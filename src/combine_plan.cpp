@@ -344,6 +344,10 @@ moejit_combine_args validated_shape(const moejit_combine_args* in) {
   if (a.layout != MOEJIT_LAYOUT_TOKEN_MAJOR)
     check_enum("args->index_type", c_enum_value(a.index_type), 1,
                "must be MOEJIT_INDEX_INT32 (0) or MOEJIT_INDEX_INT64 (1)");
+  else
+    // Token-major reads no indices, so any int the caller left there is accepted; overwritten,
+    // since the plan still reads the field as the enum (a load of an out-of-range value is UB).
+    a.index_type = MOEJIT_INDEX_INT32;
   if (a.num_tokens < 0 || a.num_tokens > kMaxTokens)
     invalid_argument("args->num_tokens", std::to_string(a.num_tokens),
                      "must be in 0.." + std::to_string(kMaxTokens) + " (2^40)");

@@ -357,6 +357,24 @@ TEST(Api, InitWritesNoMoreThanTheCallersStruct) {
   EXPECT_EQ(moejit_combine_args_init_sized(nullptr, sizeof(a)), MOEJIT_ERROR_INVALID_ARGUMENT);
 }
 
+// The token-major layout reads no indices, so index_type is not checked there, and a C caller
+// may leave any int in it: the library must not load it as the enum either (undefined behaviour
+// that the sanitizer build aborts on) when it plans the call.
+TEST(Api, TokenMajorIgnoresTheIndexType) {
+  if (driver_present()) GTEST_SKIP() << "libcuda.so.1 is present: the fake pointers would launch";
+  moejit_combine_args a = valid_args();
+  a.layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
+  a.num_rows = 0;
+  a.indices = nullptr;
+  set_c_enum(a.index_type, 7);
+  size_t bytes = 1;
+  ASSERT_EQ(moejit_combine_workspace_size(&a, &bytes), MOEJIT_SUCCESS)
+      << moejit_last_error_message();
+  EXPECT_EQ(bytes, 0u);
+  // Every argument accepted: the call gets as far as loading the driver.
+  EXPECT_EQ(moe_combine(&a, nullptr), MOEJIT_ERROR_DRIVER_NOT_FOUND) << moejit_last_error_message();
+}
+
 TEST(Api, ZeroTokensIsANoOpEvenWithoutADriver) {
   moejit_combine_args a = valid_args();
   a.num_tokens = 0;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "combine_plan.h"
 #include "error.h"
@@ -162,6 +163,19 @@ TEST(KernelSpec, MisalignedPointerNarrowsTheVector) {
   // Padding that keeps alignment keeps the vector.
   a.expert_row_stride = 4096 + 64;
   EXPECT_EQ(plan_combine(&a).spec.vec, 8);
+}
+
+// Token-major reads no indices and does not check index_type: any int a C caller left there must
+// plan without the field being loaded as the enum (UB, which tools/sanitize.sh aborts on).
+TEST(KernelSpec, TokenMajorPlansWhateverIndexTypeTheCallerLeft) {
+  auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 4096);
+  a.layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
+  a.indices = nullptr;
+  const int not_an_index_type = 7;
+  std::memcpy(&a.index_type, &not_an_index_type, sizeof(a.index_type));
+  const CombinePlan plan = plan_combine(&a);
+  EXPECT_EQ(plan.spec.index_bytes, 4);
+  EXPECT_EQ(plan.spec.top_k, 2);
 }
 
 TEST(KernelSpec, ShortRowsShareBlocks) {
