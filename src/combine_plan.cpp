@@ -520,15 +520,19 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
                                         rows_per_token, alignment_bytes, tokens);
     add(s);
     // Token index: small calls of either batch size take the single-launch kernel instead, in
-    // its small-call form where the fewest rows such a call has (R = T x rows_per_token; at decode
-    // from T = 2, or T = 1 with more rows than the one-token kernel takes) fit one block; large
-    // ones launch the list helpers first; one-token calls take their own kernel.
+    // its small-call form where the fewest rows such a call has fit one block; large ones launch
+    // the list helpers first; one-token calls take their own kernel. The plan's rows per token
+    // are R / T rounded up, so a call of T tokens has from T x (rows_per_token - 1) + 1 rows (some
+    // dropped), not only T x rows_per_token: at T = 65 and two rows per token, 66-128 rows take
+    // the small-call form, which T x 2 = 130 missed. At decode from T = 2, or T = 1 with more rows
+    // than the one-token kernel takes (then R = rows_per_token).
     if (s.token_index()) {
       const KernelSpec single = single_launch_spec(s, tokens);
       add(single);
       const int64_t fewest_tokens =
           tokens != 1 ? kDecodeMaxTokens + 1 : (rows_per_token > kOneTokenMaxRows ? 1 : 2);
-      const KernelSpec smallest = single_launch_for_rows(single, fewest_tokens * rows_per_token);
+      const KernelSpec smallest =
+          single_launch_for_rows(single, fewest_tokens * (rows_per_token - 1) + 1);
       if (smallest.small_scan) add(smallest);
       add(s.helpers_spec());
       if (tokens == 1) add(one_token_index_spec(s));

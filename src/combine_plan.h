@@ -85,8 +85,8 @@ KernelSpec one_token_index_spec(const KernelSpec& decode);
 // Every specialization moe_combine() may use for this shape, whatever the batch size (decode and
 // prefill geometries, deduplicated; for the token index each batch size's list-path and
 // single-launch modules (with the small-call form where a call of that batch size with
-// rows_per_token rows per token can take it), the one-token module, and the list helpers'
-// module): what tools/precompile warms.
+// rows_per_token rows per token, R / T rounded up as the plan takes it, can take it), the
+// one-token module, and the list helpers' module): what tools/precompile warms.
 std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dtype,
                                         moejit_dtype out_dtype, moejit_index_type index_type,
                                         int hidden, int rows_per_token, size_t alignment_bytes);

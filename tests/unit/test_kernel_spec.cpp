@@ -592,17 +592,21 @@ TEST(KernelSpec, CallsWithAtMostABlockOfRowsTakeTheSmallScanForm) {
         EXPECT_EQ(plan.spec.small_scan, plan.spec.ordered_scan() && rows <= block) << at;
       }
     }
-    // Every decode and mid-size call with K rows per token: its module is among those warmed.
+    // Every decode and mid-size call with K rows per token: its module is among those warmed. K is
+    // the average rounded up, as the plan takes it (R / T): a call with dropped rows too, down to
+    // (K - 1) * T + 1 rows (T = 65 with 66 rows: at most a block's rows, the small-call form).
     for (const int k : {1, 2, 4, 8}) {
       const auto warmed =
           specs_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
                           MOEJIT_INDEX_INT32, hidden, k, 256);
       for (int64_t tokens = 1; tokens <= 300; ++tokens) {
-        a.num_tokens = tokens;
-        a.num_rows = tokens * k;
-        const KernelSpec planned = plan_combine(&a).spec;
-        EXPECT_NE(std::find(warmed.begin(), warmed.end(), planned), warmed.end())
-            << planned.describe() << " for T = " << tokens;
+        for (const int64_t rows : {tokens * (k - 1) + 1, tokens * k}) {
+          a.num_tokens = tokens;
+          a.num_rows = rows;
+          const KernelSpec planned = plan_combine(&a).spec;
+          EXPECT_NE(std::find(warmed.begin(), warmed.end(), planned), warmed.end())
+              << planned.describe() << " for T = " << tokens << ", R = " << rows;
+        }
       }
     }
   }
