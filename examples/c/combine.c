@@ -53,8 +53,12 @@ int main(void) {
   int devices = 0;
   const cudaError_t probe = cudaGetDeviceCount(&devices);
   if (probe != cudaSuccess || devices == 0) {
+    /* With no NVIDIA driver installed at all, the runtime reports an insufficient driver. */
     printf("SKIP: no CUDA GPU found (%s); libmoejit %s linked fine\n",
-           probe != cudaSuccess ? cudaGetErrorString(probe) : "0 devices", moejit_version_string());
+           probe == cudaErrorInsufficientDriver ? "no NVIDIA driver, or one too old"
+           : probe != cudaSuccess               ? cudaGetErrorString(probe)
+                                                : "0 devices",
+           moejit_version_string());
     return kExitSkip;
   }
 

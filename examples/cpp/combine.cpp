@@ -138,7 +138,12 @@ int run() {
 
   moejit_stats stats{};
   stats.struct_size = sizeof(stats);
-  moejit_runtime_get_stats(nullptr, &stats);
+  const moejit_status stats_status = moejit_runtime_get_stats(nullptr, &stats);
+  if (stats_status != MOEJIT_SUCCESS) {
+    std::fprintf(stderr, "FAIL: moejit_runtime_get_stats: %s: %s\n",
+                 moejit_status_name(stats_status), moejit_last_error_message());
+    return 1;
+  }
   std::printf(
       "%s: gather-map combine, T=%d K=%d H=%d bf16, scale %.1f, max abs error %.3g "
       "(libmoejit %s; %llu compiles, %llu disk hits)\n",
@@ -154,8 +159,11 @@ int main() {
   int devices = 0;
   const cudaError_t probe = cudaGetDeviceCount(&devices);
   if (probe != cudaSuccess || devices == 0) {
+    // With no NVIDIA driver installed at all, the runtime reports an insufficient driver.
     std::printf("SKIP: no CUDA GPU found (%s); libmoejit %s linked fine\n",
-                probe != cudaSuccess ? cudaGetErrorString(probe) : "0 devices",
+                probe == cudaErrorInsufficientDriver ? "no NVIDIA driver, or one too old"
+                : probe != cudaSuccess               ? cudaGetErrorString(probe)
+                                                     : "0 devices",
                 moejit_version_string());
     return kExitSkip;
   }
