@@ -596,7 +596,8 @@ std::unique_ptr<DiskCache> open_file_cache(const std::string& dir, bool writable
   try {
     if (dir.empty()) {
       logger().info(
-          "no cache directory (MOEJIT_CACHE_DIR, XDG_CACHE_HOME and HOME are unset): "
+          "no cache directory (MOEJIT_CACHE_DIR and HOME unset, XDG_CACHE_HOME unset or not "
+          "absolute): "
           "kernels are compiled and kept in memory only");
       return nullptr;
     }
