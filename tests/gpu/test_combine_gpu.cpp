@@ -101,6 +101,7 @@ struct Case {
   int64_t gather_rows = -1;
   float scale = 1.0f;
   int64_t expert_pad = 0, out_pad = 0, expert_offset = 0, out_offset = 0;
+  bool dependent_launch = false;  // args->dependent_launch (sm_90+: prefetch, then wait)
 
   std::string name() const {
     std::ostringstream s;
@@ -109,7 +110,8 @@ struct Case {
       << " K=" << top_k << " gates=" << gates << " acc=" << accumulate << " scale=" << scale
       << " pads=" << expert_pad << "/" << out_pad << " offsets=" << expert_offset << "/"
       << out_offset << " random_routing=" << random_routing << " hot_token=" << hot_token
-      << " hot_rows=" << hot_rows << " gather_rows=" << gather_rows;
+      << " hot_rows=" << hot_rows << " gather_rows=" << gather_rows
+      << " dependent=" << dependent_launch;
     return s.str();
   }
 };
@@ -283,6 +285,7 @@ std::string run_case(const Case& c, moejit_runtime_t runtime, Scratch& s) {
   a.out_row_stride = o_stride;
   a.scale = c.scale;
   a.accumulate = c.accumulate ? 1 : 0;
+  a.dependent_launch = c.dependent_launch ? 1 : 0;
   size_t ws = 0;
   if (moejit_combine_workspace_size(&a, &ws) != MOEJIT_SUCCESS)
     return std::string("workspace size: ") + moejit_last_error_message();
@@ -522,6 +525,50 @@ TEST_F(CombineGpu, TopKPastEightAgainstFloat64Reference) {
           cases.push_back(vary(Case{static_cast<moejit_layout>(layout), t[0], t[1], idx, hidden,
                                     tokens, top_k, seed++}));
         }
+  expect_cases_pass(cases, worker_count());
+}
+
+// Random shapes off the common grid: hidden sizes around powers of two and up to the maximum (tail
+// vectors, one-element rows, rows of 2^16), 1 to 5000 tokens (decode, mid-size and prefill
+// geometries, partial token groups), top_k 1 to 64 (one batch, the wide batch, the later rows two
+// at a time), every dtype pair and index type, with the matrix's variations (gates, scale,
+// accumulate, padded strides, misaligned pointers), dependent launches, and for the token index
+// balanced, random, half-on-one-token or exactly-n-on-one-token routing; the gather map sometimes
+// with a buffer of a few rows named at random (repeats, out-of-range entries). Each case checked
+// bit for bit against the fp32 chain, its padding and guard region against poison.
+TEST_F(CombineGpu, RandomUnusualShapesAgainstTheFp32Chain) {
+  const int64_t hiddens[] = {1,    2,    3,    5,    8,    9,     15,    17,    31,   33,   63,
+                             65,   100,  127,  129,  255,  257,   511,   513,   1000, 1023, 1025,
+                             2049, 3000, 4097, 7169, 8191, 16385, 32767, 65535, 65536};
+  const int64_t tokens[] = {1, 2, 3, 5, 16, 17, 63, 64, 65, 100, 129, 257, 600, 1000, 2500, 5000};
+  const int64_t top_ks[] = {1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11,
+                            12, 13, 15, 16, 17, 20, 31, 33, 48, 64};
+  Rng r(424242);
+  std::vector<Case> cases;
+  for (int i = 0; i < 600; ++i) {
+    const auto layout = static_cast<moejit_layout>(r.below(3));
+    const int64_t hidden = hiddens[r.below(std::size(hiddens))];
+    const int64_t top_k = top_ks[r.below(std::size(top_ks))];
+    int64_t t = tokens[r.below(std::size(tokens))];
+    while (t > 1 && t * top_k * hidden > (int64_t{24} << 20)) t /= 2;  // keep the reference short
+    Case c =
+        vary(Case{layout, static_cast<moejit_dtype>(r.below(3)),
+                  static_cast<moejit_dtype>(r.below(3)), static_cast<moejit_index_type>(r.below(2)),
+                  hidden, t, top_k, static_cast<uint64_t>(90000 + i)});
+    c.dependent_launch = r.below(3) == 0;
+    if (layout == MOEJIT_LAYOUT_TOKEN_INDEX) {
+      const int64_t mode = r.below(4);
+      c.random_routing = mode == 1;
+      c.hot_token = mode == 2;
+      if (mode == 3 && t >= 2) c.hot_rows = r.below(t * top_k + 1);
+    } else if (layout == MOEJIT_LAYOUT_GATHER_MAP && r.below(4) == 0) {
+      c.gather_rows = r.below(2 * top_k + 1);
+    }
+    cases.push_back(c);
+  }
+  std::stable_sort(cases.begin(), cases.end(), [](const Case& a, const Case& b) {
+    return a.tokens * a.top_k * a.hidden > b.tokens * b.top_k * b.hidden;
+  });
   expect_cases_pass(cases, worker_count());
 }
 
@@ -1106,6 +1153,80 @@ void device_copy(const std::vector<T>& v, void** d) {
   CUDA_OK(cudaMemcpy(*d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
 }
 
+// The same with the routing as the previous kernel's output (a router or a sort just before the
+// combine): the gather map or token_idx is zeroed (every entry naming row 0 or token 0, all in
+// range) and the producer writes the real one only after 30 us. Before their wait the kernels may
+// only ask L2 for the routing (prefetch_routing); the list chain's token_index_assign loads its
+// first entry before its own wait, which is safe only because token_index_clear, whose every block
+// waited for the producer, allows it. Each call must be bitwise a plain call on the real routing.
+TEST_F(CombineGpu, DependentLaunchSeesRoutingThePreviousKernelWrote) {
+  const Pools& p = pools();
+  const Producer producer;
+  if (!producer.supported()) GTEST_SKIP() << "programmatic dependent launch needs sm_90 or newer";
+  ASSERT_TRUE(producer.error().empty()) << producer.error();
+  moejit_runtime_t rt = memory_only_runtime();
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const struct {
+    moejit_layout layout;
+    int64_t tokens;
+  } setups[] = {{MOEJIT_LAYOUT_GATHER_MAP, 1},   {MOEJIT_LAYOUT_GATHER_MAP, 32},
+                {MOEJIT_LAYOUT_GATHER_MAP, 512}, {MOEJIT_LAYOUT_TOKEN_INDEX, 1},
+                {MOEJIT_LAYOUT_TOKEN_INDEX, 33}, {MOEJIT_LAYOUT_TOKEN_INDEX, 600}};
+  for (const auto& setup : setups) {
+    SCOPED_TRACE(std::string(layout_str(setup.layout)) + " T=" + std::to_string(setup.tokens));
+    const int64_t T = setup.tokens, K = 8, H = 4096;
+    Rng rng(778);
+    Case c{
+        setup.layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, H, T, K, 1};
+    c.random_routing = true;
+    const Routing routing = make_routing(c, rng);
+    std::vector<int32_t> idx(routing.index_values.begin(), routing.index_values.end());
+    idx.resize((idx.size() + 3) / 4 * 4, -1);  // whole 16-byte words for the producer
+    const size_t idx_bytes = idx.size() * 4, out_bytes = static_cast<size_t>(T * H * 2);
+    void *indices, *real_indices, *out, *workspace = nullptr;
+    ASSERT_NO_FATAL_FAILURE(device_copy(idx, &real_indices));
+    ASSERT_NO_FATAL_FAILURE(device_copy(idx, &indices));
+    CUDA_OK(cudaMalloc(&out, out_bytes));
+    moejit_combine_args a =
+        bf16_args(setup.layout, T, K, routing.rows, H, p.device[MOEJIT_DTYPE_BFLOAT16],
+                  p.gates_device, indices, out);
+    size_t ws = 0;
+    ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
+    if (ws) {
+      CUDA_OK(cudaMalloc(&workspace, ws));
+      a.workspace = workspace;
+      a.workspace_bytes = ws;
+    }
+    // The reference: a plain call on the real routing.
+    ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS)
+        << moejit_last_error_message();
+    CUDA_OK(cudaStreamSynchronize(stream));
+    std::vector<uint8_t> expected(out_bytes), got(out_bytes);
+    CUDA_OK(cudaMemcpy(expected.data(), out, out_bytes, cudaMemcpyDeviceToHost));
+    for (int round = 0; round < 4 && !HasFatalFailure(); ++round) {
+      a.dependent_launch = round == 0 ? 0 : 1;  // round 0: the control, a plain launch
+      CUDA_OK(cudaMemsetAsync(indices, 0, idx_bytes, stream));
+      CUDA_OK(cudaMemsetAsync(out, 0xff, out_bytes, stream));
+      CUDA_OK(cudaStreamSynchronize(stream));
+      CUDA_OK(producer.launch(stream, real_indices, indices, idx_bytes, 30.0));
+      ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS)
+          << moejit_last_error_message();
+      CUDA_OK(cudaStreamSynchronize(stream));
+      CUDA_OK(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost));
+      int64_t differ = 0;
+      for (size_t i = 0; i < out_bytes; i += 2)
+        differ += std::memcmp(&got[i], &expected[i], 2) != 0;
+      EXPECT_EQ(differ, 0) << "round " << round << " (dependent_launch " << a.dependent_launch
+                           << "): elements that differ from the plain call's";
+    }
+    for (void* q : {indices, real_indices, out, workspace})
+      if (q) cudaFree(q);
+  }
+  cudaStreamDestroy(stream);
+  moejit_runtime_destroy(rt);
+}
+
 // Runs a one-token bf16 call (a.out: one row of a.hidden_dim elements) and compares its output
 // with ref(h) within bf16's rounding. Returns how many elements differ (the first five reported),
 // or -1 if the call failed.
@@ -1355,6 +1476,103 @@ TEST_F(CombineGpu, AddressesPastTwoToThe31) {
   cudaFree(out);
   cudaFree(indices);
   if (workspace) cudaFree(workspace);
+}
+
+// Row strides of 2^31 + 64 elements (4 GiB + 128 bytes of bf16) in both buffers, so that row r
+// starts past 2^32 bytes for r >= 1 and past 2^33 bytes for r >= 2: every kernel forms a row's
+// address as row id x stride in 64 bits (a 32-bit product, or an int row id times an int stride,
+// would wrap). Four rows of 64 elements, each path in turn: token-major and the gather map's
+// fixed kernel (two tokens), the gather map's one-token kernel (one token, four rows for four
+// slots), the token index's one-token kernel and its single launch (two tokens). Only the rows
+// are written; each output row and 64 elements after it are checked, the rest never touched.
+TEST_F(CombineGpu, RowStridesPastFourGiB) {
+  const int64_t H = 64, R = 4, stride = (int64_t{1} << 31) + 64;
+  const size_t row_bytes = static_cast<size_t>(stride) * 2;
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_OK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  if (free_bytes < (R + 2) * row_bytes + (size_t{1} << 30))
+    GTEST_SKIP() << "needs " << (R + 2) * row_bytes << " bytes of free device memory";
+  void *expert, *out, *gates, *indices;
+  CUDA_OK(cudaMalloc(&expert, R * row_bytes));
+  CUDA_OK(cudaMalloc(&out, 2 * row_bytes));
+  Rng rng(4242);
+  std::vector<uint16_t> rows(static_cast<size_t>(R * H));
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = float_to_bf16(rng.uniform(-1, 1));
+  for (int64_t r = 0; r < R; ++r)
+    CUDA_OK(cudaMemcpy(static_cast<uint8_t*>(expert) + r * row_bytes, &rows[r * H], H * 2,
+                       cudaMemcpyHostToDevice));
+  const std::vector<float> gate_values = {0.5f, 0.25f, 2.0f, 0.125f};
+  ASSERT_NO_FATAL_FAILURE(device_copy(gate_values, &gates));
+  CUDA_OK(cudaMalloc(&indices, 64));
+  moejit_runtime_t rt = memory_only_runtime();
+  const struct {
+    moejit_layout layout;
+    int64_t tokens, top_k;
+    std::vector<int32_t> index;  // gather map [T * K] or token_idx [R]
+  } setups[] = {{MOEJIT_LAYOUT_TOKEN_MAJOR, 2, 2, {}},
+                {MOEJIT_LAYOUT_GATHER_MAP, 2, 2, {3, 0, -1, 2}},
+                {MOEJIT_LAYOUT_GATHER_MAP, 1, 4, {3, 1, 0, 2}},
+                {MOEJIT_LAYOUT_TOKEN_INDEX, 1, 0, {0, -1, 0, 0}},
+                {MOEJIT_LAYOUT_TOKEN_INDEX, 2, 0, {1, 0, 1, -1}}};
+  for (const auto& setup : setups) {
+    SCOPED_TRACE(std::string(layout_str(setup.layout)) + " T=" + std::to_string(setup.tokens));
+    const int64_t T = setup.tokens;
+    // (row, gate index) of each token, in the documented order.
+    std::vector<std::vector<std::pair<int64_t, int64_t>>> per_token(static_cast<size_t>(T));
+    if (setup.layout == MOEJIT_LAYOUT_TOKEN_MAJOR) {
+      for (int64_t r = 0; r < R; ++r) per_token[r / setup.top_k].push_back({r, r});
+    } else if (setup.layout == MOEJIT_LAYOUT_GATHER_MAP) {
+      for (int64_t s = 0; s < T * setup.top_k; ++s)
+        if (setup.index[s] >= 0) per_token[s / setup.top_k].push_back({setup.index[s], s});
+    } else {
+      for (int64_t r = 0; r < R; ++r)
+        if (setup.index[r] >= 0) per_token[setup.index[r]].push_back({r, r});
+    }
+    if (!setup.index.empty())
+      CUDA_OK(
+          cudaMemcpy(indices, setup.index.data(), setup.index.size() * 4, cudaMemcpyHostToDevice));
+    moejit_combine_args a =
+        bf16_args(setup.layout, T, setup.top_k, R, H, expert, static_cast<const float*>(gates),
+                  setup.layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? nullptr : indices, out);
+    a.expert_row_stride = stride;
+    a.out_row_stride = stride;
+    size_t ws = 0;
+    void* workspace = nullptr;
+    ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
+    if (ws) {
+      CUDA_OK(cudaMalloc(&workspace, ws));
+      a.workspace = workspace;
+      a.workspace_bytes = ws;
+    }
+    for (int64_t t = 0; t < T; ++t)  // the row and the 64 elements after it
+      CUDA_OK(cudaMemset(static_cast<uint8_t*>(out) + t * row_bytes, 0xFF, 2 * H * 2));
+    ASSERT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS)
+        << moejit_last_error_message();
+    CUDA_OK(cudaDeviceSynchronize());
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<uint16_t> got(static_cast<size_t>(2 * H));
+      CUDA_OK(cudaMemcpy(got.data(), static_cast<uint8_t*>(out) + t * row_bytes, 2 * H * 2,
+                         cudaMemcpyDeviceToHost));
+      int64_t bad = 0;
+      for (int64_t h = 0; h < H; ++h) {
+        double ref = 0;
+        for (const auto& [row, gi] : per_token[t])
+          ref += gate_values[gi] * bf16_to_float(rows[row * H + h]);
+        const double v = bf16_to_float(got[h]);
+        if (!(std::fabs(v - ref) <= std::fabs(ref) / 128 + 1e-6) && ++bad <= 3)
+          ADD_FAILURE() << "out[" << t << "][" << h << "] = " << v << ", expected " << ref;
+      }
+      EXPECT_EQ(bad, 0) << "token " << t;
+      for (int64_t h = H; h < 2 * H; ++h)
+        if (got[h] != 0xFFFF) {
+          ADD_FAILURE() << "the padding after row " << t << " was written";
+          break;
+        }
+    }
+    if (workspace) cudaFree(workspace);
+  }
+  moejit_runtime_destroy(rt);
+  for (void* q : {expert, out, gates, indices}) cudaFree(q);
 }
 
 }  // namespace
