@@ -139,7 +139,10 @@ void ModuleCache::load(const KernelSpec& spec, CUcontext context, Entry& entry) 
                                          module->lowered_names[i]);
     }
   }
-  k.dependent_launch = major >= 9 && d.cuLaunchKernelEx != nullptr;
+  // The kernels compile griddepcontrol.wait in only for an sm_90+ target: a module built for
+  // an older target (PTX JIT-compiled on a newer device) must never be launched as a
+  // programmatic dependent, or it would read what its predecessor is still writing.
+  k.dependent_launch = major >= 9 && target.sm >= 90 && d.cuLaunchKernelEx != nullptr;
   entry.kernels = k;
   entry.context = context;
   logger().debug("loaded {} ({}) in context {}", spec.describe(), target.name(),
