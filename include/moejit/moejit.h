@@ -353,7 +353,10 @@ MOEJIT_API moejit_status moejit_runtime_destroy(moejit_runtime_t runtime);
  *           valid until the kernels have run on `stream`.
  *   stream  the CUDA stream to launch on (CUstream or cudaStream_t); NULL is the legacy default
  *           stream. Must belong to the current context.
- * All arguments are checked before the GPU is touched, and a failed call launches nothing.
+ * All arguments are checked before the GPU is touched: a call refused for its arguments, or one
+ * whose kernels could not be compiled or loaded, launches nothing. (Only a launch the driver
+ * itself refuses, _CUDA, can leave the token index's first helper kernel enqueued; it writes
+ * nothing but the workspace.)
  * Returns MOEJIT_SUCCESS; caller errors MOEJIT_ERROR_INVALID_ARGUMENT, _UNSUPPORTED,
  * _WORKSPACE_TOO_SMALL; environment errors _DRIVER_NOT_FOUND, _NO_DEVICE, _CUDA, _COMPILE,
  * _NOT_CACHED, _OUT_OF_MEMORY; _INTERNAL for a library bug. The message is in
