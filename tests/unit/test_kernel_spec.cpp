@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "combine_plan.h"
 #include "error.h"
@@ -829,6 +831,83 @@ TEST(KernelSpec, EightRowsPerTokenTakeTheMidSizeGeometryUpToTwoToTheTwentyOneTok
   const KernelSpec ti_narrow = spec(MOEJIT_LAYOUT_TOKEN_INDEX, 256, 8, kAnyTokens);
   EXPECT_EQ(ti_narrow.tpt, 32);
   EXPECT_EQ(ti_narrow.tpb, 4);
+}
+
+// What moejit-precompile warms (specs_for_shape) must hold every module a call of that shape can
+// plan, whatever its batch size, rows (dropped or extra ones), dtypes, index type and launch mode:
+// otherwise a MOEJIT_CACHE_MODE=no-compile deployment fails on that call with NOT_CACHED. Aligned,
+// unpadded buffers, as precompile assumes.
+TEST(KernelSpec, EveryCallOfAWarmedShapePlansAWarmedModule) {
+  constexpr uintptr_t kRegion = uintptr_t{1} << 46;
+  std::vector<int64_t> token_counts;
+  for (int64_t t = 1; t <= 140; ++t) token_counts.push_back(t);
+  for (const int64_t t : {255, 256, 257, 511, 512, 513, 1000, 2048, 4096, 16384, 65536, 262145})
+    token_counts.push_back(t);
+  const std::pair<moejit_dtype, moejit_dtype> dtypes[] = {
+      {MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16},
+      {MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32},
+      {MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_FLOAT32}};
+  size_t plans = 0;
+  for (const moejit_layout layout :
+       {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_LAYOUT_TOKEN_INDEX}) {
+    for (const auto& dt : dtypes) {
+      for (const moejit_index_type index_type : {MOEJIT_INDEX_INT32, MOEJIT_INDEX_INT64}) {
+        if (layout == MOEJIT_LAYOUT_TOKEN_MAJOR && index_type == MOEJIT_INDEX_INT64) continue;
+        for (const int hidden : {8, 100, 512, 2880, 7168}) {
+          for (const int k : {1, 2, 3, 4, 8, 9, 16}) {
+            const auto warmed =
+                specs_for_shape(layout, dt.first, dt.second, index_type, hidden, k, 256);
+            for (const int64_t tokens : token_counts) {
+              // Rows: token-major exactly T * K; the gather map as many as the map names, or a
+              // few, or more; the token index anything its rows per token round up to K from.
+              std::vector<int64_t> rows_choices{tokens * k};
+              if (layout == MOEJIT_LAYOUT_GATHER_MAP) {
+                rows_choices.push_back(1);
+                rows_choices.push_back(tokens * k + 1);
+              }
+              if (layout == MOEJIT_LAYOUT_TOKEN_INDEX && k > 1)
+                rows_choices.push_back(tokens * (k - 1) + 1);
+              for (const int64_t rows : rows_choices) {
+                for (const int dependent : {0, 1}) {
+                  moejit_combine_args a;
+                  moejit_combine_args_init(&a);
+                  a.layout = layout;
+                  a.num_tokens = tokens;
+                  a.top_k = layout == MOEJIT_LAYOUT_TOKEN_INDEX ? 0 : k;
+                  a.num_rows = rows;
+                  a.hidden_dim = hidden;
+                  a.expert_hidden = reinterpret_cast<void*>(1 * kRegion);
+                  a.expert_dtype = dt.first;
+                  a.out = reinterpret_cast<void*>(2 * kRegion);
+                  a.out_dtype = dt.second;
+                  if (layout != MOEJIT_LAYOUT_TOKEN_MAJOR) {
+                    a.indices = reinterpret_cast<void*>(3 * kRegion);
+                    a.index_type = index_type;
+                  }
+                  a.dependent_launch = dependent;
+                  if (layout == MOEJIT_LAYOUT_TOKEN_INDEX) {
+                    a.workspace = reinterpret_cast<void*>(4 * kRegion);
+                    a.workspace_bytes = combine_workspace_bytes(&a);
+                  }
+                  const KernelSpec planned = plan_combine(&a).spec;
+                  ++plans;
+                  ASSERT_NE(std::find(warmed.begin(), warmed.end(), planned), warmed.end())
+                      << planned.describe() << " is not warmed for T = " << tokens
+                      << ", R = " << rows << ", K = " << k << ", dependent_launch = " << dependent;
+                  if (planned.needs_list_helpers()) {
+                    ASSERT_NE(std::find(warmed.begin(), warmed.end(), planned.helpers_spec()),
+                              warmed.end())
+                        << "the list helpers of " << planned.describe();
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(plans, size_t{100000});
 }
 
 }  // namespace moejit
