@@ -638,7 +638,9 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
                       " with workspace_bytes = " + std::to_string(a.workspace_bytes) +
                       ": the token-index layout needs " + std::to_string(needed) +
                       " bytes of device memory here (moejit_combine_workspace_size())");
-    check_aligned("args->workspace", a.workspace, 16, "the workspace");
+    if (reinterpret_cast<uintptr_t>(a.workspace) % 16 != 0)
+      invalid_argument("args->workspace", hex(a.workspace),
+                       "must be aligned to 16 bytes, as moejit.h asks of the workspace");
     const ByteRange ws_bytes = byte_range("args->workspace", a.workspace, needed);
     check_no_overlap(ws_bytes, {out_bytes, expert_bytes, index_bytes, gate_bytes});
     char* ws = static_cast<char*>(a.workspace);
@@ -692,7 +694,7 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   const int64_t groups = (a.num_tokens + s.tpb - 1) / s.tpb;
   if (groups > INT32_MAX)
     throw Error(MOEJIT_ERROR_UNSUPPORTED,
-                "num_tokens = " + std::to_string(a.num_tokens) + " needs " +
+                "args->num_tokens = " + std::to_string(a.num_tokens) + " needs " +
                     std::to_string(groups) +
                     " token groups, more than one launch allows (2^31 - 1): split the batch");
 
@@ -704,7 +706,7 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
     const int64_t blocks = groups * s.chunks();
     if (blocks > INT32_MAX)
       throw Error(MOEJIT_ERROR_UNSUPPORTED,
-                  "num_tokens = " + std::to_string(a.num_tokens) + " with hidden_dim = " +
+                  "args->num_tokens = " + std::to_string(a.num_tokens) + " with hidden_dim = " +
                       std::to_string(a.hidden_dim) + " needs " + std::to_string(blocks) +
                       " blocks, more than one launch allows (2^31 - 1): split the batch");
     plan.combine_grid_x = static_cast<unsigned>(blocks);

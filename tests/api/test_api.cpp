@@ -187,6 +187,14 @@ const BadCase kBadCases[] = {
        a.workspace_bytes = 16;
      },
      MOEJIT_ERROR_WORKSPACE_TOO_SMALL, "workspace_bytes = 16"},
+    {"workspace_misaligned",
+     [](auto& a) {
+       a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+       a.workspace = fake(0x7f0040000008);
+       a.workspace_bytes = 1 << 20;
+     },
+     MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->workspace = 0x7f0040000008: must be aligned to 16 bytes"},
 };
 
 std::string case_name(const ::testing::TestParamInfo<BadCase>& param_info) {
