@@ -496,6 +496,18 @@ TEST(Api, StatsStructSizeIsChecked) {
   moejit_stats s;
   s.struct_size = 4;
   EXPECT_EQ(moejit_runtime_get_stats(nullptr, &s), MOEJIT_ERROR_INVALID_ARGUMENT);
+  // A size that ends inside a field: the fields before it are written, that one not at all.
+  moejit_runtime_options o;
+  moejit_runtime_options_init(&o);
+  o.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
+  moejit_runtime_t rt = nullptr;
+  ASSERT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_SUCCESS) << moejit_last_error_message();
+  std::memset(&s, 0xAB, sizeof(s));
+  s.struct_size = offsetof(moejit_stats, disk_hits) + 4;
+  ASSERT_EQ(moejit_runtime_get_stats(rt, &s), MOEJIT_SUCCESS) << moejit_last_error_message();
+  EXPECT_EQ(s.memory_hits, 0u);
+  EXPECT_EQ(s.disk_hits, 0xABABABABABABABABull);
+  moejit_runtime_destroy(rt);
 }
 
 }  // namespace
