@@ -34,10 +34,16 @@ TemplateSet load_templates(const std::string& override_dir, const std::string& s
   while (dirent* entry = readdir(dir)) {
     const std::string name = entry->d_name;
     if (!is_template_name(name)) continue;
+    // A template that cannot be read is an error naming it (skipped, it was reported as missing,
+    // or an unreadable extra header was left out of the set silently).
     std::ifstream in(override_dir + "/" + name, std::ios::binary);
     std::ostringstream bytes;
-    bytes << in.rdbuf();
-    if (!in.good() && !in.eof()) continue;
+    if (in.is_open()) bytes << in.rdbuf();
+    if (!in.is_open() || in.bad() || !bytes) {
+      closedir(dir);
+      invalid_argument(setting, "\"" + override_dir + "\"",
+                       "must hold readable kernel templates; " + name + " could not be read");
+    }
     set[name] = bytes.str();
   }
   closedir(dir);

@@ -461,6 +461,25 @@ TEST_F(CacheStore, AnIncludeOutsideTheTemplatesIsNotReadFromTheWorkingDirectory)
   fs::current_path(cwd);
 }
 
+// A template the override directory names but that cannot be read is reported as such, by name
+// (it was skipped and then called missing). A directory stands in for an unreadable file: the
+// tests may run as root, who reads any file.
+TEST_F(CacheStore, AnUnreadableTemplateIsNamed) {
+  const std::string templates = scratch_ / "templates";
+  fs::create_directories(templates);
+  for (const auto& [name, bytes] : load_templates("", "template_dir"))
+    if (name != "combine.cuh") test::write_file(templates + "/" + name, bytes);
+  fs::create_directories(templates + "/combine.cuh");
+  try {
+    load_templates(templates, "MOEJIT_TEMPLATE_DIR");
+    ADD_FAILURE() << "a directory named combine.cuh was taken as a template";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), MOEJIT_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(e.what()).find("combine.cuh could not be read"), std::string::npos)
+        << e.what();
+  }
+}
+
 // The default directory: $XDG_CACHE_HOME/moejit only for an absolute XDG_CACHE_HOME (the XDG
 // spec calls a relative one invalid); a relative one must not put the cache under the working
 // directory.
