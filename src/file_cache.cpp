@@ -83,6 +83,14 @@ double seconds_since(const struct timespec& t) {
          static_cast<double>(now.tv_nsec - t.tv_nsec) * 1e-9;
 }
 
+// Too recent to evict: it may have just replaced an older entry that a process is about to load.
+// A last use further in the future than that (a clock set wrong, another host's on a network file
+// system) does not count as recent: such an entry would never be evicted, and the cap not hold.
+bool young(const struct timespec& mtime) {
+  const double age = seconds_since(mtime);
+  return age < kMinEvictAgeSeconds && age > -kMinEvictAgeSeconds;
+}
+
 // Root may own what we trust: it can write anywhere anyway. Anyone else who could write the
 // directory or entry could plant a binary that we would load into the GPU.
 std::string untrusted_reason(const struct stat& st, bool check_owner) {
@@ -492,7 +500,7 @@ class FileCache final : public DiskCache {
     uint64_t freed = 0;
     for (const Entry& e : entries) {
       if (total <= max_bytes_) break;
-      if (e.key == just_written || seconds_since(e.mtime) < kMinEvictAgeSeconds) continue;
+      if (e.key == just_written || young(e.mtime)) continue;
       std::string why;
       Fd shard = open_dir(root_.get(), e.shard, false, &why);
       if (!shard) continue;

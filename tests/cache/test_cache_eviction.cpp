@@ -98,6 +98,21 @@ TEST_F(CacheEviction, NeverDeletesAnEntryBeingReplacedOrJustWritten) {
   EXPECT_FALSE(fs::exists(path(1))) << "evictable once its lock is released";
 }
 
+// A last use far in the future (a wrong clock, another host's over a network file system) is not
+// "too young to evict": such an entry would stay forever and the cap would not hold. One a few
+// seconds ahead (clock skew) is still protected.
+TEST_F(CacheEviction, AnEntryUsedInTheFutureIsStillEvicted) {
+  for (int i = 0; i < 3; ++i) ASSERT_EQ(obtain(i, 1ull << 30), Source::kCompiled);
+  age(0, -100000);  // a day ahead
+  age(1, -2);       // two seconds ahead
+  age(2, 1000);
+  ASSERT_EQ(obtain(3, 1), Source::kCompiled);  // a cap nothing fits under
+  EXPECT_FALSE(fs::exists(path(0))) << "a last use a day ahead: evicted";
+  EXPECT_TRUE(fs::exists(path(1))) << "within the skew of the minimum eviction age";
+  EXPECT_FALSE(fs::exists(path(2)));
+  EXPECT_TRUE(fs::exists(path(3))) << "just written";
+}
+
 TEST_F(CacheEviction, SweepsTempFilesOfDeadWriters) {
   ASSERT_EQ(obtain(0, 1ull << 30), Source::kCompiled);
   const fs::path shard = fs::path(path(0)).parent_path();
