@@ -41,6 +41,11 @@ bool image_refused(CUresult result) {
 
 }  // namespace
 
+// Modules of every context are unloaded from whatever context is current. The documentation
+// says cuModuleUnload works on the current context, but a module handle names its own: on the
+// H200 (driver 580) a module of another context, or with no context current, unloaded with
+// CUDA_SUCCESS, and one whose context the caller had destroyed returned
+// CUDA_ERROR_CONTEXT_IS_DESTROYED (its memory went with the context). Results are ignored.
 ModuleCache::~ModuleCache() {
   if (entries_.empty()) return;
   const DriverApi& d = driver();
