@@ -345,6 +345,16 @@ def test_ab_libs_refuses_bad_command_lines(ab_libs, argv, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_ab_libs_an_unwritten_output_is_the_worst_error(ab_libs):
+    # A library that leaves the poisoned output (NaN error) fails the run, whichever library it
+    # is: max() kept 0.0 over a NaN, and such a library passed with "rel_err 0.0e+00".
+    nan = float("nan")
+    for errors in ([nan, 1.6e-3], [1.6e-3, nan], [nan]):
+        worst = ab_libs.worst_error(errors)
+        assert worst != worst and not worst < 1e-2
+    assert ab_libs.worst_error([1.6e-3, 2e-2, 1.7e-3]) == 2e-2
+
+
 def test_ab_libs_help_needs_no_torch(ab_libs, capsys):
     with pytest.raises(SystemExit) as e:
         ab_libs.main(["--help"])
