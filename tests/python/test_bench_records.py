@@ -243,6 +243,26 @@ def test_median_interval_is_the_binomial_order_statistics(peers):
     assert lo == 1445 and hi == 3000 - 1446
 
 
+def test_peers_fails_a_wrong_libmoejit_result(peers):
+    def shape(out_dtype, **entry):
+        return {"T": 1, "K": 8, "H": 7168, "in_dtype": "bf16", "out_dtype": out_dtype,
+                "peers": [dict({"name": "libmoejit_gather_map", "us": 5.0, "nan_elements": 0},
+                               **entry),
+                          {"name": "torch_index_add", "us": 15.0, "rel_err": 0.5}]}
+    ok = shape("bf16", rel_err=1.7e-3, rel_err_after=1.7e-3)
+    assert peers.libmoejit_failures([ok]) == []  # a peer's own error is not libmoejit's failure
+    # A finite but wrong result (no NaN, no error) once exited 0.
+    for wrong in (shape("bf16", rel_err=0.3, rel_err_after=0.3),
+                  shape("bf16", rel_err=1.7e-3, rel_err_after=0.3),
+                  shape("fp32", rel_err=1e-3, rel_err_after=1e-3),
+                  shape("bf16", rel_err=float("nan"), rel_err_after=1.7e-3),
+                  shape("bf16", error="RuntimeError: moe_combine: ..."),
+                  shape("bf16", rel_err=1.7e-3, rel_err_after=1.7e-3, nan_elements=3)):
+        assert peers.libmoejit_failures([wrong]) == [("T1 K8 H7168 bf16" if wrong["out_dtype"] ==
+                                                      "bf16" else "T1 K8 H7168 bf16->fp32",
+                                                      "libmoejit_gather_map")], wrong
+
+
 def test_parity_split_is_odd_minus_even_runs(peers):
     # Every other run 0.7 us slower (the flush's alternation): odd - even = +0.7.
     runs = [3.3 if i % 2 == 0 else 4.0 for i in range(40)]

@@ -223,6 +223,26 @@ def minimal_bytes(s):
     return r * s["H"] * size[s["in_dtype"]] + r * 8 + s["T"] * s["H"] * size[s["out_dtype"]]
 
 
+def error_bound(out_dtype):
+    """moejit-bench's bound on libmoejit's relative error (combine_bench.h, error_bound)."""
+    return 1e-5 if out_dtype == "fp32" else 1e-2
+
+
+def libmoejit_failures(shapes):
+    """(shape, entry name) of every libmoejit entry that failed: an error, NaN left in its output,
+    or a relative error (before or after the timed runs) over the output dtype's bound."""
+    failed = []
+    for s in shapes:
+        bound = error_bound(s["out_dtype"])
+        for r in s["peers"]:
+            if not r["name"].startswith("libmoejit_"):
+                continue
+            wrong = any(not r[k] <= bound for k in ("rel_err", "rel_err_after") if k in r)
+            if "error" in r or r.get("nan_elements") or wrong:
+                failed.append((shape_text(s), r["name"]))
+    return failed
+
+
 # ---- paired comparisons ----------------------------------------------------------------------
 # At decode sizes two blocks of runs of the same kernel (bench below) differ by 0.1-0.3 us, as much
 # as libmoejit and the Triton peer differ: every other flushed run takes 0.6-0.75 us longer, and a
@@ -742,8 +762,7 @@ def main_gpu(args, shapes):
             json.dump(finite(report), f, indent=2)
             f.write("\n")
         print(f"wrote {args.json}")
-    failed = [(shape_text(s), r["name"]) for s in report["shapes"] for r in s["peers"]
-              if r["name"].startswith("libmoejit_") and ("error" in r or r.get("nan_elements"))]
+    failed = libmoejit_failures(report["shapes"])
     if failed:
         print(f"peers.py: libmoejit failed on {failed}")
         return 3
