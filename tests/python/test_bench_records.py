@@ -255,12 +255,13 @@ def test_peers_fails_a_wrong_libmoejit_result(peers):
     for wrong in (shape("bf16", rel_err=0.3, rel_err_after=0.3),
                   shape("bf16", rel_err=1.7e-3, rel_err_after=0.3),
                   shape("fp32", rel_err=1e-3, rel_err_after=1e-3),
+                  shape("fp16", rel_err=1.7e-3, rel_err_after=1.7e-3),  # bf16's rounding
                   shape("bf16", rel_err=float("nan"), rel_err_after=1.7e-3),
                   shape("bf16", error="RuntimeError: moe_combine: ..."),
                   shape("bf16", rel_err=1.7e-3, rel_err_after=1.7e-3, nan_elements=3)):
-        assert peers.libmoejit_failures([wrong]) == [("T1 K8 H7168 bf16" if wrong["out_dtype"] ==
-                                                      "bf16" else "T1 K8 H7168 bf16->fp32",
+        assert peers.libmoejit_failures([wrong]) == [(peers.shape_text(wrong),
                                                       "libmoejit_gather_map")], wrong
+    assert peers.libmoejit_failures([shape("fp16", rel_err=2.1e-4, rel_err_after=2.1e-4)]) == []
 
 
 def test_parity_split_is_odd_minus_even_runs(peers):

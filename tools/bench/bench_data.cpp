@@ -189,6 +189,18 @@ HostInputs make_inputs(const Shape& shape, uint64_t seed) {
   return in;
 }
 
+double error_bound(moejit_dtype out_dtype) {
+  switch (out_dtype) {
+    case MOEJIT_DTYPE_FLOAT32:
+      return 1e-5;
+    case MOEJIT_DTYPE_FLOAT16:
+      return 1e-3;
+    case MOEJIT_DTYPE_BFLOAT16:
+      return 1e-2;
+  }
+  return 0.0;
+}
+
 std::vector<int64_t> check_tokens(int64_t tokens, int64_t max_tokens) {
   std::vector<int64_t> list;
   if (tokens <= max_tokens || max_tokens < 2) {

@@ -57,6 +57,11 @@ struct CheckResult {
   int64_t unwritten = 0;  // NaN elements anywhere in out (the poison survived, or worse)
 };
 
+// The bound rel_err must meet, about five times what one final rounding gives: fp32 output 1e-5
+// (fp32 accumulation lands near 3e-8), bf16 1e-2 (one rounding lands near 1.7e-3), fp16 1e-3 (near
+// 2e-4; bf16's bound would pass an fp16 result rounded through bf16 on the way).
+double error_bound(moejit_dtype out_dtype);
+
 // Compares out (T rows of H elements of out_dtype, as downloaded) against the float64 reference on
 // `tokens`, and scans all of out for NaN. Multithreaded.
 CheckResult check_output(const HostInputs& in, const std::vector<uint8_t>& out,

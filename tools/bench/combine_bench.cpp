@@ -330,10 +330,6 @@ bool parse_layout(const std::string& text, moejit_layout* layout) {
   return false;
 }
 
-double error_bound(moejit_dtype out_dtype) {
-  return out_dtype == MOEJIT_DTYPE_FLOAT32 ? 1e-5 : 1e-2;
-}
-
 std::vector<CaseResult> run_case(const Shape& shape, const std::vector<moejit_layout>& layouts,
                                  const BenchSettings& settings, const Floors& floors,
                                  Timer& timer) {

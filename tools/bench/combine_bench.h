@@ -86,10 +86,6 @@ std::vector<PipelineResult> run_pipeline(const Shape& shape,
 const char* layout_text(moejit_layout layout);  // "token_major" | "gather_map" | "token_index"
 bool parse_layout(const std::string& text, moejit_layout* layout);
 
-// The error bound rel_err must meet: fp32 output 1e-5 (fp32 accumulation lands near 1e-7), half
-// output 1e-2 (one final rounding lands near 2e-3).
-double error_bound(moejit_dtype out_dtype);
-
 // Runs one shape in each of `layouts`. Environment failures (CUDA) throw; a failed moe_combine
 // call is recorded in that layout's CaseResult::error and the other layouts still run.
 std::vector<CaseResult> run_case(const Shape& shape, const std::vector<moejit_layout>& layouts,
