@@ -105,6 +105,7 @@ def main():
         out = torch.empty(T, H, device=dev, dtype=torch.bfloat16)
         lib = lambda: moejit.combine(x, layout="token_index", token_idx=tok32, gates=gates,
                                      num_tokens=T, out=out)
+        out.fill_(float("nan"))  # poisoned: a token the call leaves unwritten fails the check
         lib()
         ref = torch.zeros(T, H, device=dev, dtype=torch.float64)
         ref.index_add_(0, tok, x.double() * gates.double()[:, None])
