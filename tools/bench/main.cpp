@@ -393,7 +393,8 @@ void write_json(const std::string& path, const std::string& device, const Floors
     j.begin_object();
     j.member("label", r.shape.label);
     write_case_shape(j, r.shape, r.layout);
-    j.member("minimal_bytes", r.shape.minimal_bytes());
+    // An integer (exact below 2^53): "%.6g" kept 6 digits (528744448 was written 528744000).
+    j.member("minimal_bytes", static_cast<int64_t>(r.shape.minimal_bytes()));
     if (!r.error.empty()) {
       j.member("error", r.error);
     } else {
