@@ -131,6 +131,12 @@ class MoejitError(RuntimeError):
         self.message = message
         super().__init__(f"{function} failed: {self.status_name}: {message}")
 
+    def __reduce__(self):
+        # The default rebuilds from self.args (the one formatted string), which __init__ does not
+        # take: pickling (a worker process reporting the error, multiprocessing, Ray) and copy
+        # would fail with a TypeError instead of carrying the error.
+        return (type(self), (self.function, self.status, self.message))
+
 
 class LibraryNotFoundError(OSError):
     """libmoejit.so.0 could not be loaded; the message lists every place that was tried."""

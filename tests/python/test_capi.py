@@ -260,3 +260,17 @@ def test_import_does_not_import_torch(tmp_path):
                    tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
+
+
+def test_error_survives_pickling_and_copy():
+    # A worker process sends its exception to the parent pickled (multiprocessing, Ray).
+    import copy
+    import pickle
+
+    e = expect_error(_capi.ERROR_INVALID_ARGUMENT, _capi.combine_workspace_size,
+                     shape_args(hidden_dim=0, top_k=2))
+    for other in (pickle.loads(pickle.dumps(e)), copy.copy(e)):
+        assert type(other) is _capi.MoejitError
+        assert (other.function, other.status, other.status_name, other.message) == (
+            e.function, e.status, e.status_name, e.message)
+        assert str(other) == str(e)
