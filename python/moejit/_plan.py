@@ -253,7 +253,7 @@ def plan_combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=
             else:
                 _fail(ValueError, "num_tokens is required for layout='token_index' (the number "
                       "of output rows cannot be read from token_idx without a device sync); or "
-                      "pass out")
+                      f"pass {out_arg}")
             K = 0
             indices = token_idx
         index_type = INDEX_DTYPES[dtype_name(indices.dtype)]

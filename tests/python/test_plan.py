@@ -150,6 +150,10 @@ def test_base_of_the_functional_op():
         _plan.plan_combine(T((66, H)), top_k=2, out=T((33, H - 1)), accumulate=True,
                            out_arg="base", out_copied=True)
     err(ValueError, "out has row stride 0", top_k=2, out=bias, accumulate=True)
+    # combine_op has no out: the token index's row count comes from num_tokens or base.
+    with pytest.raises(ValueError, match="num_tokens is required .*; or pass base$"):
+        _plan.plan_combine(T((66, H)), layout="token_index", token_idx=T((66,), "int32"),
+                           out_arg="base", out_copied=True)
 
 
 def test_layout_and_types():
