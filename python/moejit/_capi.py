@@ -9,6 +9,7 @@ Library lookup, first match wins:
   3. The system loader: "libmoejit.so.0" through LD_LIBRARY_PATH, ld.so.cache, ...
 """
 
+import _ctypes
 import ctypes
 import os
 import threading
@@ -201,14 +202,20 @@ def load_library():
             tried = []
             for source, path in library_candidates():
                 try:
-                    _lib = _declare(ctypes.CDLL(path))
-                    break
+                    candidate = ctypes.CDLL(path)
                 except OSError as e:
                     tried.append(f"{source}: {path}: {e}")
+                    continue
+                try:
+                    _lib = _declare(candidate)
+                    break
                 except AttributeError as e:
                     # Loaded, but an older libmoejit without a function this package calls (the
-                    # same SONAME): not usable, say so and try the next candidate.
+                    # same SONAME): not usable, say so and try the next candidate. Unloaded first:
+                    # the dynamic loader answers a name without a slash (the system loader's
+                    # candidate) with an object already loaded under that SONAME, this one.
                     tried.append(f"{source}: {path}: too old for this package ({e})")
+                    _ctypes.dlclose(candidate._handle)
             else:
                 raise LibraryNotFoundError(
                     "cannot load libmoejit; tried:\n  "

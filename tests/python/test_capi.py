@@ -244,6 +244,29 @@ def test_a_library_without_this_packages_functions_is_skipped(tmp_path):
         assert "too old for this package" in r.stdout and libc in r.stdout
 
 
+def test_an_old_library_next_to_the_package_falls_back_to_the_system_one(tmp_path):
+    # The old library carries the same SONAME: unless it is unloaded, the system loader's
+    # candidate ("libmoejit.so.0", no slash) resolves to it again and the newer one is never tried.
+    lib = os.environ.get("MOEJIT_LIBRARY")
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if not lib or cc is None:
+        pytest.skip("needs MOEJIT_LIBRARY (a built library) and a C compiler")
+    pkg = tmp_path / "moejit"
+    shutil.copytree(REPO / "python" / "moejit", pkg,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "old.c").write_text("int moejit_version(void) { return 100; }\n")
+    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libmoejit.so.0", str(tmp_path / "old.c"),
+                    "-o", str(pkg / "libmoejit.so.0")], check=True)
+    system_dir = tmp_path / "system"
+    system_dir.mkdir()
+    shutil.copy(lib, system_dir / "libmoejit.so.0")
+    r = run_python("import moejit, moejit._capi as c; print(c.load_library()._name, "
+                   "c.load_library().moejit_version())",
+                   {"PYTHONPATH": str(tmp_path), "LD_LIBRARY_PATH": str(system_dir)}, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[0] == "libmoejit.so.0" and r.stdout.split()[1] != "100"
+
+
 def test_star_import_does_not_import_torch(tmp_path):
     r = run_python("import sys\nfrom moejit import *\nprint('torch' in sys.modules, "
                    "'combine' in dir())",
