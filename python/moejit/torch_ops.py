@@ -27,6 +27,12 @@ import torch
 
 from . import _capi, _plan
 
+if not hasattr(torch.library, "custom_op"):
+    # Registering the op below needs it; without this check the AttributeError would surface from
+    # `moejit.combine`'s lazy lookup, reading as if moejit had no combine.
+    raise ImportError(f"moejit.combine needs torch 2.4 or newer (torch.library.custom_op); this is "
+                      f"torch {torch.__version__}")
+
 _TORCH_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,

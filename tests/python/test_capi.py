@@ -275,6 +275,22 @@ def test_star_import_does_not_import_torch(tmp_path):
     assert r.stdout.strip() == "False False"
 
 
+def test_torch_without_custom_op_is_named(tmp_path):
+    # torch before 2.4 has no torch.library.custom_op: say so, not "module 'torch.library' has no
+    # attribute 'custom_op'" from moejit.combine's lookup. A stand-in torch, so no torch is needed.
+    stub = tmp_path / "stub" / "torch"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("__version__ = '2.3.1'\nfloat32 = float16 = bfloat16 = None\n"
+                                       "from . import library\n")
+    (stub / "library.py").write_text("")
+    r = run_python("import moejit\ntry:\n    moejit.combine\nexcept ImportError as e:\n"
+                   "    print(e)",
+                   {"PYTHONPATH": os.pathsep.join([str(tmp_path / "stub"), str(REPO / "python")])},
+                   tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "needs torch 2.4 or newer" in r.stdout and "torch 2.3.1" in r.stdout
+
+
 def test_import_does_not_import_torch(tmp_path):
     r = run_python("import sys, moejit; moejit.version(); moejit.stats(); "
                    "print('torch' in sys.modules)",
