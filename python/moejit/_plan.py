@@ -9,6 +9,7 @@ ValueError for a wrong shape, stride, device or value.
 """
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
@@ -68,8 +69,31 @@ def _is_tensor(x):
 
 
 def _is_int(x):
-    # SymInt: an int that torch.compile traces symbolically (e.g. num_tokens=x.shape[0]).
-    return (isinstance(x, int) and not isinstance(x, bool)) or type(x).__name__ == "SymInt"
+    # SymInt: an int that torch.compile traces symbolically (e.g. num_tokens=x.shape[0]);
+    # numbers.Integral: numpy's integers too.
+    return (isinstance(x, numbers.Integral) and not isinstance(x, bool)) or \
+        type(x).__name__ == "SymInt"
+
+
+def plain_int(x):
+    """A numpy (or other Integral) integer as a Python int, for the C call and the op's schema;
+    anything else (None, a SymInt, a wrong type left for the checks to name) as it is."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, (bool, int)) and \
+            type(x).__name__ != "SymInt":  # int() would specialize a traced size
+        return int(x)
+    return x
+
+
+def checked_scale(scale):
+    """scale as a Python float: any real number (numpy's floats too) that float32 holds finitely."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        _fail(TypeError, f"scale must be a float, got {type(scale).__name__}")
+    value = float(scale)
+    # The library takes a float32: a larger magnitude would arrive as infinity.
+    if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+        _fail(ValueError, f"scale = {scale}; must be a finite number within float32's range "
+              f"(|scale| <= {_FLOAT32_MAX:.7g})")
+    return value
 
 
 def _require_tensor(name, x):
@@ -161,6 +185,7 @@ def plan_combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=
         _fail(TypeError, f"top_k must be an int, got {type(top_k).__name__}")
     if num_tokens is not None and not _is_int(num_tokens):
         _fail(TypeError, f"num_tokens must be an int, got {type(num_tokens).__name__}")
+    top_k, num_tokens = plain_int(top_k), plain_int(num_tokens)
     if top_k is not None and not 1 <= top_k <= _capi.MAX_TOP_K:
         _fail(ValueError, f"top_k = {top_k}; allowed: 1..{_capi.MAX_TOP_K}")
     if num_tokens is not None and not 0 <= num_tokens <= _capi.MAX_NUM_TOKENS:
@@ -306,19 +331,14 @@ def plan_combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=
             _fail(TypeError, f"out_dtype = {out_dtype}; allowed: {_FLOATS}")
         out_row_stride = 0
 
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        _fail(TypeError, f"scale must be a float, got {type(scale).__name__}")
-    # The library takes a float32: a larger magnitude would arrive as infinity.
-    if not math.isfinite(scale) or abs(scale) > _FLOAT32_MAX:
-        _fail(ValueError, f"scale = {scale}; must be a finite number within float32's range "
-              f"(|scale| <= {_FLOAT32_MAX:.7g})")
+    scale = checked_scale(scale)
 
     return CombinePlan(
         layout=LAYOUTS[layout], num_tokens=T, top_k=K, num_rows=R, hidden_dim=H,
         expert_dtype=FLOAT_DTYPES[dtype_name(expert_hidden.dtype)], expert_row_stride=row_stride,
         indices=indices, index_type=index_type, gates=gates, out_shape=(T, H),
         out_dtype=FLOAT_DTYPES[out_name], out_dtype_name=out_name, out_row_stride=out_row_stride,
-        scale=float(scale), accumulate=bool(accumulate))
+        scale=scale, accumulate=bool(accumulate))
 
 
 def fill_args(args, plan: CombinePlan, expert_ptr, gates_ptr, indices_ptr, out_ptr,

@@ -146,5 +146,8 @@ def combine_op(expert_hidden, *, layout="token_major", top_k=None, gather_map=No
     # gather map passed with layout='token_index' would be read as token_idx (and the reverse).
     _plan.check_index_args(layout, gather_map, token_idx)
     indices = gather_map if gather_map is not None else token_idx
-    return torch.ops.moejit.combine(expert_hidden, indices, gates, base, layout, top_k,
-                                    num_tokens, out_dtype, float(scale))
+    # Checked before float(): the op's schema takes a float, and float("2") would pass.
+    scale = _plan.checked_scale(scale)
+    return torch.ops.moejit.combine(expert_hidden, indices, gates, base, layout,
+                                    _plan.plain_int(top_k), _plan.plain_int(num_tokens), out_dtype,
+                                    scale)

@@ -1,5 +1,8 @@
 """Argument checking of moejit.combine, without torch or a GPU: moejit._plan reads only shape,
 stride(), dtype and device, so small stand-ins exercise every check the torch path runs."""
+import fractions
+import numbers
+
 import pytest
 
 from moejit import _capi, _plan
@@ -219,3 +222,42 @@ def test_fill_args():
     assert (a.expert_hidden, a.gates, a.indices, a.out) == (0x1000, 0x2000, 0x3000, 0x4000)
     assert (a.index_type, a.scale, a.accumulate) == (_capi.INDEX_INT64, 0.5, 0)
     assert _capi.combine_workspace_size(a) > 0
+
+
+class Integer:
+    """An integer that is not an int: numbers.Integral, as numpy's integers are."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __int__(self):
+        return self.value
+
+    __index__ = __int__
+
+
+numbers.Integral.register(Integer)
+
+
+def test_numeric_types_beyond_int_and_float():
+    # numpy's scalars are numbers.Real / numbers.Integral, not float / int: a scale read from a
+    # config array, a top_k from an array's shape or sum.
+    p = _plan.plan_combine(T((66, H)), top_k=Integer(2), scale=fractions.Fraction(1, 2))
+    assert (p.top_k, p.scale) == (2, 0.5) and type(p.top_k) is int and type(p.scale) is float
+    a = _plan.fill_args(_capi.new_combine_args(), p, 0x1000, 0, 0, 0x4000)
+    assert (a.top_k, a.scale) == (2, 0.5)
+    p = _plan.plan_combine(T((66, H)), layout="token_index", token_idx=T((66,), "int32"),
+                           num_tokens=Integer(33))
+    assert p.num_tokens == 33 and type(p.num_tokens) is int
+    assert _plan.checked_scale(fractions.Fraction(3, 4)) == 0.75
+    # Still refused: a string (which float() would take), a bool, a float top_k.
+    for bad in ("2", True):
+        with pytest.raises(TypeError, match="scale must be a float"):
+            _plan.checked_scale(bad)
+    err(TypeError, "top_k must be an int, got float", top_k=2.0)
+
+
+def test_numpy_scalars():
+    np = pytest.importorskip("numpy")
+    p = _plan.plan_combine(T((66, H)), top_k=np.int64(2), scale=np.float32(0.5))
+    assert (p.top_k, p.scale) == (2, 0.5) and type(p.top_k) is int and type(p.scale) is float
