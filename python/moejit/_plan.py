@@ -27,6 +27,9 @@ FLOAT_DTYPES = {
 }
 INDEX_DTYPES = {"int32": _capi.INDEX_INT32, "int64": _capi.INDEX_INT64}
 
+# num_rows for the gather map and the token index (moejit.h: R < 2^31).
+MAX_INDEXED_ROWS = (1 << 31) - 1
+
 _FLOATS = "torch.float32, torch.float16 or torch.bfloat16"
 _INDICES = "torch.int32 or torch.int64"
 
@@ -232,6 +235,9 @@ def plan_combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=
             _fail(ValueError, f"expert_hidden has shape {shape}; allowed for layout {layout!r}: "
                   "[num_rows, hidden]")
         R, H = shape
+        if R > MAX_INDEXED_ROWS:  # row ids are int32 in the library (a SymInt compares symbolically)
+            _fail(ValueError, f"expert_hidden has {R} rows; allowed for layout {layout!r}: at most "
+                  f"{MAX_INDEXED_ROWS} (2^31 - 1)")
         row_stride = _row_stride("expert_hidden", expert_hidden, R, H)
         if layout == "gather_map":
             if gather_map is None:

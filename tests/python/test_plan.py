@@ -261,3 +261,14 @@ def test_numpy_scalars():
     np = pytest.importorskip("numpy")
     p = _plan.plan_combine(T((66, H)), top_k=np.int64(2), scale=np.float32(0.5))
     assert (p.top_k, p.scale) == (2, 0.5) and type(p.top_k) is int and type(p.scale) is float
+
+
+def test_indexed_layouts_take_fewer_than_two_to_the_31_rows():
+    # A stand-in: no memory behind it. Refused as a ValueError here, before the library.
+    rows = 1 << 31
+    err(ValueError, r"expert_hidden has 2147483648 rows; allowed for layout 'gather_map': at most "
+        r"2147483647", expert_hidden=T((rows, 8)), layout="gather_map",
+        gather_map=T((4, 2), "int32"))
+    err(ValueError, "allowed for layout 'token_index': at most", expert_hidden=T((rows, 8)),
+        layout="token_index", token_idx=T((rows,), "int32"), num_tokens=4)
+    _plan.plan_combine(T((rows - 1, 8)), layout="gather_map", gather_map=T((4, 2), "int32"))
