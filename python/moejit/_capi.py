@@ -234,8 +234,12 @@ lib = load_library
 
 def status_name(status):
     """"MOEJIT_ERROR_..." for a status value; from the table above, so it works without the
-    library (the library's own moejit_status_name() is checked against it in the tests)."""
-    return STATUS_NAMES.get(int(status), "MOEJIT_STATUS_UNKNOWN")
+    library (the library's own moejit_status_name() is checked against it in the tests). A status
+    the table lacks (one a newer library added) is named by the library, if it is loaded."""
+    name = STATUS_NAMES.get(int(status))
+    if name is None and _lib is not None:
+        name = (_lib.moejit_status_name(int(status)) or b"").decode("utf-8", "replace") or None
+    return name or "MOEJIT_STATUS_UNKNOWN"
 
 
 def last_error_message():

@@ -72,6 +72,15 @@ def test_library_status_names_and_descriptions():
     assert _capi.status_name(999) == "MOEJIT_STATUS_UNKNOWN"
 
 
+def test_a_status_the_package_does_not_know_is_named_by_the_library(monkeypatch):
+    # As if the library were newer than this package: its status 8 missing from the table.
+    _capi.load_library()
+    monkeypatch.setattr(_capi, "STATUS_NAMES",
+                        {k: v for k, v in _capi.STATUS_NAMES.items() if k != 8})
+    assert _capi.status_name(8) == "MOEJIT_ERROR_NOT_CACHED"
+    assert _capi.status_name(999) == "MOEJIT_STATUS_UNKNOWN"
+
+
 def test_version():
     lib = _capi.load_library()
     major, minor, patch = (int(x) for x in _capi.version().split("."))
