@@ -109,11 +109,16 @@ def _require_dtype(name, x, allowed, allowed_text):
         _fail(TypeError, f"{name} has dtype {x.dtype}; allowed: {allowed_text}")
 
 
-def _require_device(name, x, device):
-    if x.device.type != "cuda":
+def _require_device(name, x, device, meta_ok=False):
+    # device: expert_hidden's, which every other tensor must share (None for expert_hidden itself).
+    # meta_ok: shape inference only (the op's fake implementation), where expert_hidden may be a
+    # meta tensor and every other tensor then too.
+    kind = device.type if device is not None else x.device.type
+    if x.device.type != "cuda" and not (x.device.type == "meta" and kind == "meta" and
+                                        (meta_ok or device is not None)):
         _fail(ValueError, f"{name} is on device {x.device}; moejit needs CUDA "
               "tensors")
-    if device is not None and x.device.index != device.index:
+    if device is not None and (x.device.type != device.type or x.device.index != device.index):
         _fail(ValueError, f"{name} is on device {x.device} but expert_hidden is "
               f"on {device}; all tensors must be on the same device")
 
@@ -174,14 +179,16 @@ def check_index_args(layout, gather_map, token_idx):
 
 def plan_combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=None,
                  token_idx=None, gates=None, num_tokens=None, out=None, out_dtype=None,
-                 scale=1.0, accumulate=False, out_arg="out", out_copied=False) -> CombinePlan:
+                 scale=1.0, accumulate=False, out_arg="out", out_copied=False,
+                 shape_only=False) -> CombinePlan:
     """out_arg names `out` in messages; out_copied: the launch writes a contiguous copy of it
-    (combine_op's base), so its own strides do not matter."""
+    (combine_op's base), so its own strides do not matter; shape_only: no launch follows (the
+    op's fake implementation), so meta tensors are accepted too."""
     if layout not in LAYOUTS:
         _fail(ValueError, f"layout = {layout!r}; allowed: " + ", ".join(repr(k) for k in LAYOUTS))
     _require_tensor("expert_hidden", expert_hidden)
     _require_dtype("expert_hidden", expert_hidden, FLOAT_DTYPES, _FLOATS)
-    _require_device("expert_hidden", expert_hidden, None)
+    _require_device("expert_hidden", expert_hidden, None, meta_ok=shape_only)
     device = expert_hidden.device
     shape = tuple(expert_hidden.shape)
     if top_k is not None and not _is_int(top_k):

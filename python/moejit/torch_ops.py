@@ -99,7 +99,8 @@ def combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=None,
 # ---- The custom op -------------------------------------------------------------------------------
 
 
-def _op_plan(expert_hidden, indices, gates, base, layout, top_k, num_tokens, out_dtype, scale):
+def _op_plan(expert_hidden, indices, gates, base, layout, top_k, num_tokens, out_dtype, scale,
+             shape_only=False):
     # `indices` is the gather map or token_idx by layout (combine_op checked which was given).
     # base: the op accumulates into a contiguous copy, so base's own strides (a broadcast bias,
     # a transposed tensor) are fine.
@@ -107,7 +108,7 @@ def _op_plan(expert_hidden, indices, gates, base, layout, top_k, num_tokens, out
     return _plan.plan_combine(expert_hidden, layout=layout, top_k=top_k, gates=gates,
                               num_tokens=num_tokens, out=base, out_dtype=out_dtype, scale=scale,
                               accumulate=base is not None, out_arg="base", out_copied=True,
-                              **index_arg)
+                              shape_only=shape_only, **index_arg)
 
 
 @torch.library.custom_op("moejit::combine", mutates_args=())
@@ -128,9 +129,10 @@ def _combine_op(expert_hidden: torch.Tensor, indices: Optional[torch.Tensor],
 
 @_combine_op.register_fake
 def _(expert_hidden, indices, gates, base, layout, top_k, num_tokens, out_dtype, scale):
-    # The same checks as the real op, so torch.compile reports bad arguments while tracing.
+    # The same checks as the real op, so torch.compile reports bad arguments while tracing; meta
+    # tensors are accepted too (shape inference on device="meta", e.g. a model built there).
     plan = _op_plan(expert_hidden, indices, gates, base, layout, top_k, num_tokens, out_dtype,
-                    scale)
+                    scale, shape_only=True)
     return expert_hidden.new_empty(plan.out_shape, dtype=_TORCH_DTYPES[plan.out_dtype_name])
 
 

@@ -272,3 +272,22 @@ def test_indexed_layouts_take_fewer_than_two_to_the_31_rows():
     err(ValueError, "allowed for layout 'token_index': at most", expert_hidden=T((rows, 8)),
         layout="token_index", token_idx=T((rows,), "int32"), num_tokens=4)
     _plan.plan_combine(T((rows - 1, 8)), layout="gather_map", gather_map=T((4, 2), "int32"))
+
+
+def test_meta_tensors_for_shape_inference_only():
+    meta = Device("meta", None)
+    expert = T((66, H), device=meta)
+    kw = dict(layout="gather_map", gather_map=T((33, 2), "int32", device=meta),
+              gates=T((33, 2), "float32", device=meta))
+    # The fake implementation's planning (no launch follows): the output shape.
+    assert _plan.plan_combine(expert, shape_only=True, **kw).out_shape == (33, H)
+    # A launch needs CUDA tensors.
+    err(ValueError, "expert_hidden is on device meta; moejit needs CUDA tensors",
+        expert_hidden=expert, **kw)
+    # Meta and CUDA tensors do not mix, either way round.
+    with pytest.raises(ValueError, match="gates is on device cuda:0 but expert_hidden is on meta"):
+        _plan.plan_combine(expert, shape_only=True, layout="gather_map",
+                           gather_map=T((33, 2), "int32", device=meta),
+                           gates=T((33, 2), "float32"))
+    err(ValueError, "gates is on device meta; moejit needs CUDA tensors", top_k=2,
+        gates=T((33, 2), "float32", device=meta))
