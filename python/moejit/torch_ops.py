@@ -91,9 +91,13 @@ def combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=None,
                               token_idx=token_idx, gates=gates, num_tokens=num_tokens, out=out,
                               out_dtype=out_dtype, scale=scale, accumulate=accumulate)
     if out is None:
-        out = torch.empty(plan.out_shape, dtype=_TORCH_DTYPES[plan.out_dtype_name],
-                          device=expert_hidden.device)
-    return _launch(plan, expert_hidden, out)
+        return _launch(plan, expert_hidden, torch.empty(
+            plan.out_shape, dtype=_TORCH_DTYPES[plan.out_dtype_name], device=expert_hidden.device))
+    _launch(plan, expert_hidden, out)
+    # The kernels wrote the caller's tensor behind torch's back: bump its version counter, so that
+    # autograd refuses a graph that saved `out` before this call instead of using the new values.
+    torch.autograd.graph.increment_version(out)
+    return out
 
 
 # ---- The custom op -------------------------------------------------------------------------------

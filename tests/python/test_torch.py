@@ -158,6 +158,20 @@ def test_accumulate_into_strided_out(layout, dtype):
 
 
 @needs_gpu
+def test_writing_into_out_bumps_its_version():
+    # out saved for backward, then overwritten by the combine: autograd must notice.
+    T, K, H = 4, 2, 128
+    x = torch.randn(T, H, device="cuda", requires_grad=True)
+    out = torch.zeros(T, H, device="cuda")
+    y = x * out
+    before = out._version
+    moejit.combine(torch.randn(T, K, H, device="cuda"), out=out)
+    assert out._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@needs_gpu
 def test_all_rows_dropped_gives_zero():
     T, K, H = 5, 2, 256
     expert = torch.randn(T * K, H, device="cuda")
