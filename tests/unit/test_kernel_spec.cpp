@@ -740,6 +740,25 @@ TEST(KernelSpec, EqualityAndHashCoverEveryField) {
     EXPECT_NE(other.hash(), base.hash());
     EXPECT_NE(other.describe(), base.describe());
   }
+  // The flags that pick a module's kernel: a spec that differs in one of them alone (the gather
+  // map's one-token module has the fixed module's every int field) is another module.
+  bool KernelSpec::*flags[] = {&KernelSpec::scan, &KernelSpec::small_scan, &KernelSpec::one_token,
+                               &KernelSpec::helpers};
+  for (auto flag : flags) {
+    KernelSpec other = base;
+    other.*flag = true;
+    EXPECT_NE(other, base);
+    EXPECT_NE(base, other);
+    EXPECT_NE(other.hash(), base.hash());
+    EXPECT_NE(other.describe(), base.describe());
+    for (auto second : flags) {
+      if (second == flag) continue;
+      KernelSpec both = other;
+      both.*second = true;
+      EXPECT_NE(both, other);
+      EXPECT_NE(both.hash(), other.hash());
+    }
+  }
 }
 
 TEST(KernelSpec, OneRowPerTokenTakesTwoSlotsPerThreadAtPrefill) {
