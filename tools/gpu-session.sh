@@ -19,7 +19,7 @@ scratch=$(mktemp -d)
 
 echo "== GPU tests (ctest -L gpu)"
 failed=()
-timeout 420 ctest --test-dir build-gpu -L gpu --no-tests=error --output-on-failure \
+MOEJIT_REQUIRE_GPU=1 timeout 420 ctest --test-dir build-gpu -L gpu --no-tests=error --output-on-failure \
   >"$out/gpu-tests.log" 2>&1 || failed+=("GPU tests")
 grep -E "Test +#|tests passed|cases, |Failure|No tests" "$out/gpu-tests.log" | head -n 30
 

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -37,9 +38,18 @@ inline void bind_device() {
   cudaFree(nullptr);
 }
 
+// MOEJIT_REQUIRE_GPU=1 (tools/gpu-session.sh) turns the skip into a failure: on the GPU machine
+// a GPU that cannot be used is a broken setup, and every test skipping would pass the run.
+inline bool gpu_required() {
+  const char* v = std::getenv("MOEJIT_REQUIRE_GPU");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
 #define SKIP_WITHOUT_GPU()                                             \
   do {                                                                 \
     const std::string reason_ = moejit_test::gpu_unavailable_reason(); \
+    if (!reason_.empty() && moejit_test::gpu_required())               \
+      FAIL() << "MOEJIT_REQUIRE_GPU=1 but " << reason_;                \
     if (!reason_.empty()) GTEST_SKIP() << reason_;                     \
     moejit_test::bind_device();                                        \
   } while (0)
