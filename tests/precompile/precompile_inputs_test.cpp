@@ -515,7 +515,7 @@ TEST_F(Cli, BadInputsExitTwoWithAClearMessage) {
       {"--model-config '" + scratch_ + "/broken.json'", {"broken.json", "not valid JSON"}},
       {"--model-config '" + scratch_ + "/nohidden.json'", {"nohidden.json", "hidden_size"}},
       {"--model-config '" + scratch_ + "/fp8.json'",
-       {"fp8.json", "torch_dtype", "\"float8\"", "unknown dtype"}},
+       {"fp8.json", "torch_dtype", "\"float8\"", "unknown dtype", "pass --dtype"}},
       {"--model-config '" + scratch_ + "/nodtype.json'", {"nodtype.json", "--dtype"}},
       {"--model-config '" + scratch_ + "/dense.json'",
        {"dense.json", "missing the top-k field", "sampling setting"}},

@@ -172,7 +172,16 @@ std::vector<KernelSpec> collect_specs(const Options& o) {
     if (!dtypes.empty()) {
       expand_dtypes(shape, dtypes);
     } else if (cfg.dtype) {
-      expand_dtypes(shape, {parse_dtype(*cfg.dtype, path + ": field " + cfg.dtype_field)});
+      moejit_dtype d;
+      try {
+        d = parse_dtype(*cfg.dtype, path + ": field " + cfg.dtype_field);
+      } catch (const InputError& e) {
+        // A quantized checkpoint's weight dtype (float8, int4...) is not what its expert outputs
+        // are: say how to give those.
+        throw InputError(std::string(e.what()) +
+                         "; pass --dtype with the dtype of the expert outputs the combine reads");
+      }
+      expand_dtypes(shape, {d});
     } else {
       throw InputError(path + ": missing field torch_dtype (or dtype) next to " + cfg.hidden_field +
                        "; pass --dtype");
