@@ -92,6 +92,31 @@ TEST(ModelConfig, MoeTopkMoeKAndPerLayerLists) {
   EXPECT_NE(m.find("moe_topk = []: expected a positive integer"), std::string::npos) << m;
 }
 
+// DBRX: the hidden size is d_model and the top-k sits in ffn_config, an object beside it.
+TEST(ModelConfig, DModelWithTheTopKInAnObjectBesideIt) {
+  ModelConfig c = parse_model_config(
+      R"({"d_model": 6144, "n_heads": 48, "torch_dtype": "bfloat16",
+          "ffn_config": {"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4}})",
+      "dbrx.json");
+  EXPECT_EQ(c.hidden, 6144);
+  EXPECT_EQ(c.hidden_field, "d_model");
+  EXPECT_EQ(c.top_k, 4);
+  EXPECT_EQ(c.top_k_field, "ffn_config.moe_top_k");
+  EXPECT_EQ(c.dtype, "bfloat16");
+  // A top-k in the same object wins over one beside it.
+  c = parse_model_config(R"({"hidden_size": 4096, "num_experts_per_tok": 2,
+      "extra": {"moe_top_k": 8}})",
+                         "both.json");
+  EXPECT_EQ(c.top_k, 2);
+  EXPECT_EQ(c.top_k_field, "num_experts_per_tok");
+  const std::string m = error_of([] {
+    parse_model_config(R"({"d_model": 512, "ffn_config": {"ffn_hidden_size": 1024}})",
+                       "dense.json");
+  });
+  EXPECT_NE(m.find("missing the top-k field"), std::string::npos) << m;
+  EXPECT_NE(m.find("next to d_model or in an object beside it"), std::string::npos) << m;
+}
+
 TEST(ModelConfig, LooksInsideNestedTextConfig) {
   // A multimodal layout: the vision tower has its own hidden_size, which must not be taken.
   const ModelConfig c = parse_model_config(R"({

@@ -309,11 +309,36 @@ ModelConfig parse_model_config(const std::string& text, const std::string& path)
   const std::vector<Candidate> objects = candidates(root);
   const Candidate* model = nullptr;
   const Candidate* hidden_only = nullptr;
+  std::string hidden_name;  // hidden_size, or DBRX's d_model
+  // Where the top-k fields sit: the model's object itself, or one of its direct members that has
+  // no hidden size of its own (DBRX: d_model at the top, moe_top_k in ffn_config).
+  const json* top_k_object = nullptr;
+  std::string top_k_prefix;
   for (const Candidate& c : objects) {
-    if (!c.object->contains("hidden_size")) continue;
-    if (hidden_only == nullptr) hidden_only = &c;
+    const char* name = c.object->contains("hidden_size") ? "hidden_size"
+                       : c.object->contains("d_model")   ? "d_model"
+                                                         : nullptr;
+    if (name == nullptr) continue;
+    if (hidden_only == nullptr) {
+      hidden_only = &c;
+      hidden_name = name;
+    }
     if (!top_k_fields_of(*c.object).empty()) {
       model = &c;
+      top_k_object = c.object;
+      top_k_prefix = c.prefix;
+    } else {
+      for (auto it = c.object->begin(); it != c.object->end() && model == nullptr; ++it) {
+        if (!it->is_object() || it->contains("hidden_size") || it->contains("d_model") ||
+            top_k_fields_of(*it).empty())
+          continue;
+        model = &c;
+        top_k_object = &*it;
+        top_k_prefix = c.prefix + it.key() + ".";
+      }
+    }
+    if (model != nullptr) {
+      hidden_name = name;
       break;
     }
   }
@@ -325,8 +350,8 @@ ModelConfig parse_model_config(const std::string& text, const std::string& path)
   };
   if (hidden_only == nullptr)
     throw InputError(path +
-                     ": missing field hidden_size (looked at the top level and in nested "
-                     "configs such as text_config); " +
+                     ": missing field hidden_size (or d_model; looked at the top level and in "
+                     "nested configs such as text_config); " +
                      kShapeHelp);
   if (model == nullptr) {
     const std::string note = hidden_only->object->contains(kPlainTopK)
@@ -334,8 +359,8 @@ ModelConfig parse_model_config(const std::string& text, const std::string& path)
                                        " without an expert count is taken for the sampling setting)"
                                  : std::string();
     throw InputError(path + ": missing the top-k field (expected one of " +
-                     join(top_k_field_names()) + " next to " + hidden_only->prefix +
-                     "hidden_size, or " + kPlainTopK +
+                     join(top_k_field_names()) + " next to " + hidden_only->prefix + hidden_name +
+                     " or in an object beside it, or " + kPlainTopK +
                      " together with an expert count: " + join(expert_count_field_names()) + ")" +
                      note + "; is this a Mixture-of-Experts model? " + kShapeHelp);
   }
@@ -343,11 +368,11 @@ ModelConfig parse_model_config(const std::string& text, const std::string& path)
   ModelConfig cfg;
   cfg.path = path;
   const json& obj = *model->object;
-  cfg.hidden_field = model->prefix + "hidden_size";
-  cfg.hidden = positive_int(obj["hidden_size"], path, cfg.hidden_field);
-  for (const std::string& name : top_k_fields_of(obj)) {
-    const std::string field = model->prefix + name;
-    const int k = top_k_value(obj[name], path, field);
+  cfg.hidden_field = model->prefix + hidden_name;
+  cfg.hidden = positive_int(obj[hidden_name], path, cfg.hidden_field);
+  for (const std::string& name : top_k_fields_of(*top_k_object)) {
+    const std::string field = top_k_prefix + name;
+    const int k = top_k_value((*top_k_object)[name], path, field);
     if (cfg.top_k_field.empty()) {
       cfg.top_k = k;
       cfg.top_k_field = field;

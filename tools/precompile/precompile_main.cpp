@@ -71,7 +71,8 @@ const char* kFooter = R"(Inputs (any mix; every source adds shapes):
   moe_k, num_experts_per_token or experts_per_token, or one per layer, all equal; else a plain
   top_k, usually the sampling setting, only next to an expert count: num_experts,
   num_local_experts, n_routed_experts or moe_num_experts) and torch_dtype / dtype, at the top
-  level or in a nested config such as text_config. --dtype overrides the config's dtype.
+  level or in a nested config such as text_config (DBRX: d_model, and the top-k in an object
+  beside it, ffn_config). --dtype overrides the config's dtype.
   --hidden and --topk give extra shapes (every combination); they need --dtype.
   --manifest: one line per specialization, '#' starts a comment. Either an exact spec in the
   KernelSpec::describe() format that --dry-run prints:
