@@ -79,8 +79,9 @@ const char* kFooter = R"(Inputs (any mix; every source adds shapes):
     layout=gather_map in=bf16 out=bf16 idx=int32 H=7168 vec=8 K=8 tpt=128 tpb=1 upt=1 cap=0
   (a token-index single-launch module ends in " scan=1", its small-call form in
   " scan=1 small_scan=1", a one-token module (token index, gather map) in " one_token=1";
-  the list helpers' module is "layout=token_index idx=int32 helpers=1"), or a shape, expanded like --hidden/--topk (layout and index_type take comma lists and default to
-  --layout / --index-type; dtype defaults to --dtype; out_dtype to the dtype):
+  the list helpers' module is "layout=token_index idx=int32 helpers=1"), or a shape, expanded
+  like --hidden/--topk (layout and index_type take comma lists and default to --layout /
+  --index-type; dtype defaults to --dtype; out_dtype to the dtype):
     hidden=7168 topk=8 dtype=bf16 out_dtype=bf16 layout=gather_map,token_index index_type=int32
   Shapes expand to what moe_combine() requests for 256-byte-aligned, unpadded buffers; for the
   token_index layout, top-k stands for the expected rows per token.
@@ -523,8 +524,8 @@ int run_precompile(const Options& o) {
 int main_impl(int argc, char** argv) {
   Options o;
   CLI::App app{
-      "moejit-precompile: compile libmoejit's combine kernels into its on-disk cache "
-      "ahead of time (no GPU needed), so serving never compiles.",
+      "moejit-precompile: compile libmoejit's combine kernels into its on-disk cache ahead of\n"
+      "time (no GPU needed), so serving never compiles.",
       "moejit-precompile"};
   app.footer(kFooter);
   app.add_option("--model-config", o.model_configs, "Hugging Face config.json of the model")
@@ -541,15 +542,13 @@ int main_impl(int argc, char** argv) {
       ->type_name("PATH");
   app.add_option("--arch", o.arch, "sm_80,sm_90,... or all (default: the GPU present)");
   app.add_option("--cache-dir", o.cache_dir,
-                 "cache directory (default: MOEJIT_CACHE_DIR, $XDG_CACHE_HOME/moejit or "
-                 "~/.cache/moejit, as the library)")
+                 "cache directory (default: as the library, e.g. ~/.cache/moejit)")
       ->type_name("DIR");
   app.add_option("-j,--jobs", o.jobs, "parallel compilations (default: number of cores)")
       ->check(CLI::Range(1u, 1024u));
   app.add_flag("-q,--quiet", o.quiet, "no progress and no summary (errors are still printed)");
   app.add_flag("-n,--dry-run", o.dry_run,
-               "list each specialization, target, cache key and whether it is cached; compile "
-               "nothing");
+               "list each spec, target, cache key, cached or not; compile nothing");
   app.add_flag("--json", o.json, "print a machine-readable summary to stdout");
   auto* verify = app.add_flag("--verify", o.verify,
                               "check every entry of the cache directory and report invalid ones");
