@@ -319,8 +319,8 @@ void check_no_overlap(const ByteRange& w, std::initializer_list<ByteRange> read)
 // checks every shape field. Shared by plan_combine and combine_workspace_bytes.
 moejit_combine_args validated_shape(const moejit_combine_args* in) {
   if (in == nullptr) invalid_argument("args", "NULL", "must point to a moejit_combine_args");
-  moejit_combine_args a;
-  moejit_combine_args_init(&a);
+  // The defaults as a constant, not through the exported init function: this runs on every call.
+  moejit_combine_args a = MOEJIT_COMBINE_ARGS_INIT;
   // A 0.1 header's struct ends before dependent_launch: its fields keep their defaults.
   if (in->struct_size != sizeof(moejit_combine_args) && in->struct_size != kCombineArgsSizeV01)
     invalid_argument(
