@@ -383,13 +383,18 @@ def test_ab_libs_help_needs_no_torch(ab_libs, capsys):
     assert "interleaved rounds" in capsys.readouterr().out
 
 
-def test_record_takes_a_second_decode_run_and_tables_it_apart(merge_results):
-    report = peers_json()
-    decode = {"date": "2026-12-01T13:14:30Z", "empty_kernel_us": 3.5, "shapes": [
+def decode_peers_json():
+    """peers.py --decode-only: one decode shape, paired in 1000 rounds."""
+    return {"date": "2026-12-01T13:14:30Z", "empty_kernel_us": 3.5, "shapes": [
         {"T": 1, "K": 8, "H": 7168, "in_dtype": "bf16", "out_dtype": "bf16",
          "peers": [{"name": "triton_gather_inv", "config": "BLOCK_H=128 num_warps=1"}],
          "paired": [dict(paired_entry("libmoejit_gather_map", "triton_gather_inv", 1.014, 1.0,
                                       1.024, "level (within the interval)"), rounds=1000)]}]}
+
+
+def test_record_takes_a_second_decode_run_and_tables_it_apart(merge_results):
+    report = peers_json()
+    decode = decode_peers_json()
     merged = merge_results.merge(bench_json(), report, decode)
     gm = [c for c in merged["cases"] if c["layout"] == "gather_map" and c["T"] == 1][0]
     assert gm["paired_decode"]["triton_gather_inv"]["rounds"] == 1000
@@ -413,11 +418,7 @@ def test_a_record_with_only_decode_peers_renders_again(merge_results, tmp_path, 
     # and peers_decode, not take it for a bench JSON and merge it again without them.
     import json
     import sys
-    decode = {"date": "2026-12-01T13:14:30Z", "empty_kernel_us": 3.5, "shapes": [
-        {"T": 1, "K": 8, "H": 7168, "in_dtype": "bf16", "out_dtype": "bf16",
-         "peers": [{"name": "triton_gather_inv", "config": "BLOCK_H=128 num_warps=1"}],
-         "paired": [dict(paired_entry("libmoejit_gather_map", "triton_gather_inv", 1.014, 1.0,
-                                      1.024, "level (within the interval)"), rounds=1000)]}]}
+    decode = decode_peers_json()
     merged = merge_results.merge(bench_json(), None, decode)
     assert merged["peers"] is None
     assert merge_results.is_merged_record(merged)
