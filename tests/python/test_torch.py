@@ -280,6 +280,25 @@ def test_custom_op_is_functional():
     assert_close(got, ref, torch.float32)
 
 
+def test_custom_op_infers_shapes_on_meta_tensors():
+    # A model built on device="meta" runs the op's fake implementation: shapes and dtypes come
+    # back, nothing is launched; the eager combine (which launches) still refuses meta tensors.
+    T, K, H = 33, 2, 512
+    expert = torch.empty(T * K, H, device="meta", dtype=torch.bfloat16)
+    m = torch.empty(T, K, device="meta", dtype=torch.int32)
+    g = torch.empty(T, K, device="meta", dtype=torch.float32)
+    got = moejit.combine_op(expert, layout="gather_map", gather_map=m, gates=g,
+                            out_dtype=torch.float32)
+    assert got.device.type == "meta" and got.shape == (T, H) and got.dtype == torch.float32
+    base = torch.empty(H, device="meta", dtype=torch.bfloat16).expand(T, H)
+    got = moejit.combine_op(expert.reshape(T, K, H), base=base)
+    assert got.device.type == "meta" and got.shape == (T, H) and got.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="expert_hidden is on device meta; moejit needs CUDA"):
+        moejit.combine(expert.reshape(T, K, H))
+    with pytest.raises(ValueError, match="gates is on device cpu; moejit needs CUDA tensors"):
+        moejit.combine_op(expert, layout="gather_map", gather_map=m, gates=torch.ones(T, K))
+
+
 @needs_gpu
 def test_custom_op_index_argument_goes_with_its_layout_and_base_may_broadcast():
     T, K, H = 8, 2, 256
