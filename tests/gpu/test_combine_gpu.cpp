@@ -902,6 +902,20 @@ class Producer {
   cudaKernel_t kernel_ = nullptr;
 };
 
+// What both dependent-launch tests share: the producer, a memory-only runtime and a non-blocking
+// stream (a plain cudaMemcpy runs on the legacy stream, which it does not wait for), released
+// however the test ends, an early ASSERT included.
+struct DependentLaunchSetup {
+  Producer producer;
+  moejit_runtime_t rt = memory_only_runtime();
+  cudaStream_t stream = nullptr;
+  cudaError_t stream_status = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  ~DependentLaunchSetup() {
+    if (stream != nullptr) cudaStreamDestroy(stream);
+    moejit_runtime_destroy(rt);
+  }
+};
+
 // args.dependent_launch = 1: the call's first kernel may start while the previous kernel on the
 // stream drains, and must still see everything that kernel wrote. The producer poisons nothing
 // itself; the rows are poisoned (NaN) before it runs, it lets its dependents start at once and
@@ -911,12 +925,13 @@ class Producer {
 // must be bitwise a plain call's, and so must a CUDA graph replay of the same pair.
 TEST_F(CombineGpu, DependentLaunchSeesThePreviousKernelsWrites) {
   const Pools& p = pools();
-  const Producer producer;
+  const DependentLaunchSetup fixture;
+  const Producer& producer = fixture.producer;
   if (!producer.supported()) GTEST_SKIP() << "programmatic dependent launch needs sm_90 or newer";
   ASSERT_TRUE(producer.error().empty()) << producer.error();
-  moejit_runtime_t rt = memory_only_runtime();
-  cudaStream_t stream;
-  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDA_OK(fixture.stream_status);
+  moejit_runtime_t rt = fixture.rt;
+  cudaStream_t stream = fixture.stream;
   const struct {
     moejit_layout layout;
     int64_t tokens, top_k;
@@ -943,8 +958,7 @@ TEST_F(CombineGpu, DependentLaunchSeesThePreviousKernelsWrites) {
     CUDA_OK(cudaMalloc(&rows, row_bytes));
     CUDA_OK(cudaMalloc(&out, out_bytes));
     std::vector<int32_t> idx(routing.index_values.begin(), routing.index_values.end());
-    // Copies on the test's stream: a plain cudaMemcpy runs on the legacy stream, which a
-    // non-blocking stream does not wait for.
+    // Copies on the test's stream (see DependentLaunchSetup).
     if (!idx.empty())
       CUDA_OK(cudaMemcpyAsync(indices, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice, stream));
     const void* src = p.device[MOEJIT_DTYPE_BFLOAT16];  // the producer copies the pool's first rows
@@ -1022,8 +1036,6 @@ TEST_F(CombineGpu, DependentLaunchSeesThePreviousKernelsWrites) {
     cudaFree(out);
     if (workspace) cudaFree(workspace);
   }
-  cudaStreamDestroy(stream);
-  moejit_runtime_destroy(rt);
 }
 
 // A dropped gather-map slot (-1 or past num_rows) contributes nothing, whatever its gate holds:
@@ -1161,12 +1173,13 @@ void device_copy(const std::vector<T>& v, void** d) {
 // waited for the producer, allows it. Each call must be bitwise a plain call on the real routing.
 TEST_F(CombineGpu, DependentLaunchSeesRoutingThePreviousKernelWrote) {
   const Pools& p = pools();
-  const Producer producer;
+  const DependentLaunchSetup fixture;
+  const Producer& producer = fixture.producer;
   if (!producer.supported()) GTEST_SKIP() << "programmatic dependent launch needs sm_90 or newer";
   ASSERT_TRUE(producer.error().empty()) << producer.error();
-  moejit_runtime_t rt = memory_only_runtime();
-  cudaStream_t stream;
-  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDA_OK(fixture.stream_status);
+  moejit_runtime_t rt = fixture.rt;
+  cudaStream_t stream = fixture.stream;
   const struct {
     moejit_layout layout;
     int64_t tokens;
@@ -1223,8 +1236,6 @@ TEST_F(CombineGpu, DependentLaunchSeesRoutingThePreviousKernelWrote) {
     for (void* q : {indices, real_indices, out, workspace})
       if (q) cudaFree(q);
   }
-  cudaStreamDestroy(stream);
-  moejit_runtime_destroy(rt);
 }
 
 // Runs a one-token bf16 call (a.out: one row of a.hidden_dim elements) and compares its output
