@@ -741,9 +741,9 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
             : d.cuLaunchKernel(module.functions[kernel], gx, gy, 1, threads, 1, 1, 0, stream,
                                kernel_args, nullptr);
     if (result != CUDA_SUCCESS)  // the call's name is built only for the message
-      check_cuda(result,
-                 (std::string(programmatic ? "cuLaunchKernelEx(" : "cuLaunchKernel(") + name + ")")
-                     .c_str());
+      throw_launch_failure(
+          d, stream, result,
+          std::string(programmatic ? "cuLaunchKernelEx(" : "cuLaunchKernel(") + name + ")");
     stats.launches.fetch_add(1, std::memory_order_relaxed);
   };
   const unsigned threads = static_cast<unsigned>(plan.spec.block_threads());

@@ -58,6 +58,7 @@ LoadedDriver load() {
   }
   resolve(handle, "cuCtxGetId", &a.cuCtxGetId);              // optional: CUDA 12.0+
   resolve(handle, "cuLaunchKernelEx", &a.cuLaunchKernelEx);  // optional: CUDA 12.0+
+  resolve(handle, "cuStreamGetCtx", &a.cuStreamGetCtx);      // optional: CUDA 9.2+
   const CUresult init = a.cuInit(0);
   if (init != CUDA_SUCCESS) {
     const char* name = nullptr;
@@ -109,6 +110,54 @@ std::string describe_cuda_error(const char* call, CUresult result) {
   a.cuGetErrorString(result, &text);
   return std::string(call) + " failed: " + (name ? name : "CUresult " + std::to_string(result)) +
          " (" + (text ? text : "no description") + ")";
+}
+
+namespace {
+
+// The ordinal of ctx's device, or -1 if the driver cannot say (ctx destroyed, say).
+int device_of(const DriverApi& d, CUcontext ctx) {
+  if (d.cuCtxPushCurrent(ctx) != CUDA_SUCCESS) return -1;
+  CUdevice device = -1;
+  if (d.cuCtxGetDevice(&device) != CUDA_SUCCESS) device = -1;
+  CUcontext popped = nullptr;
+  d.cuCtxPopCurrent(&popped);
+  return static_cast<int>(device);
+}
+
+std::string device_text(int device) {
+  return device >= 0 ? "device " + std::to_string(device) : "an unknown device";
+}
+
+}  // namespace
+
+void throw_launch_failure(const DriverApi& d, CUstream stream, CUresult result,
+                          const std::string& call) {
+  const std::string driver_said = describe_cuda_error(call.c_str(), result);
+  // The legacy and per-thread default streams (NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD) are
+  // always the current context's. Asked only here, so a warm call pays nothing for the check.
+  const bool special =
+      stream == nullptr || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD;
+  CUcontext stream_ctx = nullptr, current = nullptr;
+  if (!special && d.cuStreamGetCtx != nullptr &&
+      d.cuStreamGetCtx(stream, &stream_ctx) == CUDA_SUCCESS &&
+      d.cuCtxGetCurrent(&current) == CUDA_SUCCESS && stream_ctx != nullptr &&
+      stream_ctx != current) {
+    const int stream_device = device_of(d, stream_ctx), current_device = device_of(d, current);
+    std::string fix = "launch on a stream of the current device";
+    if (stream_device >= 0 && stream_device != current_device)
+      fix += ", or make the stream's device current first (cudaSetDevice(" +
+             std::to_string(stream_device) + "), torch.cuda.set_device(" +
+             std::to_string(stream_device) + ") or cuCtxPushCurrent)";
+    else
+      fix += ", or push the stream's context first (cuCtxPushCurrent)";
+    throw Error(MOEJIT_ERROR_INVALID_ARGUMENT,
+                "stream belongs to a CUDA context other than the calling thread's current one "
+                "(the stream's: " +
+                    device_text(stream_device) + "; current: " + device_text(current_device) +
+                    "), and the kernels run in the current context: " + fix +
+                    ". The driver refused the launch: " + driver_said);
+  }
+  throw Error(MOEJIT_ERROR_CUDA, driver_said);
 }
 
 void check_cuda(CUresult result, const char* call) {

@@ -19,6 +19,7 @@ struct DriverApi {
   CUresult (*cuCtxGetId)(CUcontext, unsigned long long*);  // may be null (driver < 12.0)
   CUresult (*cuCtxPushCurrent)(CUcontext);
   CUresult (*cuCtxPopCurrent)(CUcontext*);
+  CUresult (*cuStreamGetCtx)(CUstream, CUcontext*);  // may be null; only a failed launch asks
   // Device enumeration: tools (moejit-precompile) ask which GPU is present without a context.
   CUresult (*cuDeviceGetCount)(int*);
   CUresult (*cuDeviceGet)(CUdevice*, int);
@@ -43,6 +44,14 @@ const DriverApi& driver();
 // touches memory. d.cuLaunchKernelEx must be non-null (driver 12.0+).
 CUresult launch_programmatic(const DriverApi& d, CUfunction f, unsigned grid_x, unsigned grid_y,
                              unsigned threads, CUstream stream, void** args);
+
+// After a launch on `stream` failed with `result`: the caller's stream may belong to another
+// context than the calling thread's current one, whose modules the launch used (the driver then
+// says only CUDA_ERROR_INVALID_HANDLE). If so, throws Error(MOEJIT_ERROR_INVALID_ARGUMENT) naming
+// the stream, both devices and the fix; otherwise throws Error(MOEJIT_ERROR_CUDA) with the
+// driver's result for `call`. Never returns.
+[[noreturn]] void throw_launch_failure(const DriverApi& d, CUstream stream, CUresult result,
+                                       const std::string& call);
 
 // "cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE (invalid argument)"
 std::string describe_cuda_error(const char* call, CUresult result);

@@ -352,7 +352,8 @@ MOEJIT_API moejit_status moejit_runtime_destroy(moejit_runtime_t runtime);
  *           call: it may be reused or freed on return. The device buffers it points to must stay
  *           valid until the kernels have run on `stream`.
  *   stream  the CUDA stream to launch on (CUstream or cudaStream_t); NULL is the legacy default
- *           stream. Must belong to the current context.
+ *           stream. Must belong to the current context: a stream of another device (or context)
+ *           makes the driver refuse the launch, reported as _INVALID_ARGUMENT naming both devices.
  * All arguments are checked before the GPU is touched: a call refused for its arguments, or one
  * whose kernels could not be compiled or loaded, launches nothing. (Only a launch the driver
  * itself refuses, _CUDA, can leave the token index's first helper kernel enqueued; it writes

@@ -15,6 +15,7 @@ enum {
   kOutOfMemory = 2,
   kInvalidImage = 200,
   kNoBinaryForGpu = 209,
+  kInvalidHandle = 400,
   kIllegalAddress = 700,
   kNotSupported = 801
 };
@@ -24,6 +25,12 @@ static int load_failures = 0;      /* how many loads still fail (-1: all of them
 static int load_calls = 0;
 static int launches = 0;
 static int context_storage, module_storage, function_storage;
+/* A second context, on device 1: the one caller-created streams belong to in
+ * fake_cuda_refuse_stream_launches(1) (launches on them are then refused, as the real driver
+ * does). */
+static int other_context_storage;
+static int refused_streams = 0;
+static void* pushed = NULL; /* the context pushed over the current one, if any */
 
 /* ---- controls, for the tests ---- */
 
@@ -37,6 +44,12 @@ FAKE_API int fake_cuda_module_load_calls(void) {
 }
 FAKE_API int fake_cuda_launches(void) {
   return launches;
+}
+/* Launches on every stream but the special ones (NULL, legacy, per-thread) fail with
+ * CUDA_ERROR_INVALID_HANDLE: mode 1, those streams belong to another context, on device 1;
+ * mode 2, they belong to the current one (a failure with another cause); 0, launches succeed. */
+FAKE_API void fake_cuda_refuse_stream_launches(int mode) {
+  refused_streams = mode;
 }
 
 /* ---- the driver API subset ---- */
@@ -69,6 +82,8 @@ static const char* error_name(int result) {
       return "CUDA_ERROR_INVALID_IMAGE";
     case kNoBinaryForGpu:
       return "CUDA_ERROR_NO_BINARY_FOR_GPU";
+    case kInvalidHandle:
+      return "CUDA_ERROR_INVALID_HANDLE";
     case kIllegalAddress:
       return "CUDA_ERROR_ILLEGAL_ADDRESS";
     default:
@@ -85,11 +100,11 @@ FAKE_API int cuGetErrorString(int result, const char** text) {
 }
 
 FAKE_API int cuCtxGetCurrent(void** context) {
-  *context = &context_storage;
+  *context = pushed != NULL ? pushed : &context_storage;
   return kSuccess;
 }
 FAKE_API int cuCtxGetDevice(int* device) {
-  *device = 0;
+  *device = pushed == &other_context_storage ? 1 : 0;
   return kSuccess;
 }
 FAKE_API int cuCtxGetId(void* context, unsigned long long* id) {
@@ -98,11 +113,20 @@ FAKE_API int cuCtxGetId(void* context, unsigned long long* id) {
   return kSuccess;
 }
 FAKE_API int cuCtxPushCurrent_v2(void* context) {
-  (void)context;
+  pushed = context; /* one level deep is all the library needs */
   return kSuccess;
 }
 FAKE_API int cuCtxPopCurrent_v2(void** context) {
-  if (context != NULL) *context = &context_storage;
+  if (context != NULL) *context = pushed != NULL ? pushed : &context_storage;
+  pushed = NULL;
+  return kSuccess;
+}
+static int special_stream(const void* stream) {
+  return stream == NULL || stream == (void*)1 || stream == (void*)2;
+}
+FAKE_API int cuStreamGetCtx(void* stream, void** context) {
+  *context = refused_streams == 1 && !special_stream(stream) ? (void*)&other_context_storage
+                                                             : (void*)&context_storage;
   return kSuccess;
 }
 FAKE_API int cuDeviceGetCount(int* count) {
@@ -145,7 +169,8 @@ FAKE_API int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsi
                             unsigned by, unsigned bz, unsigned shared, void* stream, void** params,
                             void** extra) {
   (void)f, (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)shared;
-  (void)stream, (void)params, (void)extra;
+  (void)params, (void)extra;
+  if (refused_streams != 0 && !special_stream(stream)) return kInvalidHandle;
   ++launches;
   return kSuccess;
 }

@@ -29,6 +29,7 @@ struct FakeDriver {
   void (*fail_module_loads)(int result, int times) = nullptr;
   int (*module_load_calls)() = nullptr;
   int (*launches)() = nullptr;
+  void (*refuse_stream_launches)(int mode) = nullptr;
 };
 
 FakeDriver fake_driver() {
@@ -39,6 +40,8 @@ FakeDriver fake_driver() {
       reinterpret_cast<void (*)(int, int)>(dlsym(h, "fake_cuda_fail_module_loads"));
   f.module_load_calls = reinterpret_cast<int (*)()>(dlsym(h, "fake_cuda_module_load_calls"));
   f.launches = reinterpret_cast<int (*)()>(dlsym(h, "fake_cuda_launches"));
+  f.refuse_stream_launches =
+      reinterpret_cast<void (*)(int)>(dlsym(h, "fake_cuda_refuse_stream_launches"));
   return f;
 }
 
@@ -116,6 +119,7 @@ class DriverResults : public ::testing::Test {
   }
   void TearDown() override {
     if (driver_.fail_module_loads != nullptr) driver_.fail_module_loads(0, 0);
+    if (driver_.refuse_stream_launches != nullptr) driver_.refuse_stream_launches(0);
   }
 
   FakeDriver driver_;
@@ -193,3 +197,41 @@ TEST_F(DriverResults, AnImageRefusedAfterTheRebuildIsAnError) {
 }
 
 }  // namespace
+
+// A stream of another device's context (or of a context the caller created) while the calling
+// thread's current context is not its: the driver refuses the launch with only
+// CUDA_ERROR_INVALID_HANDLE. The call says which argument, which devices and what to do, launches
+// nothing, and the same runtime serves the next call on a stream of the current context.
+TEST_F(DriverResults, AStreamOfAnotherContextIsNamed) {
+  ASSERT_NE(driver_.refuse_stream_launches, nullptr);
+  moejit_runtime_t rt = runtime_on(dir_.path(), MOEJIT_CACHE_MODE_READ_WRITE);
+  const moejit_combine_args a = gather_map_args();
+  int stream_storage = 0;  // the fake driver only compares stream handles
+  const auto stream = reinterpret_cast<moejit_stream_t>(&stream_storage);
+  const int launches = driver_.launches();
+  driver_.refuse_stream_launches(1);
+  EXPECT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_ERROR_INVALID_ARGUMENT);
+  std::string message = moejit_last_error_message();
+  for (const char* part :
+       {"stream belongs to a CUDA context other than the calling thread's current one",
+        "the stream's: device 1; current: device 0", "cudaSetDevice(1)",
+        "CUDA_ERROR_INVALID_HANDLE"})
+    EXPECT_NE(message.find(part), std::string::npos)
+        << "missing \"" << part << "\" in: " << message;
+  EXPECT_EQ(driver_.launches(), launches);
+  // The legacy default stream is always the current context's.
+  EXPECT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS) << moejit_last_error_message();
+  // A refused launch on a stream of the current context stays the driver's error.
+  driver_.refuse_stream_launches(2);
+  EXPECT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_ERROR_CUDA);
+  message = moejit_last_error_message();
+  EXPECT_NE(message.find("cuLaunchKernel(combine) failed: CUDA_ERROR_INVALID_HANDLE"),
+            std::string::npos)
+      << message;
+  EXPECT_EQ(message.find("stream belongs"), std::string::npos) << message;
+  // And once the stream is usable, the same runtime serves it.
+  driver_.refuse_stream_launches(0);
+  EXPECT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS) << moejit_last_error_message();
+  EXPECT_EQ(driver_.launches(), launches + 2);
+  moejit_runtime_destroy(rt);
+}
