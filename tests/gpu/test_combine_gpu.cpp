@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include <cuda.h>
 #include <nvrtc.h>
 
 #include "gpu_harness.h"
@@ -1584,6 +1585,282 @@ TEST_F(CombineGpu, RowStridesPastFourGiB) {
   }
   moejit_runtime_destroy(rt);
   for (void* q : {expert, out, gates, indices}) cudaFree(q);
+}
+
+// Driver API calls for the context tests, handed out by the CUDA runtime, so that the test binary
+// does not link libcuda (it must start, and skip, where there is none): a second context on a
+// device and streams in it.
+struct DriverCalls {
+  CUresult (*ctx_create)(CUcontext*, unsigned, CUdevice) = nullptr;
+  CUresult (*ctx_destroy)(CUcontext) = nullptr;
+  CUresult (*ctx_push)(CUcontext) = nullptr;
+  CUresult (*ctx_pop)(CUcontext*) = nullptr;
+  CUresult (*stream_create)(CUstream*, unsigned) = nullptr;
+  CUresult (*stream_destroy)(CUstream) = nullptr;
+  bool complete() const {
+    return ctx_create && ctx_destroy && ctx_push && ctx_pop && stream_create && stream_destroy;
+  }
+};
+
+template <typename F>
+void driver_entry(const char* name, F* f) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  // 12000: the CUDA 12.0 forms (cuCtxCreate_v2's signature, not 13.0's cuCtxCreate_v4).
+  if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found) == cudaSuccess &&
+      found == cudaDriverEntryPointSuccess)
+    *f = reinterpret_cast<F>(p);
+}
+
+DriverCalls driver_calls() {
+  DriverCalls d;
+  driver_entry("cuCtxCreate", &d.ctx_create);
+  driver_entry("cuCtxDestroy", &d.ctx_destroy);
+  driver_entry("cuCtxPushCurrent", &d.ctx_push);
+  driver_entry("cuCtxPopCurrent", &d.ctx_pop);
+  driver_entry("cuStreamCreate", &d.stream_create);
+  driver_entry("cuStreamDestroy", &d.stream_destroy);
+  return d;
+}
+
+// True if every byte of the device buffer is still 0xFF (the poison).
+bool still_poisoned(const void* device, size_t bytes) {
+  std::vector<uint8_t> host(bytes);
+  if (cudaMemcpy(host.data(), device, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) return false;
+  return std::all_of(host.begin(), host.end(), [](uint8_t b) { return b == 0xFF; });
+}
+
+// moejit launches in the calling thread's current context. A stream of another context (here one
+// the test creates on the same device) makes the driver refuse the launch; the call must say so
+// as an argument error naming the stream, launch nothing, and leave the runtime usable.
+TEST_F(CombineGpu, AStreamOfAnotherContextIsRefused) {
+  const Pools& p = pools();
+  const DriverCalls drv = driver_calls();
+  ASSERT_TRUE(drv.complete()) << "the CUDA runtime did not hand out the driver's context calls";
+  moejit_runtime_t rt = memory_only_runtime();
+  const int64_t T = 33, K = 2, H = 4096;
+  std::vector<int32_t> map(static_cast<size_t>(T * K));
+  std::iota(map.begin(), map.end(), 0);
+  void *d_map = nullptr, *out = nullptr;
+  ASSERT_NO_FATAL_FAILURE(device_copy(map, &d_map));
+  const size_t out_bytes = static_cast<size_t>(T * H * 2);
+  CUDA_OK(cudaMalloc(&out, out_bytes));
+  CUDA_OK(cudaMemset(out, 0xFF, out_bytes));
+  const moejit_combine_args a =
+      bf16_args(MOEJIT_LAYOUT_GATHER_MAP, T, K, T * K, H, p.device[MOEJIT_DTYPE_BFLOAT16],
+                p.gates_device, d_map, out);
+  CUcontext other = nullptr, popped = nullptr;
+  CUstream foreign = nullptr;
+  ASSERT_EQ(drv.ctx_create(&other, 0, 0), CUDA_SUCCESS);  // pushed: current until popped
+  const CUresult made = drv.stream_create(&foreign, CU_STREAM_NON_BLOCKING);
+  ASSERT_EQ(drv.ctx_pop(&popped), CUDA_SUCCESS);
+  ASSERT_EQ(made, CUDA_SUCCESS);
+  EXPECT_EQ(moejit_runtime_combine(rt, &a, foreign), MOEJIT_ERROR_INVALID_ARGUMENT);
+  const std::string message = moejit_last_error_message();
+  std::printf("[ info     ] %s\n", message.c_str());
+  for (const char* part : {"stream belongs to a CUDA context other than the calling thread's",
+                           "the stream's: device 0; current: device 0", "cuCtxPushCurrent"})
+    EXPECT_NE(message.find(part), std::string::npos)
+        << "missing \"" << part << "\" in: " << message;
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_TRUE(still_poisoned(out, out_bytes)) << "a refused call wrote out";
+  // The current context's own stream: the same runtime runs the call.
+  ASSERT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS) << moejit_last_error_message();
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<uint16_t> got(static_cast<size_t>(T * H));
+  CUDA_OK(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost));
+  const std::vector<uint8_t>& rows = p.host[MOEJIT_DTYPE_BFLOAT16];
+  for (int64_t i = 0; i < T * H; i += 97) {
+    const int64_t t = i / H, h = i % H;
+    double ref = 0, magnitude = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double term =
+          p.gates_host[static_cast<size_t>(t * K + k)] *
+          decode(rows.data(), MOEJIT_DTYPE_BFLOAT16, static_cast<size_t>((t * K + k) * H + h));
+      ref += term;
+      magnitude += std::fabs(term);
+    }
+    const double value = decode(got.data(), MOEJIT_DTYPE_BFLOAT16, static_cast<size_t>(i));
+    ASSERT_LE(std::fabs(value - ref), tolerance(MOEJIT_DTYPE_BFLOAT16, magnitude, ref, 2))
+        << "out[" << t << "][" << h << "] = " << value << ", expected " << ref;
+  }
+  ASSERT_EQ(drv.ctx_push(other), CUDA_SUCCESS);
+  drv.stream_destroy(foreign);
+  drv.ctx_pop(&popped);
+  drv.ctx_destroy(other);
+  cudaFree(d_map);
+  cudaFree(out);
+  moejit_runtime_destroy(rt);
+}
+
+// Two GPUs in one process (an engine's tensor or expert parallelism on threads): one runtime
+// serves both, with each device's modules loaded in its own context. A stream of device 1 while
+// device 0 is current is refused naming both devices. Then one thread per device runs the same
+// calls at once, on its own copy of the inputs: every output must be bitwise what device 0 gave
+// for the call alone (same architecture, same kernels), which is checked against the float64
+// reference.
+TEST_F(CombineGpu, TwoDevicesShareOneRuntime) {
+  int devices = 0;
+  CUDA_OK(cudaGetDeviceCount(&devices));
+  if (devices < 2) GTEST_SKIP() << "needs two GPUs; this machine has " << devices;
+  const Pools& p = pools();
+  moejit_runtime_t rt = memory_only_runtime();
+  {
+    cudaStream_t on_device_1 = nullptr;
+    CUDA_OK(cudaSetDevice(1));
+    CUDA_OK(cudaStreamCreateWithFlags(&on_device_1, cudaStreamNonBlocking));
+    CUDA_OK(cudaSetDevice(0));
+    const int64_t T = 4, K = 2, H = 256;
+    void* out = nullptr;
+    CUDA_OK(cudaMalloc(&out, static_cast<size_t>(T * H * 2)));
+    CUDA_OK(cudaMemset(out, 0xFF, static_cast<size_t>(T * H * 2)));
+    const moejit_combine_args a =
+        bf16_args(MOEJIT_LAYOUT_TOKEN_MAJOR, T, K, T * K, H, p.device[MOEJIT_DTYPE_BFLOAT16],
+                  p.gates_device, nullptr, out);
+    EXPECT_EQ(moejit_runtime_combine(rt, &a, on_device_1), MOEJIT_ERROR_INVALID_ARGUMENT);
+    const std::string message = moejit_last_error_message();
+    for (const char* part : {"the stream's: device 1; current: device 0", "cudaSetDevice(1)"})
+      EXPECT_NE(message.find(part), std::string::npos)
+          << "missing \"" << part << "\" in: " << message;
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_TRUE(still_poisoned(out, static_cast<size_t>(T * H * 2)));
+    cudaFree(out);
+    CUDA_OK(cudaSetDevice(1));
+    cudaStreamDestroy(on_device_1);
+    CUDA_OK(cudaSetDevice(0));
+  }
+  struct Setup {
+    moejit_layout layout;
+    int64_t tokens, top_k, hidden;
+  };
+  const std::vector<Setup> setups = {
+      {MOEJIT_LAYOUT_TOKEN_MAJOR, 1, 8, 7168}, {MOEJIT_LAYOUT_TOKEN_MAJOR, 4096, 2, 4096},
+      {MOEJIT_LAYOUT_GATHER_MAP, 33, 8, 4096}, {MOEJIT_LAYOUT_GATHER_MAP, 2048, 4, 2880},
+      {MOEJIT_LAYOUT_TOKEN_INDEX, 1, 8, 7168}, {MOEJIT_LAYOUT_TOKEN_INDEX, 600, 8, 2880}};
+  std::vector<Routing> routings;
+  for (size_t i = 0; i < setups.size(); ++i) {
+    const Setup& s = setups[i];
+    Case c{s.layout,
+           MOEJIT_DTYPE_BFLOAT16,
+           MOEJIT_DTYPE_BFLOAT16,
+           MOEJIT_INDEX_INT32,
+           s.hidden,
+           s.tokens,
+           s.top_k,
+           500 + i};
+    c.random_routing = s.layout == MOEJIT_LAYOUT_TOKEN_INDEX;
+    Rng rng(c.seed);
+    routings.push_back(make_routing(c, rng));
+  }
+  // Runs every setup `rounds` times on `device` with inputs of its own; the first round's outputs
+  // go to *first, later rounds' must equal `want` (if given). Returns "" or what went wrong.
+  auto run_on = [&](int device, int rounds, const std::vector<std::vector<uint8_t>>* want,
+                    std::vector<std::vector<uint8_t>>* first) -> std::string {
+    if (cudaSetDevice(device) != cudaSuccess || cudaFree(nullptr) != cudaSuccess)
+      return "cannot select device " + std::to_string(device);
+    std::vector<void*> buffers;
+    auto alloc = [&](size_t bytes) {
+      void* q = nullptr;
+      if (cudaMalloc(&q, std::max<size_t>(bytes, 16)) != cudaSuccess) return q;
+      buffers.push_back(q);
+      return q;
+    };
+    cudaStream_t stream = nullptr;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    std::string error;
+    for (int round = 0; round < rounds && error.empty(); ++round)
+      for (size_t i = 0; i < setups.size() && error.empty(); ++i) {
+        const Setup& s = setups[i];
+        const Routing& r = routings[i];
+        const size_t row_bytes = static_cast<size_t>(r.rows * s.hidden * 2);
+        const size_t gate_count = static_cast<size_t>(std::max(r.rows, s.tokens * s.top_k));
+        const size_t out_bytes = static_cast<size_t>(s.tokens * s.hidden * 2);
+        std::vector<int32_t> idx(r.index_values.begin(), r.index_values.end());
+        void* rows = alloc(row_bytes);
+        void* gates = alloc(gate_count * 4);
+        void* indices = alloc(idx.size() * 4);
+        void* out = alloc(out_bytes);
+        if (rows == nullptr || gates == nullptr || indices == nullptr || out == nullptr) {
+          error = "cudaMalloc failed on device " + std::to_string(device);
+          break;
+        }
+        cudaMemcpy(rows, p.host[MOEJIT_DTYPE_BFLOAT16].data(), row_bytes, cudaMemcpyHostToDevice);
+        cudaMemcpy(gates, p.gates_host.data(), gate_count * 4, cudaMemcpyHostToDevice);
+        if (!idx.empty()) cudaMemcpy(indices, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice);
+        cudaMemset(out, 0xFF, out_bytes);
+        moejit_combine_args a = bf16_args(
+            s.layout, s.tokens, s.top_k, r.rows, s.hidden, rows, static_cast<const float*>(gates),
+            s.layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? nullptr : indices, out);
+        size_t ws = 0;
+        moejit_combine_workspace_size(&a, &ws);
+        if (ws > 0) {
+          a.workspace = alloc(ws);
+          a.workspace_bytes = ws;
+        }
+        if (moejit_runtime_combine(rt, &a, stream) != MOEJIT_SUCCESS) {
+          error = "device " + std::to_string(device) + ": " + moejit_last_error_message();
+          break;
+        }
+        std::vector<uint8_t> got(out_bytes);
+        cudaMemcpyAsync(got.data(), out, out_bytes, cudaMemcpyDeviceToHost, stream);
+        if (cudaStreamSynchronize(stream) != cudaSuccess)
+          error =
+              "device " + std::to_string(device) + ": " + cudaGetErrorString(cudaGetLastError());
+        else if (round == 0 && first != nullptr)
+          first->push_back(std::move(got));
+        else if (want != nullptr && got != (*want)[i])
+          error = "device " + std::to_string(device) + " round " + std::to_string(round) +
+                  ": setup " + std::to_string(i) + " differs from device 0's call alone";
+        for (void* q : buffers) cudaFree(q);
+        buffers.clear();
+      }
+    for (void* q : buffers) cudaFree(q);
+    cudaStreamDestroy(stream);
+    return error;
+  };
+  std::vector<std::vector<uint8_t>> alone;
+  const std::string alone_error = run_on(0, 1, nullptr, &alone);
+  ASSERT_TRUE(alone_error.empty()) << alone_error;
+  ASSERT_EQ(alone.size(), setups.size());
+  // Device 0's outputs against the float64 reference (every 31st element).
+  const std::vector<uint8_t>& host_rows = p.host[MOEJIT_DTYPE_BFLOAT16];
+  for (size_t i = 0; i < setups.size(); ++i) {
+    const Setup& s = setups[i];
+    int64_t bad = 0;
+    for (int64_t e = 0; e < s.tokens * s.hidden; e += 31) {
+      const int64_t t = e / s.hidden, h = e % s.hidden;
+      double ref = 0, magnitude = 0;
+      for (const auto& [row, gi] : routings[i].per_token[static_cast<size_t>(t)]) {
+        const double term =
+            p.gates_host[static_cast<size_t>(gi)] * decode(host_rows.data(), MOEJIT_DTYPE_BFLOAT16,
+                                                           static_cast<size_t>(row * s.hidden + h));
+        ref += term;
+        magnitude += std::fabs(term);
+      }
+      const double value = decode(alone[i].data(), MOEJIT_DTYPE_BFLOAT16, static_cast<size_t>(e));
+      const int terms = static_cast<int>(routings[i].per_token[static_cast<size_t>(t)].size());
+      if (!(std::fabs(value - ref) <= tolerance(MOEJIT_DTYPE_BFLOAT16, magnitude, ref, terms)) &&
+          bad++ < 3)
+        ADD_FAILURE() << "setup " << i << " out[" << t << "][" << h << "] = " << value
+                      << ", expected " << ref;
+    }
+  }
+  std::string errors[2];
+  std::thread second([&] { errors[1] = run_on(1, 4, &alone, nullptr); });
+  errors[0] = run_on(0, 4, &alone, nullptr);
+  second.join();
+  EXPECT_TRUE(errors[0].empty()) << errors[0];
+  EXPECT_TRUE(errors[1].empty()) << errors[1];
+  CUDA_OK(cudaSetDevice(0));
+  moejit_stats stats{};
+  stats.struct_size = sizeof(stats);
+  ASSERT_EQ(moejit_runtime_get_stats(rt, &stats), MOEJIT_SUCCESS);
+  // The modules were built once (memory-only runtime: no disk), then loaded per context.
+  std::printf("[ info     ] compiles %llu, memory hits %llu, launches %llu\n",
+              static_cast<unsigned long long>(stats.compiles),
+              static_cast<unsigned long long>(stats.memory_hits),
+              static_cast<unsigned long long>(stats.launches));
+  moejit_runtime_destroy(rt);
 }
 
 }  // namespace

@@ -239,6 +239,32 @@ def test_mismatched_devices_or_dtypes_on_gpu():
         moejit.combine(x, gates=torch.rand(4, 2, device="cuda", dtype=torch.float16))
 
 
+@needs_gpu
+@pytest.mark.parametrize("layout", ["token_major", "gather_map", "token_index"])
+def test_tensors_on_a_gpu_that_is_not_current(layout):
+    # An engine that keeps device 0 current and hands in tensors of device 1: the call runs on
+    # device 1, in its context and on its current stream, and leaves device 0 current.
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs two GPUs; found {torch.cuda.device_count()}")
+    T, K, H = 33, 2, 4096
+    expert, g, index = make_case(layout, T, K, H, torch.bfloat16, seed=23)
+    on_1 = [x.to("cuda:1") if x is not None else None for x in (expert, g, index)]
+    with torch.cuda.device(0):
+        got = call(layout, *on_1, T=T, K=K)
+        assert torch.cuda.current_device() == 0
+    assert got.device == torch.device("cuda:1")
+    torch.cuda.synchronize(1)
+    assert_close(got, reference(on_1[0], layout, T=T, K=K, gates=on_1[1], index=on_1[2]),
+                 torch.bfloat16)
+    # The same call from a fresh thread, which has no current context of its own yet.
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(out=call(layout, *on_1, T=T, K=K)))
+    thread.start()
+    thread.join()
+    torch.cuda.synchronize(1)
+    assert torch.equal(result["out"], got)
+
+
 # ---- GPU: CUDA graphs, the custom op, torch.compile ----------------------------------------------
 
 
