@@ -18,9 +18,11 @@
 #include <numeric>
 #include <sstream>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include <cuda.h>
+#include <dlfcn.h>
 #include <nvrtc.h>
 
 #include "gpu_harness.h"
@@ -1587,9 +1589,10 @@ TEST_F(CombineGpu, RowStridesPastFourGiB) {
   for (void* q : {expert, out, gates, indices}) cudaFree(q);
 }
 
-// Driver API calls for the context tests, handed out by the CUDA runtime, so that the test binary
-// does not link libcuda (it must start, and skip, where there is none): a second context on a
-// device and streams in it.
+// Driver API calls for the context tests, from libcuda.so.1 through dlopen, so that the test
+// binary does not link libcuda (it must start, and skip, where there is none): a second context
+// on a device and streams in it. The versioned names fix the signatures (cuda.h maps cuCtxCreate
+// to 13.0's cuCtxCreate_v4, which takes creation parameters).
 struct DriverCalls {
   CUresult (*ctx_create)(CUcontext*, unsigned, CUdevice) = nullptr;
   CUresult (*ctx_destroy)(CUcontext) = nullptr;
@@ -1602,24 +1605,19 @@ struct DriverCalls {
   }
 };
 
-template <typename F>
-void driver_entry(const char* name, F* f) {
-  void* p = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  // 12000: the CUDA 12.0 forms (cuCtxCreate_v2's signature, not 13.0's cuCtxCreate_v4).
-  if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found) == cudaSuccess &&
-      found == cudaDriverEntryPointSuccess)
-    *f = reinterpret_cast<F>(p);
-}
-
 DriverCalls driver_calls() {
   DriverCalls d;
-  driver_entry("cuCtxCreate", &d.ctx_create);
-  driver_entry("cuCtxDestroy", &d.ctx_destroy);
-  driver_entry("cuCtxPushCurrent", &d.ctx_push);
-  driver_entry("cuCtxPopCurrent", &d.ctx_pop);
-  driver_entry("cuStreamCreate", &d.stream_create);
-  driver_entry("cuStreamDestroy", &d.stream_destroy);
+  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);  // kept open: the process uses it
+  if (h == nullptr) return d;
+  auto get = [h](const char* name, auto* f) {
+    *f = reinterpret_cast<std::remove_pointer_t<decltype(f)>>(dlsym(h, name));
+  };
+  get("cuCtxCreate_v2", &d.ctx_create);
+  get("cuCtxDestroy_v2", &d.ctx_destroy);
+  get("cuCtxPushCurrent_v2", &d.ctx_push);
+  get("cuCtxPopCurrent_v2", &d.ctx_pop);
+  get("cuStreamCreate", &d.stream_create);
+  get("cuStreamDestroy_v2", &d.stream_destroy);
   return d;
 }
 
@@ -1636,7 +1634,7 @@ bool still_poisoned(const void* device, size_t bytes) {
 TEST_F(CombineGpu, AStreamOfAnotherContextIsRefused) {
   const Pools& p = pools();
   const DriverCalls drv = driver_calls();
-  ASSERT_TRUE(drv.complete()) << "the CUDA runtime did not hand out the driver's context calls";
+  ASSERT_TRUE(drv.complete()) << "libcuda.so.1 lacks the context calls";
   moejit_runtime_t rt = memory_only_runtime();
   const int64_t T = 33, K = 2, H = 4096;
   std::vector<int32_t> map(static_cast<size_t>(T * K));
@@ -1651,7 +1649,8 @@ TEST_F(CombineGpu, AStreamOfAnotherContextIsRefused) {
                 p.gates_device, d_map, out);
   CUcontext other = nullptr, popped = nullptr;
   CUstream foreign = nullptr;
-  ASSERT_EQ(drv.ctx_create(&other, 0, 0), CUDA_SUCCESS);  // pushed: current until popped
+  const CUresult created = drv.ctx_create(&other, 0, 0);  // pushed: current until popped
+  ASSERT_EQ(created, CUDA_SUCCESS) << "cuCtxCreate_v2 on device 0";
   const CUresult made = drv.stream_create(&foreign, CU_STREAM_NON_BLOCKING);
   ASSERT_EQ(drv.ctx_pop(&popped), CUDA_SUCCESS);
   ASSERT_EQ(made, CUDA_SUCCESS);
