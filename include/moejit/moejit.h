@@ -346,8 +346,9 @@ MOEJIT_API moejit_status moejit_runtime_destroy(moejit_runtime_t runtime);
  * (the CUDA runtime makes the device's primary context current; driver-API users push theirs).
  * Stream-ordered: returns once the kernels are enqueued. The first call for a new shape compiles
  * (or loads from the disk cache) and may take tens of milliseconds; warm calls allocate nothing,
- * synchronize nothing and only launch, so they may be captured into a CUDA graph (warm the shape
- * before capturing, with buffers aligned as the captured ones: alignment picks the module).
+ * synchronize nothing and only launch, so they may be captured into a CUDA graph. A shape's
+ * first call may be captured too (its compile or load runs on the host); warming the shape first,
+ * with buffers aligned as the captured ones (alignment picks the module), keeps that time out.
  *   args    the combine (see moejit_combine_args); struct_size must be set. Only read during the
  *           call: it may be reused or freed on return. The device buffers it points to must stay
  *           valid until the kernels have run on `stream`.

@@ -1862,5 +1862,86 @@ TEST_F(CombineGpu, TwoDevicesShareOneRuntime) {
   moejit_runtime_destroy(rt);
 }
 
+// A shape's first call inside a stream capture: the compile runs on the host and the module
+// loads in the middle of the capture, which the driver allows in every capture mode (driver 580:
+// global, thread-local and relaxed all captured and replayed). The replay must equal a direct
+// call bitwise. Token index: the one-token kernel, the single launch, and the clear -> assign ->
+// combine chain with its workspace; each in a runtime of its own, so every call is its shape's
+// first.
+TEST_F(CombineGpu, AShapesFirstCallMayBeCaptured) {
+  const Pools& p = pools();
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const struct {
+    cudaStreamCaptureMode mode;
+    const char* mode_name;
+    int64_t tokens;
+  } setups[] = {{cudaStreamCaptureModeGlobal, "global", 1},
+                {cudaStreamCaptureModeGlobal, "global", 33},
+                {cudaStreamCaptureModeGlobal, "global", 600},
+                {cudaStreamCaptureModeThreadLocal, "thread-local", 600},
+                {cudaStreamCaptureModeRelaxed, "relaxed", 600}};
+  for (const auto& setup : setups) {
+    SCOPED_TRACE(std::string(setup.mode_name) + " T=" + std::to_string(setup.tokens));
+    const int64_t T = setup.tokens, K = 8, H = 2880;
+    Rng rng(31);
+    Case c{MOEJIT_LAYOUT_TOKEN_INDEX,
+           MOEJIT_DTYPE_BFLOAT16,
+           MOEJIT_DTYPE_BFLOAT16,
+           MOEJIT_INDEX_INT32,
+           H,
+           T,
+           K,
+           1};
+    c.random_routing = true;
+    const Routing routing = make_routing(c, rng);
+    std::vector<int32_t> idx(routing.index_values.begin(), routing.index_values.end());
+    void *indices = nullptr, *out = nullptr, *workspace = nullptr;
+    ASSERT_NO_FATAL_FAILURE(device_copy(idx, &indices));
+    const size_t out_bytes = static_cast<size_t>(T * H * 2);
+    CUDA_OK(cudaMalloc(&out, out_bytes));
+    moejit_combine_args a =
+        bf16_args(MOEJIT_LAYOUT_TOKEN_INDEX, T, K, routing.rows, H, p.device[MOEJIT_DTYPE_BFLOAT16],
+                  p.gates_device, indices, out);
+    size_t ws = 0;
+    ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
+    if (ws) {
+      CUDA_OK(cudaMalloc(&workspace, ws));
+      a.workspace = workspace;
+      a.workspace_bytes = ws;
+    }
+    moejit_runtime_t rt = memory_only_runtime();
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CUDA_OK(cudaStreamBeginCapture(stream, setup.mode));
+    const moejit_status captured = moejit_runtime_combine(rt, &a, stream);
+    const std::string message = captured == MOEJIT_SUCCESS ? "" : moejit_last_error_message();
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    ASSERT_EQ(captured, MOEJIT_SUCCESS) << message;
+    moejit_stats stats{};
+    stats.struct_size = sizeof(stats);
+    ASSERT_EQ(moejit_runtime_get_stats(rt, &stats), MOEJIT_SUCCESS);
+    EXPECT_GE(stats.compiles, 1u) << "the captured call was not the shape's first";
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    CUDA_OK(cudaMemsetAsync(out, 0xFF, out_bytes, stream));
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    std::vector<uint8_t> replayed(out_bytes), direct(out_bytes);
+    CUDA_OK(cudaMemcpy(replayed.data(), out, out_bytes, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemsetAsync(out, 0xFF, out_bytes, stream));
+    ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS)
+        << moejit_last_error_message();
+    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaMemcpy(direct.data(), out, out_bytes, cudaMemcpyDeviceToHost));
+    EXPECT_TRUE(replayed == direct) << "the replay differs from a direct call";
+    EXPECT_FALSE(still_poisoned(out, out_bytes));
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    moejit_runtime_destroy(rt);
+    for (void* q : {indices, out, workspace})
+      if (q) cudaFree(q);
+  }
+  cudaStreamDestroy(stream);
+}
 }  // namespace
 }  // namespace moejit_test
