@@ -1943,5 +1943,82 @@ TEST_F(CombineGpu, AShapesFirstCallMayBeCaptured) {
   }
   cudaStreamDestroy(stream);
 }
+// Contexts come and go (a framework's tests, a driver-API engine that recreates its context): a
+// module loaded in a destroyed context must never be served to a later one, even when the driver
+// hands the new context the same handle (the runtime keys modules by cuCtxGetId, unique for the
+// process). Three rounds of create -> inputs -> call -> destroy on device 0, one runtime: every
+// round must compute the float64 reference's result, and load its module again.
+TEST_F(CombineGpu, AModuleOfADestroyedContextIsNeverServedAgain) {
+  const Pools& p = pools();  // host values only: device memory dies with each context
+  const DriverCalls drv = driver_calls();
+  ASSERT_TRUE(drv.complete()) << "libcuda.so.1 lacks the context calls";
+  moejit_runtime_t rt = memory_only_runtime();
+  const int64_t T = 33, K = 2, H = 4096;
+  const size_t row_bytes = static_cast<size_t>(T * K * H * 2), out_bytes = T * H * 2;
+  std::vector<CUcontext> handles;
+  uint64_t memory_hits_before = 0;
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    CUcontext ctx = nullptr, popped = nullptr;
+    ASSERT_EQ(drv.ctx_create(&ctx, 0, 0), CUDA_SUCCESS);  // current until popped
+    handles.push_back(ctx);
+    void *rows = nullptr, *gates = nullptr, *out = nullptr;
+    std::vector<uint16_t> got(static_cast<size_t>(T * H));
+    moejit_status st = MOEJIT_ERROR_INTERNAL;
+    std::string message;
+    cudaError_t err = cudaMalloc(&rows, row_bytes);
+    if (err == cudaSuccess) err = cudaMalloc(&gates, static_cast<size_t>(T * K * 4));
+    if (err == cudaSuccess) err = cudaMalloc(&out, out_bytes);
+    if (err == cudaSuccess)
+      err =
+          cudaMemcpy(rows, p.host[MOEJIT_DTYPE_BFLOAT16].data(), row_bytes, cudaMemcpyHostToDevice);
+    if (err == cudaSuccess)
+      err = cudaMemcpy(gates, p.gates_host.data(), static_cast<size_t>(T * K * 4),
+                       cudaMemcpyHostToDevice);
+    if (err == cudaSuccess) err = cudaMemset(out, 0xFF, out_bytes);
+    if (err == cudaSuccess) {
+      const moejit_combine_args a = bf16_args(MOEJIT_LAYOUT_TOKEN_MAJOR, T, K, T * K, H, rows,
+                                              static_cast<const float*>(gates), nullptr, out);
+      st = moejit_runtime_combine(rt, &a, nullptr);
+      if (st != MOEJIT_SUCCESS) message = moejit_last_error_message();
+      err = cudaDeviceSynchronize();
+      if (err == cudaSuccess) err = cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost);
+    }
+    for (void* q : {rows, gates, out})
+      if (q) cudaFree(q);
+    drv.ctx_pop(&popped);
+    drv.ctx_destroy(ctx);
+    ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
+    ASSERT_EQ(st, MOEJIT_SUCCESS) << message;
+    moejit_stats stats{};
+    stats.struct_size = sizeof(stats);
+    ASSERT_EQ(moejit_runtime_get_stats(rt, &stats), MOEJIT_SUCCESS);
+    EXPECT_EQ(stats.memory_hits, memory_hits_before)
+        << "a new context was served a module loaded in an earlier one";
+    memory_hits_before = stats.memory_hits;
+    int64_t bad = 0;
+    for (int64_t i = 0; i < T * H; ++i) {
+      const int64_t t = i / H, h = i % H;
+      double ref = 0, magnitude = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const double term = p.gates_host[static_cast<size_t>(t * K + k)] *
+                            decode(p.host[MOEJIT_DTYPE_BFLOAT16].data(), MOEJIT_DTYPE_BFLOAT16,
+                                   static_cast<size_t>((t * K + k) * H + h));
+        ref += term;
+        magnitude += std::fabs(term);
+      }
+      const double value = decode(got.data(), MOEJIT_DTYPE_BFLOAT16, static_cast<size_t>(i));
+      if (!(std::fabs(value - ref) <= tolerance(MOEJIT_DTYPE_BFLOAT16, magnitude, ref, 2)) &&
+          bad++ < 3)
+        ADD_FAILURE() << "out[" << t << "][" << h << "] = " << value << ", expected " << ref;
+    }
+  }
+  const bool reused = handles[1] == handles[0] || handles[2] == handles[1];
+  std::printf("[ info     ] context handles %p %p %p (%s)\n", static_cast<void*>(handles[0]),
+              static_cast<void*>(handles[1]), static_cast<void*>(handles[2]),
+              reused ? "a handle was reused" : "all distinct");
+  moejit_runtime_destroy(rt);
+}
+
 }  // namespace
 }  // namespace moejit_test
