@@ -1600,8 +1600,17 @@ struct DriverCalls {
   CUresult (*ctx_pop)(CUcontext*) = nullptr;
   CUresult (*stream_create)(CUstream*, unsigned) = nullptr;
   CUresult (*stream_destroy)(CUstream) = nullptr;
+  // Memory of a context the test made, without the CUDA runtime's per-context state.
+  CUresult (*mem_alloc)(CUdeviceptr*, size_t) = nullptr;
+  CUresult (*mem_free)(CUdeviceptr) = nullptr;
+  CUresult (*copy_to_device)(CUdeviceptr, const void*, size_t) = nullptr;
+  CUresult (*copy_to_host)(void*, CUdeviceptr, size_t) = nullptr;
+  CUresult (*memset_bytes)(CUdeviceptr, unsigned char, size_t) = nullptr;
+  CUresult (*ctx_synchronize)() = nullptr;
   bool complete() const {
-    return ctx_create && ctx_destroy && ctx_push && ctx_pop && stream_create && stream_destroy;
+    return ctx_create && ctx_destroy && ctx_push && ctx_pop && stream_create && stream_destroy &&
+           mem_alloc && mem_free && copy_to_device && copy_to_host && memset_bytes &&
+           ctx_synchronize;
   }
 };
 
@@ -1618,6 +1627,12 @@ DriverCalls driver_calls() {
   get("cuCtxPopCurrent_v2", &d.ctx_pop);
   get("cuStreamCreate", &d.stream_create);
   get("cuStreamDestroy_v2", &d.stream_destroy);
+  get("cuMemAlloc_v2", &d.mem_alloc);
+  get("cuMemFree_v2", &d.mem_free);
+  get("cuMemcpyHtoD_v2", &d.copy_to_device);
+  get("cuMemcpyDtoH_v2", &d.copy_to_host);
+  get("cuMemsetD8_v2", &d.memset_bytes);
+  get("cuCtxSynchronize", &d.ctx_synchronize);
   return d;
 }
 
@@ -1962,33 +1977,34 @@ TEST_F(CombineGpu, AModuleOfADestroyedContextIsNeverServedAgain) {
     CUcontext ctx = nullptr, popped = nullptr;
     ASSERT_EQ(drv.ctx_create(&ctx, 0, 0), CUDA_SUCCESS);  // current until popped
     handles.push_back(ctx);
-    void *rows = nullptr, *gates = nullptr, *out = nullptr;
+    // The driver API for this context's memory: the CUDA runtime keeps state per context and is
+    // not what this test is about.
+    CUdeviceptr rows = 0, gates = 0, out = 0;
     std::vector<uint16_t> got(static_cast<size_t>(T * H));
     moejit_status st = MOEJIT_ERROR_INTERNAL;
     std::string message;
-    cudaError_t err = cudaMalloc(&rows, row_bytes);
-    if (err == cudaSuccess) err = cudaMalloc(&gates, static_cast<size_t>(T * K * 4));
-    if (err == cudaSuccess) err = cudaMalloc(&out, out_bytes);
-    if (err == cudaSuccess)
-      err =
-          cudaMemcpy(rows, p.host[MOEJIT_DTYPE_BFLOAT16].data(), row_bytes, cudaMemcpyHostToDevice);
-    if (err == cudaSuccess)
-      err = cudaMemcpy(gates, p.gates_host.data(), static_cast<size_t>(T * K * 4),
-                       cudaMemcpyHostToDevice);
-    if (err == cudaSuccess) err = cudaMemset(out, 0xFF, out_bytes);
-    if (err == cudaSuccess) {
-      const moejit_combine_args a = bf16_args(MOEJIT_LAYOUT_TOKEN_MAJOR, T, K, T * K, H, rows,
-                                              static_cast<const float*>(gates), nullptr, out);
+    CUresult err = drv.mem_alloc(&rows, row_bytes);
+    if (err == CUDA_SUCCESS) err = drv.mem_alloc(&gates, static_cast<size_t>(T * K * 4));
+    if (err == CUDA_SUCCESS) err = drv.mem_alloc(&out, out_bytes);
+    if (err == CUDA_SUCCESS)
+      err = drv.copy_to_device(rows, p.host[MOEJIT_DTYPE_BFLOAT16].data(), row_bytes);
+    if (err == CUDA_SUCCESS)
+      err = drv.copy_to_device(gates, p.gates_host.data(), static_cast<size_t>(T * K * 4));
+    if (err == CUDA_SUCCESS) err = drv.memset_bytes(out, 0xFF, out_bytes);
+    if (err == CUDA_SUCCESS) {
+      const moejit_combine_args a =
+          bf16_args(MOEJIT_LAYOUT_TOKEN_MAJOR, T, K, T * K, H, reinterpret_cast<const void*>(rows),
+                    reinterpret_cast<const float*>(gates), nullptr, reinterpret_cast<void*>(out));
       st = moejit_runtime_combine(rt, &a, nullptr);
       if (st != MOEJIT_SUCCESS) message = moejit_last_error_message();
-      err = cudaDeviceSynchronize();
-      if (err == cudaSuccess) err = cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost);
+      err = drv.ctx_synchronize();
+      if (err == CUDA_SUCCESS) err = drv.copy_to_host(got.data(), out, out_bytes);
     }
-    for (void* q : {rows, gates, out})
-      if (q) cudaFree(q);
+    for (CUdeviceptr q : {rows, gates, out})
+      if (q) drv.mem_free(q);
     drv.ctx_pop(&popped);
     drv.ctx_destroy(ctx);
-    ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
+    ASSERT_EQ(err, CUDA_SUCCESS) << "CUresult " << err;
     ASSERT_EQ(st, MOEJIT_SUCCESS) << message;
     moejit_stats stats{};
     stats.struct_size = sizeof(stats);
