@@ -1161,11 +1161,14 @@ TEST_F(CombineGpu, NonFiniteResultsHaveTheSameBitsAtEveryVectorWidth) {
   moejit_runtime_destroy(rt);
 }
 
-// *d = a new device copy of v (the caller frees it).
+// *d = a new device copy of v (the caller frees it), complete on return: a cudaMemcpy from
+// pageable memory may return before its DMA ends, on the legacy stream, which the tests'
+// non-blocking streams do not wait for.
 template <typename T>
 void device_copy(const std::vector<T>& v, void** d) {
   CUDA_OK(cudaMalloc(d, v.size() * sizeof(T)));
   CUDA_OK(cudaMemcpy(*d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaDeviceSynchronize());
 }
 
 // The same with the routing as the previous kernel's output (a router or a sort just before the
@@ -1798,10 +1801,14 @@ TEST_F(CombineGpu, TwoDevicesShareOneRuntime) {
           error = "cudaMalloc failed on device " + std::to_string(device);
           break;
         }
-        cudaMemcpy(rows, p.host[MOEJIT_DTYPE_BFLOAT16].data(), row_bytes, cudaMemcpyHostToDevice);
-        cudaMemcpy(gates, p.gates_host.data(), gate_count * 4, cudaMemcpyHostToDevice);
-        if (!idx.empty()) cudaMemcpy(indices, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice);
-        cudaMemset(out, 0xFF, out_bytes);
+        // On the call's stream: a non-blocking stream does not wait for the legacy one, where a
+        // plain cudaMemset would still be running.
+        cudaMemcpyAsync(rows, p.host[MOEJIT_DTYPE_BFLOAT16].data(), row_bytes,
+                        cudaMemcpyHostToDevice, stream);
+        cudaMemcpyAsync(gates, p.gates_host.data(), gate_count * 4, cudaMemcpyHostToDevice, stream);
+        if (!idx.empty())
+          cudaMemcpyAsync(indices, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice, stream);
+        cudaMemsetAsync(out, 0xFF, out_bytes, stream);
         moejit_combine_args a = bf16_args(
             s.layout, s.tokens, s.top_k, r.rows, s.hidden, rows, static_cast<const float*>(gates),
             s.layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? nullptr : indices, out);
