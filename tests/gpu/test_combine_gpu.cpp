@@ -776,9 +776,12 @@ TEST_F(CombineGpu, CudaGraphCaptureAndReplay) {
     c.random_routing = layout == MOEJIT_LAYOUT_TOKEN_INDEX;
     const Routing first = make_routing(c, rng), second = make_routing(c, rng);
     const size_t idx_bytes = first.index_values.size() * 4;
+    // Copies and poison on the test's stream: a non-blocking stream does not wait for the legacy
+    // stream, where a cudaMemset (or a pageable copy's DMA) may still be running.
     auto upload = [&](void* dst, const Routing& r) {
       std::vector<int32_t> v(r.index_values.begin(), r.index_values.end());
-      CUDA_OK(cudaMemcpy(dst, v.data(), idx_bytes, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpyAsync(dst, v.data(), idx_bytes, cudaMemcpyHostToDevice, stream));
+      CUDA_OK(cudaStreamSynchronize(stream));
     };
     void *indices, *out, *out_direct, *workspace = nullptr;
     const size_t out_bytes = static_cast<size_t>(T * H * 2);
@@ -809,7 +812,7 @@ TEST_F(CombineGpu, CudaGraphCaptureAndReplay) {
     CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
 
     upload(indices, second);  // new routing, same buffers
-    CUDA_OK(cudaMemset(out, 0xFF, out_bytes));
+    CUDA_OK(cudaMemsetAsync(out, 0xFF, out_bytes, stream));
     CUDA_OK(cudaGraphLaunch(exec, stream));
     CUDA_OK(cudaGraphLaunch(exec, stream));  // replaying twice changes nothing
     CUDA_OK(cudaStreamSynchronize(stream));
@@ -817,7 +820,7 @@ TEST_F(CombineGpu, CudaGraphCaptureAndReplay) {
     CUDA_OK(cudaMemcpy(replayed.data(), out, out_bytes, cudaMemcpyDeviceToHost));
 
     a.out = out_direct;
-    CUDA_OK(cudaMemset(out_direct, 0xFF, out_bytes));
+    CUDA_OK(cudaMemsetAsync(out_direct, 0xFF, out_bytes, stream));
     ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS);
     CUDA_OK(cudaStreamSynchronize(stream));
     CUDA_OK(cudaMemcpy(direct.data(), out_direct, out_bytes, cudaMemcpyDeviceToHost));
