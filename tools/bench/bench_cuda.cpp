@@ -42,6 +42,9 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
 void DeviceBuffer::upload(const void* host, size_t bytes) {
   if (bytes > bytes_) throw CudaError("upload larger than the buffer");
   BENCH_CUDA(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice));
+  // Complete on return: from pageable memory cudaMemcpy may return before its DMA ends, on the
+  // legacy stream, which the benchmark's non-blocking stream does not wait for.
+  BENCH_CUDA(cudaDeviceSynchronize());
 }
 
 void DeviceBuffer::download(void* host, size_t bytes) const {
