@@ -30,7 +30,8 @@ static int context_storage, module_storage, function_storage;
  * does). */
 static int other_context_storage;
 static int refused_streams = 0;
-static void* pushed = NULL; /* the context pushed over the current one, if any */
+/* The context pushed over the current one, if any; per thread, as the driver keeps it. */
+static _Thread_local void* pushed = NULL;
 
 /* ---- controls, for the tests ---- */
 
