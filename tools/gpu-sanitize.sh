@@ -52,9 +52,11 @@ echo "== racecheck"
 for t in TokenIndexWithAHotToken TokenIndexListsPastOneGridOfRows \
   SmallCallScanWindowsAHotTokensRows SlabScanListsAHotTokensRows \
   OneTokenSkipsDroppedRowsWhateverTheyHold OneTokenGatherMapIgnoresWhatNoSlotNames \
-  DroppedSlotsIgnoreNonFiniteGates \
-  DependentLaunchSeesThePreviousKernelsWrites CudaGraphCaptureAndReplay; do
-  run racecheck "CombineGpu.$t" "racecheck-$t" 120
+  DroppedSlotsIgnoreNonFiniteGates DependentLaunchGpu.SeesThePreviousKernelsWrites \
+  CudaGraphCaptureAndReplay; do
+  # A bare name is a CombineGpu test.
+  [[ $t == *.* ]] || t="CombineGpu.$t"
+  run racecheck "$t" "racecheck-${t#*.}" 120
 done
 if [ ${#failed[@]} -gt 0 ]; then
   echo "== failed: ${failed[*]}"

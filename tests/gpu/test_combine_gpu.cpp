@@ -908,18 +908,29 @@ class Producer {
   cudaKernel_t kernel_ = nullptr;
 };
 
-// What both dependent-launch tests share: the producer, a memory-only runtime and a non-blocking
-// stream (a plain cudaMemcpy runs on the legacy stream, which it does not wait for), released
-// however the test ends, an early ASSERT included.
-struct DependentLaunchSetup {
-  Producer producer;
-  moejit_runtime_t rt = memory_only_runtime();
-  cudaStream_t stream = nullptr;
-  cudaError_t stream_status = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-  ~DependentLaunchSetup() {
-    if (stream != nullptr) cudaStreamDestroy(stream);
-    moejit_runtime_destroy(rt);
+// The dependent-launch tests' fixture: the producer (the test skips before sm_90), a memory-only
+// runtime and a non-blocking stream (a plain cudaMemcpy runs on the legacy stream, which it does
+// not wait for), released however the test ends.
+class DependentLaunchGpu : public CombineGpu {
+ protected:
+  void SetUp() override {
+    CombineGpu::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    producer_ = std::make_unique<Producer>();
+    if (!producer_->supported())
+      GTEST_SKIP() << "programmatic dependent launch needs sm_90 or newer";
+    ASSERT_TRUE(producer_->error().empty()) << producer_->error();
+    rt_ = memory_only_runtime();
+    CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   }
+  void TearDown() override {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    if (rt_ != nullptr) moejit_runtime_destroy(rt_);
+  }
+
+  std::unique_ptr<Producer> producer_;
+  moejit_runtime_t rt_ = nullptr;
+  cudaStream_t stream_ = nullptr;
 };
 
 // args.dependent_launch = 1: the call's first kernel may start while the previous kernel on the
@@ -929,15 +940,11 @@ struct DependentLaunchSetup {
 // would sum NaN. Every path: token-major and gather map at decode and prefill geometry, the token
 // index's one-token kernel, single launch and list chain (whose clear must wait too). The result
 // must be bitwise a plain call's, and so must a CUDA graph replay of the same pair.
-TEST_F(CombineGpu, DependentLaunchSeesThePreviousKernelsWrites) {
+TEST_F(DependentLaunchGpu, SeesThePreviousKernelsWrites) {
   const Pools& p = pools();
-  const DependentLaunchSetup fixture;
-  const Producer& producer = fixture.producer;
-  if (!producer.supported()) GTEST_SKIP() << "programmatic dependent launch needs sm_90 or newer";
-  ASSERT_TRUE(producer.error().empty()) << producer.error();
-  CUDA_OK(fixture.stream_status);
-  moejit_runtime_t rt = fixture.rt;
-  cudaStream_t stream = fixture.stream;
+  const Producer& producer = *producer_;
+  moejit_runtime_t rt = rt_;
+  cudaStream_t stream = stream_;
   const struct {
     moejit_layout layout;
     int64_t tokens, top_k;
@@ -964,7 +971,7 @@ TEST_F(CombineGpu, DependentLaunchSeesThePreviousKernelsWrites) {
     CUDA_OK(cudaMalloc(&rows, row_bytes));
     CUDA_OK(cudaMalloc(&out, out_bytes));
     std::vector<int32_t> idx(routing.index_values.begin(), routing.index_values.end());
-    // Copies on the test's stream (see DependentLaunchSetup).
+    // Copies on the test's stream (see DependentLaunchGpu).
     if (!idx.empty())
       CUDA_OK(cudaMemcpyAsync(indices, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice, stream));
     const void* src = p.device[MOEJIT_DTYPE_BFLOAT16];  // the producer copies the pool's first rows
@@ -1180,15 +1187,11 @@ void device_copy(const std::vector<T>& v, void** d) {
 // only ask L2 for the routing (prefetch_routing); the list chain's token_index_assign loads its
 // first entry before its own wait, which is safe only because token_index_clear, whose every block
 // waited for the producer, allows it. Each call must be bitwise a plain call on the real routing.
-TEST_F(CombineGpu, DependentLaunchSeesRoutingThePreviousKernelWrote) {
+TEST_F(DependentLaunchGpu, SeesRoutingThePreviousKernelWrote) {
   const Pools& p = pools();
-  const DependentLaunchSetup fixture;
-  const Producer& producer = fixture.producer;
-  if (!producer.supported()) GTEST_SKIP() << "programmatic dependent launch needs sm_90 or newer";
-  ASSERT_TRUE(producer.error().empty()) << producer.error();
-  CUDA_OK(fixture.stream_status);
-  moejit_runtime_t rt = fixture.rt;
-  cudaStream_t stream = fixture.stream;
+  const Producer& producer = *producer_;
+  moejit_runtime_t rt = rt_;
+  cudaStream_t stream = stream_;
   const struct {
     moejit_layout layout;
     int64_t tokens;
