@@ -192,8 +192,11 @@ moejit_status moejit_runtime_get_stats(moejit_runtime_t runtime, moejit_stats* s
   return guarded([&] {
     if (stats == nullptr) moejit::invalid_argument("stats", "NULL", "must point to a moejit_stats");
     if (stats->struct_size < sizeof(size_t) + sizeof(uint64_t))
-      moejit::invalid_argument("stats->struct_size", std::to_string(stats->struct_size),
-                               "must be sizeof(moejit_stats)");
+      moejit::invalid_argument(
+          "stats->struct_size", std::to_string(stats->struct_size),
+          "must be at least " + std::to_string(sizeof(size_t) + sizeof(uint64_t)) +
+              " (struct_size and one counter; sizeof(moejit_stats) = " +
+              std::to_string(sizeof(moejit_stats)) + " for this library version)");
     runtime_or_default(runtime).stats().copy_to(stats);
   });
 }

@@ -496,6 +496,13 @@ TEST(Api, StatsStructSizeIsChecked) {
   moejit_stats s;
   s.struct_size = 4;
   EXPECT_EQ(moejit_runtime_get_stats(nullptr, &s), MOEJIT_ERROR_INVALID_ARGUMENT);
+  // The message says which sizes are accepted: any that holds struct_size and one counter.
+  EXPECT_NE(std::string(moejit_last_error_message())
+                .find("stats->struct_size = 4: must be at least 16 (struct_size and one counter; "
+                      "sizeof(moejit_stats) = " +
+                      std::to_string(sizeof(moejit_stats)) + " for this library version)"),
+            std::string::npos)
+      << moejit_last_error_message();
   // A size that ends inside a field: the fields before it are written, that one not at all.
   moejit_runtime_options o;
   moejit_runtime_options_init(&o);
