@@ -184,7 +184,7 @@ def plan_combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=
     """out_arg names `out` in messages; out_copied: the launch writes a contiguous copy of it
     (combine_op's base), so its own strides do not matter; shape_only: no launch follows (the
     op's fake implementation), so meta tensors are accepted too."""
-    if layout not in LAYOUTS:
+    if not isinstance(layout, str) or layout not in LAYOUTS:  # a list is not even hashable
         _fail(ValueError, f"layout = {layout!r}; allowed: " + ", ".join(repr(k) for k in LAYOUTS))
     _require_tensor("expert_hidden", expert_hidden)
     _require_dtype("expert_hidden", expert_hidden, FLOAT_DTYPES, _FLOATS)

@@ -162,6 +162,8 @@ def test_base_of_the_functional_op():
 def test_layout_and_types():
     err(ValueError, "layout = 'sorted'; allowed: 'token_major', 'gather_map', 'token_index'",
         layout="sorted")
+    # Not a string, nor hashable: named like any other wrong layout, not "unhashable type".
+    err(ValueError, r"layout = \['gather_map'\]; allowed: 'token_major'", layout=["gather_map"])
     with pytest.raises(TypeError, match="expert_hidden must be a torch.Tensor, got list"):
         _plan.plan_combine([[1.0]])
     err(TypeError, "expert_hidden has dtype torch.int8; allowed: torch.float32, torch.float16 "
