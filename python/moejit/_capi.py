@@ -237,7 +237,8 @@ def status_name(status):
     library (the library's own moejit_status_name() is checked against it in the tests). A status
     the table lacks (one a newer library added) is named by the library, if it is loaded."""
     name = STATUS_NAMES.get(int(status))
-    if name is None and _lib is not None:
+    # Only a C int: ctypes would pass a larger value modulo 2^32 (2^32 + 1 as 1, a real status).
+    if name is None and _lib is not None and -(1 << 31) <= int(status) < (1 << 31):
         name = (_lib.moejit_status_name(int(status)) or b"").decode("utf-8", "replace") or None
     return name or "MOEJIT_STATUS_UNKNOWN"
 

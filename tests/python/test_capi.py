@@ -81,6 +81,13 @@ def test_a_status_the_package_does_not_know_is_named_by_the_library(monkeypatch)
     assert _capi.status_name(999) == "MOEJIT_STATUS_UNKNOWN"
 
 
+def test_a_status_past_the_c_int_range_is_unknown():
+    # moejit_status is a C int: ctypes would pass 2^32 + 1 as 1, and the library would name it.
+    _capi.load_library()
+    for value in (1 << 31, (1 << 32) + 1, 1 << 40, -(1 << 31) - 1):
+        assert _capi.status_name(value) == "MOEJIT_STATUS_UNKNOWN", value
+
+
 def test_version():
     lib = _capi.load_library()
     major, minor, patch = (int(x) for x in _capi.version().split("."))
