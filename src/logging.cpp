@@ -29,7 +29,8 @@ spdlog::logger& logger() {
     log->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [moejit] [%l] %v");
     spdlog::level::level_enum level = spdlog::level::warn;
     const char* env = std::getenv("MOEJIT_LOG_LEVEL");
-    if (env != nullptr && !parse_log_level(env, &level)) {
+    // Empty counts as unset, as for every other MOEJIT_ variable.
+    if (env != nullptr && *env != '\0' && !parse_log_level(env, &level)) {
       log->warn(
           "MOEJIT_LOG_LEVEL={} is not one of trace, debug, info, warn, error, off; using warn",
           env);

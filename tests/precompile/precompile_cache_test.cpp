@@ -352,6 +352,25 @@ TEST(SizeCap, EntriesEvictedLaterInTheRunFailIt) {
   test::remove_tree(scratch);
 }
 
+// MOEJIT_LOG_LEVEL set but empty counts as unset, as every other MOEJIT_ variable does; a
+// malformed value still warns (which also shows the tool's run reaches the library's logger).
+TEST(Environment, AnEmptyLogLevelCountsAsUnset) {
+  const std::string scratch = test::make_temp_dir("pc-log-level");
+  const std::string args =
+      "-q --arch sm_90 --hidden 64 --topk 2 --dtype bf16 --layout "
+      "token_major --cache-dir '" +
+      scratch + "/cache'";
+  test::ToolRun r = test::run_tool(args, scratch, "MOEJIT_LOG_LEVEL='' ");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(r.err.find("MOEJIT_LOG_LEVEL"), std::string::npos) << r.err;
+  r = test::run_tool(args, scratch, "MOEJIT_LOG_LEVEL=loud ");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.err.find("MOEJIT_LOG_LEVEL=loud is not one of trace, debug, info, warn, error, off"),
+            std::string::npos)
+      << r.err;
+  test::remove_tree(scratch);
+}
+
 }  // namespace
 }  // namespace precompile
 }  // namespace moejit
