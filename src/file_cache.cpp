@@ -484,8 +484,10 @@ class FileCache final : public DiskCache {
             unlinkat(shard.get(), name.c_str(), 0);
             logger().debug("removed {}/{} left by a writer that died", shard_name, name);
           }
-        } else if (ends_with(name, kLockSuffix) && age > kStaleSeconds) {
-          // Only removable while nobody holds it; acquiring and releasing it unlinks it.
+        } else if (ends_with(name, kLockSuffix) && age > kStaleSeconds &&
+                   is_cache_key(name.substr(0, name.size() - std::strlen(kLockSuffix)))) {
+          // A key's lock only (any other file is not ours). Only removable while nobody holds
+          // it; acquiring and releasing it unlinks it.
           bool timed_out = false;
           FileKeyLock::acquire(shard.get(), name, 0, &timed_out, &why);
         }

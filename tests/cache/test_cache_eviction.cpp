@@ -135,5 +135,38 @@ TEST_F(CacheEviction, SweepsTempFilesOfDeadWriters) {
   EXPECT_TRUE(fs::exists(fresh)) << "may belong to a live writer elsewhere";
 }
 
+// Nothing a user wrote is lost: the sweep and the eviction remove only files named as the cache
+// names its own (entries, temp files and lock files of a cache key), however old and whatever the
+// cap, never another file someone put in the cache directory, v1 or a shard directory.
+TEST_F(CacheEviction, NeverDeletesFilesThatAreNotTheCaches) {
+  ASSERT_EQ(obtain(0, 1ull << 30), Source::kCompiled);
+  age(0, 1000);
+  const std::string shard = fs::path(path(0)).parent_path().string();
+  const std::string v1 = fs::path(shard).parent_path().string();
+  const std::vector<std::string> user_files = {
+      dir_ + "/notes.txt",
+      v1 + "/notes.txt",
+      shard + "/notes.txt",
+      shard + "/build.lock",
+      shard + "/notes.moejit",
+      shard + "/.notes.1.x.0.tmp",
+      shard + "/" + keys_[0] + ".moejit.bak",
+  };
+  struct timespec old[2];
+  clock_gettime(CLOCK_REALTIME, &old[0]);
+  old[0].tv_sec -= 3600;
+  old[1] = old[0];
+  for (const std::string& f : user_files) {
+    test::write_file(f, "a user's file");
+    ASSERT_EQ(utimensat(AT_FDCWD, f.c_str(), old, 0), 0) << f;
+  }
+  ASSERT_EQ(obtain(1, 1), Source::kCompiled);  // a cap nothing fits under: sweeps and evicts
+  EXPECT_FALSE(fs::exists(path(0))) << "the old entry was evicted";
+  for (const std::string& f : user_files) {
+    EXPECT_TRUE(fs::exists(f)) << f << " was deleted";
+    EXPECT_EQ(test::read_file(f), "a user's file") << f;
+  }
+}
+
 }  // namespace
 }  // namespace moejit
