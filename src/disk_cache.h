@@ -65,4 +65,20 @@ struct CacheVerifyReport {
 };
 CacheVerifyReport verify_cache_dir(const std::string& dir, bool repair);
 
+// For tools (moejit-precompile --readable-by-all): lets every user read the cache under dir, for a
+// cache warmed by one user (root building a container image) and served by another in read-only
+// or no-compile mode; the runtime creates everything 0700 / 0600. Adds read permission (search
+// too, for directories) for group and others to the cache directory, v1, its shards and the
+// entry files named like a key (regular files only). Never adds write permission (the runtime
+// would then refuse the cache), never follows a symlink, touches no other file. The cache directory
+// and v1 must pass the runtime's checks, as for verify_cache_dir. Never throws.
+struct CacheReadableReport {
+  size_t directories = 0;            // readable by all afterwards
+  size_t entries = 0;                // likewise
+  std::vector<std::string> failed;   // "path: why", for what could not be made readable
+  std::vector<std::string> blocked;  // directories above dir that others cannot search
+  std::string error;                 // why the cache directory cannot be used at all
+};
+CacheReadableReport make_cache_readable_by_all(const std::string& dir);
+
 }  // namespace moejit

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <set>
@@ -643,6 +644,25 @@ std::string cache_entry_path(const std::string& dir, const std::string& key) {
   return dir + "/" + version_dir_name() + "/" + key.substr(0, 2) + "/" + key + kEntrySuffix;
 }
 
+namespace {
+
+// For the tools: an existing cache directory and its v1, both under the runtime's checks;
+// nothing is created. root is empty on failure, with why; missing tells a plain absence.
+struct ExistingCache {
+  Fd top;
+  Fd root;
+  std::string why;
+  bool missing = false;
+};
+ExistingCache open_existing_cache(const std::string& dir) {
+  ExistingCache c;
+  c.top = open_cache_root(dir, false, &c.why, &c.missing);
+  if (c.top) c.root = open_dir(c.top.get(), version_dir_name(), false, &c.why, &c.missing);
+  return c;
+}
+
+}  // namespace
+
 CacheVerifyReport verify_cache_dir(const std::string& dir, bool repair) {
   CacheVerifyReport report;
   try {
@@ -650,15 +670,13 @@ CacheVerifyReport verify_cache_dir(const std::string& dir, bool repair) {
     // The cache directory and v1 pass the runtime's checks (no symlink, owned by this user or
     // root, not writable by group or others) or nothing is examined: a cache the runtime refuses
     // is not called valid, and repair never deletes through a symlink. An absent one is empty.
-    std::string refused;
-    bool missing = false;
-    Fd top = open_cache_root(dir, false, &refused, &missing);
-    Fd root;
-    if (top) root = open_dir(top.get(), version_dir_name(), false, &refused, &missing);
-    if (!root) {
-      if (!missing) report.error = refused;
+    const ExistingCache cache = open_existing_cache(dir);
+    if (!cache.root) {
+      if (!cache.missing) report.error = cache.why;
       return report;
     }
+    const Fd& root = cache.root;
+    std::string refused;
     for (const std::string& shard_name : list_dir(root.get())) {
       if (!is_shard_name(shard_name)) continue;
       // The runtime's checks here too: the runtime loads nothing from a shard that is a symlink
@@ -689,6 +707,91 @@ CacheVerifyReport verify_cache_dir(const std::string& dir, bool repair) {
         }
         report.invalid_paths.push_back(root_path + "/" + shard_name + "/" + name);
         if (repair && unlinkat(shard.get(), name.c_str(), 0) == 0) ++report.removed;
+      }
+    }
+  } catch (...) {
+  }
+  return report;
+}
+
+namespace {
+
+// Adds bits to the mode of the file open at fd unless it has them. fchmod needs this user to own
+// it (or root); a failure says why.
+bool add_mode_bits(int fd, mode_t bits, std::string* why) {
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    *why = error_text();
+    return false;
+  }
+  if ((st.st_mode & bits) == bits) return true;
+  if (fchmod(fd, (st.st_mode & 07777) | bits) != 0) {
+    *why = "cannot change its mode: " + error_text();
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+CacheReadableReport make_cache_readable_by_all(const std::string& dir) {
+  CacheReadableReport report;
+  try {
+    const std::string root_path = dir + "/" + version_dir_name();
+    const ExistingCache cache = open_existing_cache(dir);
+    if (!cache.root) {
+      report.error =
+          cache.missing ? "\"" + dir + "\" holds no cache (" + cache.why + ")" : cache.why;
+      return report;
+    }
+    const Fd &top = cache.top, &root = cache.root;
+    std::string refused;
+    auto widen = [&](int fd, mode_t bits, const std::string& path, size_t* count) {
+      std::string why;
+      if (add_mode_bits(fd, bits, &why))
+        ++*count;
+      else
+        report.failed.push_back(path + ": " + why);
+    };
+    widen(top.get(), 0055, dir, &report.directories);
+    widen(root.get(), 0055, root_path, &report.directories);
+    for (const std::string& shard_name : list_dir(root.get())) {
+      if (!is_shard_name(shard_name)) continue;
+      const std::string shard_path = root_path + "/" + shard_name;
+      Fd shard = open_dir(root.get(), shard_name, false, &refused);
+      if (!shard) {
+        report.failed.push_back(shard_path + ": " + refused);
+        continue;
+      }
+      widen(shard.get(), 0055, shard_path, &report.directories);
+      for (const std::string& name : list_dir(shard.get())) {
+        if (!ends_with(name, kEntrySuffix) ||
+            !is_cache_key(name.substr(0, name.size() - std::strlen(kEntrySuffix))))
+          continue;
+        const std::string path = shard_path + "/" + name;
+        // As read_entry opens it: a symlink is not followed, a FIFO does not block. Neither is an
+        // entry the runtime would load (--verify reports them): left as they are.
+        Fd entry(openat(shard.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK));
+        struct stat st {};
+        if (!entry && errno == ELOOP) continue;
+        if (!entry || fstat(entry.get(), &st) != 0)
+          report.failed.push_back(path + ": " + error_text());
+        else if (S_ISREG(st.st_mode))
+          widen(entry.get(), 0044, path, &report.entries);
+      }
+    }
+    // A reader also needs to search every directory on the way there: reported, not changed
+    // (those are not the cache's).
+    std::string above = std::filesystem::absolute(dir).lexically_normal().string();
+    while (above.size() > 1 && above.back() == '/') above.pop_back();
+    for (size_t slash = above.rfind('/'); slash != std::string::npos && slash > 0;
+         slash = above.rfind('/')) {
+      above.resize(slash);
+      struct stat st {};
+      if (stat(above.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && (st.st_mode & S_IXOTH) == 0) {
+        char mode[8];
+        std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+        report.blocked.push_back(above + " (mode " + mode + ")");
       }
     }
   } catch (...) {

@@ -371,6 +371,92 @@ TEST(Environment, AnEmptyLogLevelCountsAsUnset) {
   test::remove_tree(scratch);
 }
 
+mode_t mode_of(const std::string& path) {
+  struct stat st {};
+  EXPECT_EQ(lstat(path.c_str(), &st), 0) << path;
+  return st.st_mode & 07777;
+}
+
+// A cache warmed by root (an image build) and served by another user: the runtime creates it 0700
+// / 0600, which the other user cannot open. --readable-by-all opens it for reading and nothing
+// else. Run as root where setpriv is available (CI, most containers), the other user really reads
+// it: a dry run as nobody finds the entry only afterwards.
+TEST(ReadableByAll, AnotherUserReadsACacheWarmedByRoot) {
+  const std::string scratch = test::make_temp_dir("pc-readable");
+  const std::string cache = scratch + "/cache";
+  const std::string args =
+      "--arch sm_90 --hidden 64 --topk 2 --dtype bf16 --layout token_major "
+      "--cache-dir '" +
+      cache + "'";
+  test::ToolRun r = test::run_tool(args + " -q", scratch);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const std::string key = parse_json(test::run_tool(args + " --json", scratch))["jobs"][0]["key"];
+  const std::string shard = cache + "/v1/" + key.substr(0, 2);
+  const std::string entry = shard + "/" + key + ".moejit";
+  EXPECT_EQ(mode_of(cache), 0700u);
+  EXPECT_EQ(mode_of(shard), 0700u);
+  EXPECT_EQ(mode_of(entry), 0600u);
+  // What is not an entry keeps its mode: a user's file, and the target of a symlink planted
+  // under a key's name (never followed).
+  test::write_file(shard + "/notes.txt", "mine");
+  ASSERT_EQ(chmod((shard + "/notes.txt").c_str(), 0600), 0);
+  test::write_file(scratch + "/elsewhere", "not an entry");
+  ASSERT_EQ(chmod((scratch + "/elsewhere").c_str(), 0600), 0);
+  const std::string planted = shard + "/" + key.substr(0, 2) + std::string(30, 'f') + ".moejit";
+  std::filesystem::create_symlink(scratch + "/elsewhere", planted);
+
+  // Another user must be able to reach the scratch directory too (TMPDIR may be private).
+  bool reachable = true;
+  for (std::filesystem::path p = scratch; p.has_relative_path(); p = p.parent_path())
+    reachable = reachable && (mode_of(p.parent_path().string()) & S_IXOTH) != 0;
+  const bool other_user = geteuid() == 0 && access("/usr/bin/setpriv", X_OK) == 0 && reachable;
+  const std::string as_nobody = "/usr/bin/setpriv --reuid=65534 --regid=65534 --clear-groups ";
+  ASSERT_EQ(chmod(scratch.c_str(), 0755), 0);  // mkdtemp made it 0700
+  if (other_user) {
+    r = test::run_tool(args + " --dry-run --json", scratch, as_nobody);
+    ASSERT_EQ(r.rc, 0) << r.err;
+    EXPECT_EQ(parse_json(r)["missing"], 1) << "another user read a 0700 cache";
+  }
+
+  r = test::run_tool(args + " --readable-by-all --json", scratch);
+  ASSERT_EQ(r.rc, 0) << r.out << r.err;
+  const json readable = parse_json(r)["readable_by_all"];
+  EXPECT_EQ(readable["directories"], 3) << readable.dump();  // cache, v1, the shard
+  EXPECT_EQ(readable["entries"], 1) << readable.dump();
+  EXPECT_TRUE(readable["failed"].empty()) << readable.dump();
+  for (const json& blocked : readable["blocked"])
+    EXPECT_EQ(blocked.get<std::string>().find(scratch), std::string::npos) << blocked;
+  for (const std::string& dir : {cache, cache + "/v1", shard}) EXPECT_EQ(mode_of(dir), 0755u);
+  EXPECT_EQ(mode_of(entry), 0644u);
+  EXPECT_EQ(mode_of(shard + "/notes.txt"), 0600u);
+  EXPECT_EQ(mode_of(scratch + "/elsewhere"), 0600u);
+  if (other_user) {
+    r = test::run_tool(args + " --dry-run --json", scratch, as_nobody);
+    ASSERT_EQ(r.rc, 0) << r.err;
+    EXPECT_EQ(parse_json(r)["cached"], 1) << r.out << r.err;
+  } else {
+    std::cout << "[ NOTE ] not run as root with setpriv, or the scratch directory is private: "
+                 "another user's read was not tried\n";
+  }
+
+  // A directory above the cache that others cannot search is reported (not changed).
+  ASSERT_EQ(chmod(scratch.c_str(), 0700), 0);
+  r = test::run_tool(args + " --readable-by-all", scratch);
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.err.find("other users cannot search " + scratch + " (mode 0700)"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(mode_of(scratch), 0700u);
+
+  // It changes permissions: refused with --dry-run and --verify, which change nothing.
+  r = test::run_tool(args + " --readable-by-all --dry-run", scratch);
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.err.find("--readable-by-all"), std::string::npos) << r.err;
+  r = test::run_tool("--verify --readable-by-all --cache-dir '" + cache + "'", scratch);
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.err.find("--readable-by-all"), std::string::npos) << r.err;
+  test::remove_tree(scratch);
+}
+
 }  // namespace
 }  // namespace precompile
 }  // namespace moejit

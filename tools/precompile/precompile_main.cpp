@@ -64,6 +64,7 @@ struct Options {
   bool json = false;
   bool verify = false;
   bool repair = false;
+  bool readable_by_all = false;
 };
 
 const char* kFooter = R"(Inputs (any mix; every source adds shapes):
@@ -97,7 +98,7 @@ Exit codes:
   3  the cache directory is unusable (cannot be created or written, or one the runtime refuses:
      a symlink, not owned by this user or root, writable by group or others), or an entry did
      not land or was evicted before the run ended (a cache size cap, MOEJIT_CACHE_MAX_BYTES,
-     smaller than the set being precompiled)
+     smaller than the set being precompiled), or --readable-by-all could not open a part of it
   4  --verify found invalid entries (without --repair, or some could not be removed)
 )";
 
@@ -486,6 +487,26 @@ int run_precompile(const Options& o) {
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
+  // After every entry has landed, so that the whole set is covered; on every run, so that a run
+  // over a cache another one filled (0700 / 0600) opens it up too.
+  bool readable_ok = true;
+  json readable;
+  if (o.readable_by_all) {
+    const CacheReadableReport r = make_cache_readable_by_all(settings.cache_dir);
+    readable_ok = r.error.empty() && r.failed.empty();
+    readable = json{{"directories", r.directories},
+                    {"entries", r.entries},
+                    {"failed", r.failed},
+                    {"blocked", r.blocked}};
+    if (!r.error.empty())
+      std::cerr << "moejit-precompile: error: --readable-by-all: " << r.error << "\n";
+    for (const std::string& f : r.failed)
+      std::cerr << "moejit-precompile: error: --readable-by-all: " << f << "\n";
+    for (const std::string& b : r.blocked)
+      std::cerr << "moejit-precompile: warning: --readable-by-all: other users cannot search " << b
+                << ", so they cannot reach the cache under it\n";
+  }
+
   std::ostringstream summary;
   summary << "moejit-precompile: " << jobs.size() << " kernels (" << specs.size()
           << " specializations x " << targets.size()
@@ -495,6 +516,9 @@ int run_precompile(const Options& o) {
   summary << ", " << bytes << " bytes written, " << std::fixed;
   summary.precision(2);
   summary << seconds << " s (cache " << settings.cache_dir << ")";
+  if (o.readable_by_all && readable_ok)
+    summary << "; readable by all users: " << readable["directories"].get<size_t>()
+            << " directories, " << readable["entries"].get<size_t>() << " entries";
   if (o.json) {
     json list = json::array();
     std::vector<std::string> target_names;
@@ -509,6 +533,7 @@ int run_precompile(const Options& o) {
                       {"evicted", evicted},
                       {"bytes_written", bytes},
                       {"seconds", seconds},
+                      {"readable_by_all", o.readable_by_all ? readable : json(nullptr)},
                       {"jobs", list}}
                      .dump(2)
               << "\n";
@@ -517,7 +542,7 @@ int run_precompile(const Options& o) {
     std::cout << summary.str() << "\n";
   }
   if (failed != 0) return kExitCompileFailed;
-  if (not_written != 0 || evicted != 0) return kExitCacheUnusable;
+  if (not_written != 0 || evicted != 0 || !readable_ok) return kExitCacheUnusable;
   return kExitOk;
 }
 
@@ -553,6 +578,10 @@ int main_impl(int argc, char** argv) {
   auto* verify = app.add_flag("--verify", o.verify,
                               "check every entry of the cache directory and report invalid ones");
   app.add_flag("--repair", o.repair, "with --verify: remove the invalid entries")->needs(verify);
+  app.add_flag("--readable-by-all", o.readable_by_all,
+               "let every user read the cache (directories 0755, entries 0644, never writable "
+               "by others), for a cache warmed by one user (root, building an image) and served "
+               "by another");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -565,12 +594,16 @@ int main_impl(int argc, char** argv) {
       // Refused rather than ignored: none of them narrows what --verify checks.
       if (!o.model_configs.empty() || !o.hidden.empty() || !o.top_k.empty() || !o.dtypes.empty() ||
           !o.out_dtype.empty() || !o.layouts.empty() || !o.index_types.empty() ||
-          !o.manifests.empty() || !o.arch.empty() || o.dry_run)
+          !o.manifests.empty() || !o.arch.empty() || o.dry_run || o.readable_by_all)
         throw InputError(
             "--verify checks every entry of the cache directory; it takes no model inputs, "
-            "shapes, --layout, --index-type, --arch or --dry-run");
+            "shapes, --layout, --index-type, --arch, --dry-run or --readable-by-all");
       return run_verify(o);
     }
+    if (o.dry_run && o.readable_by_all)
+      throw InputError(
+          "--readable-by-all changes the cache's permissions; --dry-run changes "
+          "nothing: give one of them");
     return run_precompile(o);
   } catch (const InputError& e) {
     std::cerr << "moejit-precompile: error: " << e.what() << "\n";
