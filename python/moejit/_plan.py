@@ -78,6 +78,15 @@ def _is_int(x):
         type(x).__name__ == "SymInt"
 
 
+def _is_flag(x):
+    """A bool, or 0 / 1 as any integer, numpy's bool too (numpy.bool_ is no numbers.Integral: told
+    by its dtype's kind, as a 0-d scalar). A SymInt is not: its value is not known here."""
+    if isinstance(x, numbers.Integral):
+        return int(x) in (0, 1)
+    kind = getattr(getattr(x, "dtype", None), "kind", None)
+    return kind == "b" and getattr(x, "shape", None) == () and not _is_tensor(x)
+
+
 def plain_int(x):
     """A numpy (or other Integral) integer as a Python int, for the C call and the op's schema;
     anything else (None, a SymInt, a wrong type left for the checks to name) as it is."""
@@ -321,7 +330,7 @@ def plan_combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=
         if not ok:
             _fail(ValueError, f"gates has shape {gshape}; allowed: {allowed}")
 
-    if not isinstance(accumulate, (bool, int)) or accumulate not in (0, 1):
+    if not _is_flag(accumulate):
         _fail(TypeError, f"accumulate must be a bool, got {accumulate!r}")
     if out is not None:
         _require_tensor(out_arg, out)

@@ -210,6 +210,9 @@ def test_out():
     err(ValueError, "accumulate=True adds into out", top_k=2, accumulate=True)
     err(TypeError, "out_dtype = torch.int32", top_k=2, out_dtype=DType("int32"))
     err(TypeError, "accumulate must be a bool", top_k=2, out=T((33, H)), accumulate=3)
+    err(TypeError, "accumulate must be a bool", top_k=2, out=T((33, H)), accumulate=Integer(2))
+    assert _plan.plan_combine(T((66, H)), top_k=2, out=T((33, H)),
+                              accumulate=Integer(1)).accumulate is True
 
 
 def test_hidden_limits():
@@ -263,6 +266,13 @@ def test_numpy_scalars():
     np = pytest.importorskip("numpy")
     p = _plan.plan_combine(T((66, H)), top_k=np.int64(2), scale=np.float32(0.5))
     assert (p.top_k, p.scale) == (2, 0.5) and type(p.top_k) is int and type(p.scale) is float
+    # accumulate: numpy's bools and 0 / 1 integers, as Python's are taken.
+    for flag, expected in ((np.True_, True), (np.False_, False), (np.int64(1), True),
+                           (np.int32(0), False)):
+        p = _plan.plan_combine(T((66, H)), top_k=2, out=T((33, H)), accumulate=flag)
+        assert p.accumulate is expected
+    for bad in (np.int64(2), np.array([True]), np.float32(1.0)):
+        err(TypeError, "accumulate must be a bool", top_k=2, out=T((33, H)), accumulate=bad)
 
 
 def test_indexed_layouts_take_fewer_than_two_to_the_31_rows():
