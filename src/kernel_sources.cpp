@@ -1,6 +1,7 @@
 #include "kernel_sources.h"
 
 #include <dirent.h>
+#include <sys/stat.h>
 
 #include <fstream>
 #include <sstream>
@@ -36,10 +37,15 @@ TemplateSet load_templates(const std::string& override_dir, const std::string& s
     if (!is_template_name(name)) continue;
     // A template that cannot be read is an error naming it (skipped, it was reported as missing,
     // or an unreadable extra header was left out of the set silently).
-    std::ifstream in(override_dir + "/" + name, std::ios::binary);
+    const std::string path = override_dir + "/" + name;
+    std::ifstream in(path, std::ios::binary);
     std::ostringstream bytes;
     if (in.is_open()) bytes << in.rdbuf();
-    if (!in.is_open() || in.bad() || !bytes) {
+    // Copying no bytes fails the stream for an empty file too: that one is a template all the
+    // same (an empty extra header), where a directory or a read error is not.
+    struct stat st {};
+    const bool empty_file = stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && st.st_size == 0;
+    if (!in.is_open() || in.bad() || (!bytes && !empty_file)) {
       closedir(dir);
       invalid_argument(setting, "\"" + override_dir + "\"",
                        "must hold readable kernel templates; " + name + " could not be read");

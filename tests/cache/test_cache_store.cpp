@@ -478,6 +478,13 @@ TEST_F(CacheStore, AnUnreadableTemplateIsNamed) {
     EXPECT_NE(std::string(e.what()).find("combine.cuh could not be read"), std::string::npos)
         << e.what();
   }
+  // An empty file is read, as empty: an extra header may have nothing in it yet.
+  fs::remove(templates + "/combine.cuh");
+  test::write_file(templates + "/combine.cuh", load_templates("", "template_dir")["combine.cuh"]);
+  test::write_file(templates + "/extra.h", "");
+  const TemplateSet set = load_templates(templates, "MOEJIT_TEMPLATE_DIR");
+  ASSERT_EQ(set.count("extra.h"), 1u);
+  EXPECT_EQ(set.at("extra.h"), "");
 }
 
 // The default directory: $XDG_CACHE_HOME/moejit only for an absolute XDG_CACHE_HOME (the XDG
