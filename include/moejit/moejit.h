@@ -7,9 +7,10 @@
  * per CUDA context and on disk), and launched with the CUDA Driver API on the stream you pass.
  * The library has no link-time dependency on the CUDA driver: libcuda.so.1 is loaded on first use.
  *
- * This header is valid C99 and C++. Every function returns a moejit_status; on failure a
- * human-readable message (naming the argument, its value and what is allowed, or carrying the
- * NVRTC log / CUresult name) is available from moejit_last_error_message() on the same thread.
+ * This header is valid C99 and C++. Every function that can fail returns a moejit_status; on
+ * failure a human-readable message (naming the argument, its value and what is allowed, or
+ * carrying the NVRTC log / CUresult name) is available from moejit_last_error_message() on the
+ * same thread.
  *
  * Thread safety: every function may be called concurrently from any number of threads, except
  * moejit_runtime_destroy(), which must not race with calls using the same runtime.

@@ -501,7 +501,25 @@ TEST_F(Cli, HelpDocumentsExitCodesAndManifest) {
   EXPECT_NE(r.out.find("Exit codes"), std::string::npos);
   EXPECT_NE(r.out.find("3  the cache directory is unusable"), std::string::npos);
   EXPECT_NE(r.out.find("evicted before the run ended"), std::string::npos);
+  // Exit 3 for --readable-by-all covers a mode that could not be changed, not only a file that
+  // could not be opened.
+  EXPECT_NE(r.out.find("--readable-by-all could not change a part of it"), std::string::npos);
   EXPECT_NE(r.out.find("KernelSpec::describe()"), std::string::npos);
+  // A manifest shape line without out_dtype takes --out-dtype first (the test below).
+  EXPECT_NE(r.out.find("out_dtype to --out-dtype, else the dtype"), std::string::npos);
+}
+
+// What --help says of a manifest shape line: out_dtype defaults to --out-dtype, else its dtype.
+TEST_F(Cli, ManifestShapeLineTakesOutDtypeFromTheCommandLine) {
+  test::write_file(scratch_ + "/m.txt", "hidden=64 topk=1 dtype=bf16 layout=token_major\n");
+  const std::string common = "--manifest '" + scratch_ +
+                             "/m.txt' --arch sm_90 --dry-run --cache-dir '" + scratch_ + "/cache'";
+  test::ToolRun r = run(common + " --out-dtype fp32");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("in=bf16 out=fp32"), std::string::npos) << r.out;
+  r = run(common);
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("in=bf16 out=bf16"), std::string::npos) << r.out;
 }
 
 // --verify checks the whole directory: an option that would seem to narrow it is refused, not

@@ -82,7 +82,7 @@ const char* kFooter = R"(Inputs (any mix; every source adds shapes):
   " scan=1 small_scan=1", a one-token module (token index, gather map) in " one_token=1";
   the list helpers' module is "layout=token_index idx=int32 helpers=1"), or a shape, expanded
   like --hidden/--topk (layout and index_type take comma lists and default to --layout /
-  --index-type; dtype defaults to --dtype; out_dtype to the dtype):
+  --index-type; dtype defaults to --dtype; out_dtype to --out-dtype, else the dtype):
     hidden=7168 topk=8 dtype=bf16 out_dtype=bf16 layout=gather_map,token_index index_type=int32
   Shapes expand to what moe_combine() requests for 256-byte-aligned, unpadded buffers; for the
   token_index layout, top-k stands for the expected rows per token.
@@ -98,7 +98,7 @@ Exit codes:
   3  the cache directory is unusable (cannot be created or written, or one the runtime refuses:
      a symlink, not owned by this user or root, writable by group or others), or an entry did
      not land or was evicted before the run ended (a cache size cap, MOEJIT_CACHE_MAX_BYTES,
-     smaller than the set being precompiled), or --readable-by-all could not open a part of it
+     smaller than the set being precompiled), or --readable-by-all could not change a part of it
   4  --verify found invalid entries (without --repair, or some could not be removed)
 )";
 
