@@ -28,6 +28,15 @@ function(expect_symlink link target)
   endif()
 endfunction()
 
+# `readelf -d` output of a binary that must not depend on libcuda.so.1: the driver is dlopen'd, so
+# the library and the tools load on machines without a GPU driver (an image build warming the
+# cache with moejit-precompile).
+function(expect_no_libcuda file dynamic)
+  if(dynamic MATCHES "NEEDED[^\n]*\\[libcuda\\.so")
+    message(FATAL_ERROR "${file} depends on libcuda:\n${dynamic}")
+  endif()
+endfunction()
+
 function(require_pkg_config)
   find_program(pc NAMES ${PKG_CONFIG} pkg-config pkgconf)
   if(NOT pc)
@@ -84,6 +93,10 @@ elseif(STEP STREQUAL "layout")
   expect_file(${PREFIX}/${PKGCONFIGDIR}/moejit.pc)
   # Each tool finds the library in ../lib wherever the prefix lies (cmake/install.cmake).
   find_program(READELF readelf)
+  if(READELF)
+    run(${READELF} -d ${lib}/libmoejit.so.${VERSION})
+    expect_no_libcuda(${lib}/libmoejit.so.${VERSION} "${run_output}")
+  endif()
   foreach(tool IN LISTS TOOLS)
     expect_file(${PREFIX}/${BINDIR}/${tool})
     if(READELF)
@@ -91,6 +104,7 @@ elseif(STEP STREQUAL "layout")
       if(NOT run_output MATCHES "R(UN)?PATH[^\n]*\\$ORIGIN/")
         message(FATAL_ERROR "${tool} has no RUNPATH relative to $ORIGIN:\n${run_output}")
       endif()
+      expect_no_libcuda(${tool} "${run_output}")
     endif()
   endforeach()
   # The internals stay internal: no static core library, no private headers.
