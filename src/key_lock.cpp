@@ -11,6 +11,18 @@
 #include <thread>
 
 namespace moejit {
+namespace {
+
+// Whether the open file fd is still the one linked at name in dir_fd.
+bool still_linked(int fd, int dir_fd, const std::string& name) {
+  struct stat held {
+  }, linked{};
+  return fstat(fd, &held) == 0 &&
+         fstatat(dir_fd, name.c_str(), &linked, AT_SYMLINK_NOFOLLOW) == 0 &&
+         held.st_ino == linked.st_ino && held.st_dev == linked.st_dev;
+}
+
+}  // namespace
 
 std::unique_ptr<FileKeyLock> FileKeyLock::acquire(int dir_fd, const std::string& name,
                                                   double timeout_seconds, bool* timed_out,
@@ -25,8 +37,12 @@ std::unique_ptr<FileKeyLock> FileKeyLock::acquire(int dir_fd, const std::string&
       *why = "cannot open lock file " + name + ": " + std::strerror(errno);
       return nullptr;
     }
+    bool locked = false;
     for (;;) {
-      if (flock(fd, LOCK_EX | LOCK_NB) == 0) break;
+      if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
+        locked = true;
+        break;
+      }
       if (errno == EINTR) continue;
       if (errno != EWOULDBLOCK) {
         *why = "cannot lock " + name + ": " + std::strerror(errno);
@@ -42,13 +58,15 @@ std::unique_ptr<FileKeyLock> FileKeyLock::acquire(int dir_fd, const std::string&
       // honour the timeout, and the holder is usually done within one compile.
       std::this_thread::sleep_for(pause);
       if (pause < std::chrono::milliseconds(50)) pause *= 2;
+      // The holder unlinks the file before it unlocks. Once the name no longer leads here the
+      // holder is done, though this inode may stay locked: a child it forked keeps a copy of its
+      // descriptor, and the flock with it, until that child closes it or exits. Start over on the
+      // name rather than wait for the child.
+      if (!still_linked(fd, dir_fd, name)) break;
     }
-    // The previous holder unlinks the file before it unlocks; if we locked such an orphaned
-    // inode, the lock excludes nobody: start over on the file now at that name.
-    struct stat held {
-    }, linked{};
-    if (fstat(fd, &held) == 0 && fstatat(dir_fd, name.c_str(), &linked, AT_SYMLINK_NOFOLLOW) == 0 &&
-        held.st_ino == linked.st_ino && held.st_dev == linked.st_dev) {
+    // An orphaned inode (locked just as its holder unlinked it, or left by the loop above)
+    // excludes nobody: start over on the file now at that name.
+    if (locked && still_linked(fd, dir_fd, name)) {
       const int dir_copy = fcntl(dir_fd, F_DUPFD_CLOEXEC, 0);
       if (dir_copy < 0) {
         *why = std::string("cannot duplicate a directory descriptor: ") + std::strerror(errno);

@@ -2,7 +2,9 @@
 // drops an flock when its holder dies, so a killed compiler never leaves a lock that hangs the
 // others (the stale-lock hang of flashinfer#972); a live but stuck holder is waited for only up to
 // a timeout, after which the waiter builds anyway. Correctness never depends on the lock: the
-// entry itself is published atomically.
+// entry itself is published atomically. A waiter watches the name as well as the lock: a holder
+// that forked leaves its child a copy of the locked descriptor, so the inode may stay locked after
+// the holder released it (unlinked the file), and only the name tells.
 #pragma once
 
 #include <memory>

@@ -1,8 +1,11 @@
 // The disk cache between processes (each a cache_worker with its own KernelStore): cold starts
 // racing on the same keys, a writer killed between write and rename, a stuck lock holder, and the
 // faults that need another uid or a file size limit.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -12,6 +15,7 @@
 #include "cache_test_util.h"
 #include "disk_cache.h"
 #include "kernel_store.h"
+#include "key_lock.h"
 #include "worker_process.h"
 
 namespace moejit {
@@ -123,6 +127,44 @@ TEST_F(CacheProcesses, StuckLockHolderDelaysOthersOnlyUntilTheTimeout) {
   kill(stuck.pid, SIGKILL);
   test::finish_worker(stuck);
   EXPECT_EQ(verify_cache_dir(dir_, false).valid, 1u);
+}
+
+// A holder that forked (a Python worker pool started by fork, say) leaves its child a copy of the
+// locked descriptor: after the holder releases the lock (unlinks the file, then closes it) that
+// inode stays locked until the child closes its copy. A waiter already polling that file must
+// notice that the name has moved on and lock the new file, not wait for the child or the timeout.
+TEST_F(CacheProcesses, AForkedChildsCopyOfAReleasedLockHoldsNobody) {
+  fs::create_directories(dir_);
+  const int dir_fd = open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  ASSERT_GE(dir_fd, 0);
+  bool timed_out = false;
+  std::string why;
+  std::unique_ptr<FileKeyLock> held = FileKeyLock::acquire(dir_fd, "k.lock", 0, &timed_out, &why);
+  ASSERT_NE(held, nullptr) << why;
+  const pid_t child = fork();  // before any thread of this test starts
+  if (child == 0) {
+    sleep(20);  // holds its copy of the locked descriptor
+    _exit(0);
+  }
+  ASSERT_GT(child, 0);
+  std::unique_ptr<FileKeyLock> got;
+  double waited = 0;
+  std::thread waiter([&] {
+    const auto start = Clock::now();
+    bool waiter_timed_out = false;
+    std::string waiter_why;
+    got = FileKeyLock::acquire(dir_fd, "k.lock", 60, &waiter_timed_out, &waiter_why);
+    waited = std::chrono::duration<double>(Clock::now() - start).count();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the waiter polls the held file
+  held.reset();
+  waiter.join();
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  EXPECT_NE(got, nullptr);
+  EXPECT_LT(waited, 5.0) << "the waiter waited for the forked child's copy of the lock";
+  got.reset();
+  close(dir_fd);
 }
 
 TEST_F(CacheProcesses, ReadOnlyDirectoryServesHitsAndWritesNothing) {
