@@ -94,16 +94,20 @@ bool young(const struct timespec& mtime) {
 
 // Root may own what we trust: it can write anywhere anyway. Anyone else who could write the
 // directory or entry could plant a binary that we would load into the GPU.
+// "0755": a mode as chmod writes it.
+std::string mode_text(mode_t mode) {
+  char text[8];
+  std::snprintf(text, sizeof(text), "%04o", static_cast<unsigned>(mode & 07777));
+  return text;
+}
+
 std::string untrusted_reason(const struct stat& st, bool check_owner) {
   const uid_t me = geteuid();
   if (check_owner && st.st_uid != me && st.st_uid != 0)
     return "is owned by uid " + std::to_string(st.st_uid) + ", not by this user (uid " +
            std::to_string(me) + ")";
-  if ((st.st_mode & 022) != 0) {
-    char mode[8];
-    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
-    return std::string("is writable by group or others (mode ") + mode + ")";
-  }
+  if ((st.st_mode & 022) != 0)
+    return "is writable by group or others (mode " + mode_text(st.st_mode) + ")";
   return std::string();
 }
 
@@ -788,11 +792,8 @@ CacheReadableReport make_cache_readable_by_all(const std::string& dir) {
          slash = above.rfind('/')) {
       above.resize(slash);
       struct stat st {};
-      if (stat(above.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && (st.st_mode & S_IXOTH) == 0) {
-        char mode[8];
-        std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
-        report.blocked.push_back(above + " (mode " + mode + ")");
-      }
+      if (stat(above.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && (st.st_mode & S_IXOTH) == 0)
+        report.blocked.push_back(above + " (mode " + mode_text(st.st_mode) + ")");
     }
   } catch (...) {
   }

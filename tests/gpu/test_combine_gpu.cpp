@@ -942,9 +942,6 @@ class DependentLaunchGpu : public CombineGpu {
 // must be bitwise a plain call's, and so must a CUDA graph replay of the same pair.
 TEST_F(DependentLaunchGpu, SeesThePreviousKernelsWrites) {
   const Pools& p = pools();
-  const Producer& producer = *producer_;
-  moejit_runtime_t rt = rt_;
-  cudaStream_t stream = stream_;
   const struct {
     moejit_layout layout;
     int64_t tokens, top_k;
@@ -973,7 +970,8 @@ TEST_F(DependentLaunchGpu, SeesThePreviousKernelsWrites) {
     std::vector<int32_t> idx(routing.index_values.begin(), routing.index_values.end());
     // Copies on the test's stream (see DependentLaunchGpu).
     if (!idx.empty())
-      CUDA_OK(cudaMemcpyAsync(indices, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice, stream));
+      CUDA_OK(
+          cudaMemcpyAsync(indices, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice, stream_));
     const void* src = p.device[MOEJIT_DTYPE_BFLOAT16];  // the producer copies the pool's first rows
     moejit_combine_args a = bf16_args(layout, T, K, routing.rows, H, rows, p.gates_device,
                                       layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? nullptr : indices, out);
@@ -981,15 +979,15 @@ TEST_F(DependentLaunchGpu, SeesThePreviousKernelsWrites) {
     ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
     if (ws) {
       CUDA_OK(cudaMalloc(&workspace, ws));
-      CUDA_OK(cudaMemsetAsync(workspace, 0x7f, ws, stream));  // any contents
+      CUDA_OK(cudaMemsetAsync(workspace, 0x7f, ws, stream_));  // any contents
       a.workspace = workspace;
       a.workspace_bytes = ws;
     }
     // The reference: a plain call on the real rows.
-    CUDA_OK(cudaMemcpyAsync(rows, src, row_bytes, cudaMemcpyDeviceToDevice, stream));
-    ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS)
+    CUDA_OK(cudaMemcpyAsync(rows, src, row_bytes, cudaMemcpyDeviceToDevice, stream_));
+    ASSERT_EQ(moejit_runtime_combine(rt_, &a, stream_), MOEJIT_SUCCESS)
         << moejit_last_error_message();
-    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaStreamSynchronize(stream_));
     std::vector<uint8_t> expected(out_bytes), got(out_bytes);
     CUDA_OK(cudaMemcpy(expected.data(), out, out_bytes, cudaMemcpyDeviceToHost));
 
@@ -1007,17 +1005,17 @@ TEST_F(DependentLaunchGpu, SeesThePreviousKernelsWrites) {
              " NaN), the first at element " + std::to_string(first);
     };
     auto poison = [&] {
-      CUDA_OK(cudaMemsetAsync(rows, 0xff, row_bytes, stream));
-      CUDA_OK(cudaMemsetAsync(out, 0xff, out_bytes, stream));
-      CUDA_OK(cudaStreamSynchronize(stream));
+      CUDA_OK(cudaMemsetAsync(rows, 0xff, row_bytes, stream_));
+      CUDA_OK(cudaMemsetAsync(out, 0xff, out_bytes, stream_));
+      CUDA_OK(cudaStreamSynchronize(stream_));
     };
     // Poisoned rows and out, the producer, then the combine: out must be what the reference says.
     auto produce_and_combine = [&](const std::string& what) {
       poison();
-      CUDA_OK(producer.launch(stream, src, rows, row_bytes, 30.0));
-      ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS)
+      CUDA_OK(producer_->launch(stream_, src, rows, row_bytes, 30.0));
+      ASSERT_EQ(moejit_runtime_combine(rt_, &a, stream_), MOEJIT_SUCCESS)
           << moejit_last_error_message();
-      CUDA_OK(cudaStreamSynchronize(stream));
+      CUDA_OK(cudaStreamSynchronize(stream_));
       CUDA_OK(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost));
       EXPECT_TRUE(got == expected) << what << ": " << describe_difference();
     };
@@ -1031,15 +1029,15 @@ TEST_F(DependentLaunchGpu, SeesThePreviousKernelsWrites) {
     // The same pair captured in a graph: the programmatic edge must hold there too.
     cudaGraph_t graph;
     cudaGraphExec_t exec;
-    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    CUDA_OK(producer.launch(stream, src, rows, row_bytes, 30.0));
-    ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS)
+    CUDA_OK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    CUDA_OK(producer_->launch(stream_, src, rows, row_bytes, 30.0));
+    ASSERT_EQ(moejit_runtime_combine(rt_, &a, stream_), MOEJIT_SUCCESS)
         << moejit_last_error_message();
-    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    CUDA_OK(cudaStreamEndCapture(stream_, &graph));
     CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
     poison();
-    CUDA_OK(cudaGraphLaunch(exec, stream));
-    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaGraphLaunch(exec, stream_));
+    CUDA_OK(cudaStreamSynchronize(stream_));
     CUDA_OK(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost));
     EXPECT_TRUE(got == expected) << "graph replay: " << describe_difference();
     cudaGraphExecDestroy(exec);
@@ -1189,9 +1187,6 @@ void device_copy(const std::vector<T>& v, void** d) {
 // waited for the producer, allows it. Each call must be bitwise a plain call on the real routing.
 TEST_F(DependentLaunchGpu, SeesRoutingThePreviousKernelWrote) {
   const Pools& p = pools();
-  const Producer& producer = *producer_;
-  moejit_runtime_t rt = rt_;
-  cudaStream_t stream = stream_;
   const struct {
     moejit_layout layout;
     int64_t tokens;
@@ -1224,20 +1219,20 @@ TEST_F(DependentLaunchGpu, SeesRoutingThePreviousKernelWrote) {
       a.workspace_bytes = ws;
     }
     // The reference: a plain call on the real routing.
-    ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS)
+    ASSERT_EQ(moejit_runtime_combine(rt_, &a, stream_), MOEJIT_SUCCESS)
         << moejit_last_error_message();
-    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaStreamSynchronize(stream_));
     std::vector<uint8_t> expected(out_bytes), got(out_bytes);
     CUDA_OK(cudaMemcpy(expected.data(), out, out_bytes, cudaMemcpyDeviceToHost));
     for (int round = 0; round < 4 && !HasFatalFailure(); ++round) {
       a.dependent_launch = round == 0 ? 0 : 1;  // round 0: the control, a plain launch
-      CUDA_OK(cudaMemsetAsync(indices, 0, idx_bytes, stream));
-      CUDA_OK(cudaMemsetAsync(out, 0xff, out_bytes, stream));
-      CUDA_OK(cudaStreamSynchronize(stream));
-      CUDA_OK(producer.launch(stream, real_indices, indices, idx_bytes, 30.0));
-      ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS)
+      CUDA_OK(cudaMemsetAsync(indices, 0, idx_bytes, stream_));
+      CUDA_OK(cudaMemsetAsync(out, 0xff, out_bytes, stream_));
+      CUDA_OK(cudaStreamSynchronize(stream_));
+      CUDA_OK(producer_->launch(stream_, real_indices, indices, idx_bytes, 30.0));
+      ASSERT_EQ(moejit_runtime_combine(rt_, &a, stream_), MOEJIT_SUCCESS)
           << moejit_last_error_message();
-      CUDA_OK(cudaStreamSynchronize(stream));
+      CUDA_OK(cudaStreamSynchronize(stream_));
       CUDA_OK(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost));
       int64_t differ = 0;
       for (size_t i = 0; i < out_bytes; i += 2)

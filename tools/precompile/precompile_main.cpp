@@ -489,15 +489,9 @@ int run_precompile(const Options& o) {
 
   // After every entry has landed, so that the whole set is covered; on every run, so that a run
   // over a cache another one filled (0700 / 0600) opens it up too.
-  bool readable_ok = true;
-  json readable;
+  CacheReadableReport r;
   if (o.readable_by_all) {
-    const CacheReadableReport r = make_cache_readable_by_all(settings.cache_dir);
-    readable_ok = r.error.empty() && r.failed.empty();
-    readable = json{{"directories", r.directories},
-                    {"entries", r.entries},
-                    {"failed", r.failed},
-                    {"blocked", r.blocked}};
+    r = make_cache_readable_by_all(settings.cache_dir);
     if (!r.error.empty())
       std::cerr << "moejit-precompile: error: --readable-by-all: " << r.error << "\n";
     for (const std::string& f : r.failed)
@@ -516,9 +510,10 @@ int run_precompile(const Options& o) {
   summary << ", " << bytes << " bytes written, " << std::fixed;
   summary.precision(2);
   summary << seconds << " s (cache " << settings.cache_dir << ")";
+  const bool readable_ok = r.error.empty() && r.failed.empty();
   if (o.readable_by_all && readable_ok)
-    summary << "; readable by all users: " << readable["directories"].get<size_t>()
-            << " directories, " << readable["entries"].get<size_t>() << " entries";
+    summary << "; readable by all users: " << r.directories << " directories, " << r.entries
+            << " entries";
   if (o.json) {
     json list = json::array();
     std::vector<std::string> target_names;
@@ -533,7 +528,11 @@ int run_precompile(const Options& o) {
                       {"evicted", evicted},
                       {"bytes_written", bytes},
                       {"seconds", seconds},
-                      {"readable_by_all", o.readable_by_all ? readable : json(nullptr)},
+                      {"readable_by_all", o.readable_by_all ? json{{"directories", r.directories},
+                                                                   {"entries", r.entries},
+                                                                   {"failed", r.failed},
+                                                                   {"blocked", r.blocked}}
+                                                            : json(nullptr)},
                       {"jobs", list}}
                      .dump(2)
               << "\n";
