@@ -4,10 +4,16 @@
 #include <mutex>
 
 #include "combine_plan.h"
+#include "logging.h"
 
 namespace moejit {
 
-Runtime::Runtime(const Settings& settings) : store_(settings, stats_), modules_(store_, stats_) {}
+Runtime::Runtime(const Settings& settings) : store_(settings, stats_), modules_(store_, stats_) {
+  // The logger reads MOEJIT_LOG_LEVEL when first used: use it now, so a malformed value is
+  // reported as the runtime is created, not at the first message, which at the default level may
+  // never come.
+  logger();
+}
 
 void Runtime::combine(const moejit_combine_args* args, CUstream stream) {
   const CombinePlan plan = plan_combine(args);

@@ -492,6 +492,28 @@ TEST(Api, BadEnvironmentIsReportedByName) {
   unsetenv("MOEJIT_TEMPLATE_DIR");
 }
 
+// A malformed MOEJIT_LOG_LEVEL is reported when a runtime is created, not at the library's first
+// message: at the default level that may never come, and whoever asked for "verbose" would see
+// nothing at all. The logger reads the variable once per process, so the check runs in a fresh
+// one (the threadsafe death-test style re-executes this binary).
+TEST(Api, AMalformedLogLevelIsReportedWhenARuntimeIsCreated) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const char* expected =
+      "MOEJIT_LOG_LEVEL=verbose is not one of trace, debug, info, warn, error, off";
+  auto create_and_exit = [](bool default_runtime) {
+    setenv("MOEJIT_LOG_LEVEL", "verbose", 1);
+    moejit_runtime_t rt = nullptr;
+    if (default_runtime) {
+      moejit_stats s;
+      s.struct_size = sizeof(s);
+      std::exit(moejit_runtime_get_stats(nullptr, &s) == MOEJIT_SUCCESS ? 0 : 1);
+    }
+    std::exit(moejit_runtime_create(nullptr, &rt) == MOEJIT_SUCCESS ? 0 : 1);
+  };
+  EXPECT_EXIT(create_and_exit(false), testing::ExitedWithCode(0), expected);
+  EXPECT_EXIT(create_and_exit(true), testing::ExitedWithCode(0), expected);
+}
+
 TEST(Api, StatsStructSizeIsChecked) {
   moejit_stats s;
   s.struct_size = 4;
