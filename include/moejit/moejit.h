@@ -245,6 +245,10 @@ MOEJIT_API moejit_status(moejit_combine_args_init)(moejit_combine_args* args);
  * layouts. It depends only on the shape fields (layout, num_tokens, num_rows, hidden_dim, top_k,
  * dtypes, index type, strides); pointers are not read and may be NULL. The same shape always
  * needs the same size, so a workspace can be sized once and reused for every call of that shape.
+ * A larger workspace serves as well: the size for num_tokens = T and num_rows = T * K covers
+ * every call with at most T tokens and num_rows <= num_tokens * K (at most K rows per token on
+ * average), so batches of varying size can share one buffer sized for the largest. (A call with
+ * more rows per token than that, e.g. fewer tokens but as many rows, can need more.)
  *   args   the combine to size (struct_size must be set: use moejit_combine_args_init()).
  *   bytes  receives the size; must not be NULL. Left unchanged on failure.
  * Returns MOEJIT_SUCCESS, or MOEJIT_ERROR_INVALID_ARGUMENT for a NULL argument or a bad shape
