@@ -94,11 +94,16 @@ std::shared_ptr<const CompiledModule> KernelStore::build(const KernelSpec& spec,
       return std::make_shared<const CompiledModule>(std::move(*hit));
     }
   }
+  // The library and NVRTC versions are part of the key: a cache warmed with the moejit-precompile
+  // of another release, or under another toolkit, has entries for none of this process's kernels.
   if (settings_.cache_mode == MOEJIT_CACHE_MODE_NO_COMPILE)
     throw Error(MOEJIT_ERROR_NOT_CACHED,
                 "kernel " + spec.describe() + " for " + target.name() + " (key " + key +
                     ") is not in the cache at \"" + settings_.cache_dir +
-                    "\" and the cache is in no-compile mode: warm it with moejit-precompile");
+                    "\" and the cache is in no-compile mode: warm it with moejit-precompile (that "
+                    "spec works as a --manifest line) of libmoejit " +
+                    moejit_version_string() + " running with NVRTC " + nvrtc_version() +
+                    ", as this process does: entries of another version match no key");
 
   // Other processes may be cold-starting on the same key: wait (bounded) for whoever builds it
   // first, then look again before compiling. Read-only caches hand out no lock.

@@ -134,7 +134,8 @@ typedef enum moejit_layout {
 #define MOEJIT_MAX_NUM_TOKENS (INT64_C(1) << 40)
 
 /* CUstream and cudaStream_t are both `struct CUstream_st*`: pass either; NULL is the legacy
-   default stream of the current context. */
+   default stream of the current context, whatever nvcc's --default-stream: for the per-thread
+   default stream pass cudaStreamPerThread (CU_STREAM_PER_THREAD). */
 typedef struct CUstream_st* moejit_stream_t;
 
 /*
@@ -182,7 +183,7 @@ typedef struct moejit_combine_args {
   int64_t out_row_stride; /* elements between consecutive rows; 0 means hidden_dim. T rows of it
                              span at most 2^62 bytes */
 
-  float scale;    /* multiplies the sum (routed scaling factor); default 1 */
+  float scale;    /* multiplies the sum (routed scaling factor); default 1; must be finite */
   int accumulate; /* 0: overwrite out; 1: add into the existing contents of out */
 
   /* Token-index layout only: device memory of at least moejit_combine_workspace_size() bytes,
@@ -245,6 +246,10 @@ MOEJIT_API moejit_status(moejit_combine_args_init)(moejit_combine_args* args);
  * layouts. It depends only on the shape fields (layout, num_tokens, num_rows, hidden_dim, top_k,
  * dtypes, index type, strides); pointers are not read and may be NULL. The same shape always
  * needs the same size, so a workspace can be sized once and reused for every call of that shape.
+ * A larger workspace serves as well: the size for num_tokens = T and num_rows = T * K covers
+ * every call with at most T tokens and num_rows <= num_tokens * K (at most K rows per token on
+ * average), so batches of varying size can share one buffer sized for the largest. (A call with
+ * more rows per token than that, e.g. fewer tokens but as many rows, can need more.)
  *   args   the combine to size (struct_size must be set: use moejit_combine_args_init()).
  *   bytes  receives the size; must not be NULL. Left unchanged on failure.
  * Returns MOEJIT_SUCCESS, or MOEJIT_ERROR_INVALID_ARGUMENT for a NULL argument or a bad shape
@@ -336,7 +341,9 @@ MOEJIT_API moejit_status moejit_runtime_create(const moejit_runtime_options* opt
  *   runtime  a handle from moejit_runtime_create(), or NULL (then nothing happens).
  * No call with this runtime may run concurrently with or after this one (the only function that is
  * not thread-safe with respect to its argument); kernels already launched on streams complete
- * normally. Returns MOEJIT_SUCCESS. Since 0.1.
+ * normally. A CUDA graph that captured calls on this runtime launches its kernels, which are
+ * unloaded here: do not launch such a graph after this call (the default runtime is never
+ * destroyed). Returns MOEJIT_SUCCESS. Since 0.1.
  */
 MOEJIT_API moejit_status moejit_runtime_destroy(moejit_runtime_t runtime);
 
@@ -399,8 +406,9 @@ typedef struct moejit_stats {
  *   stats    must not be NULL; the caller sets stats->struct_size = sizeof(moejit_stats). Only
  *            the fields that fit in struct_size are written, so older callers stay safe.
  * Returns MOEJIT_SUCCESS, or MOEJIT_ERROR_INVALID_ARGUMENT for a NULL stats or a struct_size too
- * small to hold any counter. Counters are read without stopping other threads: each is exact,
- * but together they are a snapshot only when no combine runs concurrently. Needs no GPU.
+ * small to hold any counter, or (default runtime) the invalid environment variable that fails
+ * every call on it, as in moe_combine(). Counters are read without stopping other threads: each is
+ * exact, but together they are a snapshot only when no combine runs concurrently. Needs no GPU.
  * Thread-safe (not against moejit_runtime_destroy(runtime)). Since 0.1.
  */
 MOEJIT_API moejit_status moejit_runtime_get_stats(moejit_runtime_t runtime, moejit_stats* stats);

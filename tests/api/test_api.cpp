@@ -301,6 +301,36 @@ TEST(Api, WorkspaceSize) {
   EXPECT_EQ(moejit_combine_workspace_size(&a, &bytes), MOEJIT_ERROR_INVALID_ARGUMENT);
 }
 
+// moejit.h and docs/usage.md promise an engine with batches of varying size one buffer: the
+// workspace of (T tokens, T * K rows) serves every call with at most T tokens and at most K rows
+// per token on average (num_rows <= num_tokens * K). Calls with more rows per token than that can
+// need more, which is why the rule is stated per K.
+TEST(Api, WorkspaceOfTheLargestBatchServesSmallerOnes) {
+  auto workspace = [](int64_t tokens, int64_t rows) {
+    moejit_combine_args a = valid_args();
+    a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+    a.num_tokens = tokens;
+    a.num_rows = rows;
+    size_t bytes = 0;
+    EXPECT_EQ(moejit_combine_workspace_size(&a, &bytes), MOEJIT_SUCCESS)
+        << moejit_last_error_message();
+    return bytes;
+  };
+  for (int64_t k : {1, 2, 3, 4, 6, 8, 9, 12, 16, 17, 20, 32, 64}) {
+    for (int64_t max_tokens : {1, 7, 64, 65, 300, 4096}) {
+      const size_t largest = workspace(max_tokens, max_tokens * k);
+      for (int64_t t = 1; t <= max_tokens; t += 1 + t / 8) {
+        for (int64_t r = 0; r <= t * k; r += 1 + r / 16)
+          ASSERT_LE(workspace(t, r), largest)
+              << "T=" << t << " R=" << r << " against T=" << max_tokens << " K=" << k;
+        ASSERT_LE(workspace(t, t * k), largest) << "T=" << t << " K=" << k;
+      }
+    }
+  }
+  // More rows per token than the largest batch had can need more: why the rule bounds them.
+  EXPECT_GT(workspace(99, 800), workspace(100, 800));
+}
+
 // A caller built against the 0.1 header passes the shorter struct: accepted, and nothing past its
 // end is read (the fields added since take their defaults).
 TEST(Api, ArgsFromAnOlderHeaderAreAccepted) {

@@ -274,6 +274,15 @@ TEST_F(CacheStore, NoCompileModeServesHitsAndRefusesMisses) {
     FAIL() << "a miss in no-compile mode must fail";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), MOEJIT_ERROR_NOT_CACHED);
+    // A deployment that did warm its cache, with another release or toolkit, misses every key:
+    // the message names the spec (a manifest line) and the versions an entry must be built with.
+    const std::string message = e.what();
+    EXPECT_NE(message.find(test::small_spec(1).describe()), std::string::npos) << message;
+    EXPECT_NE(message.find(std::string("moejit-precompile (that spec works as a --manifest line) "
+                                       "of libmoejit ") +
+                           moejit_version_string() + " running with NVRTC " + nvrtc_version()),
+              std::string::npos)
+        << message;
   }
   EXPECT_EQ(nc.compiles.load(), 0u);
   EXPECT_FALSE(fs::exists(entry_of(1)));
