@@ -365,8 +365,26 @@ TEST(KernelCompile, LaunchBoundsPromiseBlocksPerSmOnlyWhereMeasured) {
 // their dependents are the chain's own next kernels. Read from the PTX.
 TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone) {
   MemoryStore memory;
-  auto ptx = [&](const KernelSpec& spec) {
-    return compile(memory.store.request_for(spec, Target{90, true})).image;
+  auto ptx_for = [&](const KernelSpec& spec, int arch) {
+    return compile(memory.store.request_for(spec, Target{arch, true})).image;
+  };
+  auto ptx = [&](const KernelSpec& spec) { return ptx_for(spec, 90); };
+  // Nothing the previous kernel may have written is read before the wait: in each kernel that
+  // waits, no load of any kind (ld.global, ld.global.nc) comes between its entry and the wait.
+  // Only the code's shape keeps them there: the row loads' asm and __ldg are not volatile
+  // (combine.cuh, load_pack_if).
+  auto expect_no_load_before_the_wait = [](const std::string& code) {
+    int waiting_kernels = 0;
+    for (size_t entry = code.find(".entry"); entry != std::string::npos;
+         entry = code.find(".entry", entry + 1)) {
+      const size_t next_entry = code.find(".entry", entry + 1);
+      const size_t wait = code.find("griddepcontrol.wait", entry);
+      if (wait == std::string::npos || wait > next_entry) continue;
+      const size_t load = code.find("ld.global", entry);
+      EXPECT_GT(load, wait) << code.substr(load, 120);
+      ++waiting_kernels;
+    }
+    EXPECT_GE(waiting_kernels, 1);
   };
   auto shape = [](moejit_layout layout, int hidden, int top_k, int64_t tokens) {
     return spec_for_shape(layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32,
@@ -395,11 +413,15 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
     EXPECT_NE(prefetch, std::string::npos);
     EXPECT_NE(wait, std::string::npos);
     EXPECT_LT(prefetch, wait);  // the hint goes out while the previous kernel drains
+    expect_no_load_before_the_wait(code);
+    SCOPED_TRACE("compute_100");
+    expect_no_load_before_the_wait(ptx_for(spec, 100));
     EXPECT_EQ(code.find("griddepcontrol.launch_dependents"), std::string::npos);
   }
   // The list path's combine waits for token_index_assign and triggers nothing either.
   const std::string list_combine = ptx(shape(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, kAnyTokens));
   EXPECT_NE(list_combine.find("griddepcontrol.wait"), std::string::npos);
+  expect_no_load_before_the_wait(list_combine);
   EXPECT_EQ(list_combine.find("griddepcontrol.launch_dependents"), std::string::npos);
   // Its helpers let the chain's next kernel be scheduled early, each of them.
   const std::string helpers = ptx(decode_index.helpers_spec());
