@@ -105,6 +105,9 @@ struct Case {
   float scale = 1.0f;
   int64_t expert_pad = 0, out_pad = 0, expert_offset = 0, out_offset = 0;
   bool dependent_launch = false;  // args->dependent_launch (sm_90+: prefetch, then wait)
+  // Gather map and token index: a fifth of the entries out of range in the ways the other cases do
+  // not draw (odd_out_of_range), not only -1 and just past the end.
+  bool odd_indices = false;
 
   std::string name() const {
     std::ostringstream s;
@@ -114,7 +117,7 @@ struct Case {
       << " pads=" << expert_pad << "/" << out_pad << " offsets=" << expert_offset << "/"
       << out_offset << " random_routing=" << random_routing << " hot_token=" << hot_token
       << " hot_rows=" << hot_rows << " gather_rows=" << gather_rows
-      << " dependent=" << dependent_launch;
+      << " dependent=" << dependent_launch << " odd_indices=" << odd_indices;
     return s.str();
   }
 };
@@ -158,6 +161,20 @@ struct Scratch {
   }
 };
 
+// An index value outside [0, limit) of a kind the other cases do not draw, for a slot or row that
+// would have named `valid` (in range): negative other than -1, the bound itself, the type's
+// extremes, and with int64 indices values whose low 32 bits are `valid` or that pass 2^31. moejit.h
+// treats every one as -1; a kernel that compared or kept such a value in 32 bits would add
+// `valid`'s row, and one that took it for an address would read out of bounds.
+int64_t odd_out_of_range(moejit_index_type idx, int64_t limit, int64_t valid, Rng& rng) {
+  const int64_t k32 = int64_t{1} << 32, k31 = int64_t{1} << 31;
+  const int64_t values[] = {-2, -2 - valid, INT32_MIN, INT32_MAX, limit, limit + (int64_t{1} << 20),
+                            // int64 only:
+                            k32 + valid, valid - k32, k31 + valid, INT64_MIN, INT64_MAX,
+                            INT64_MIN + valid};
+  return values[rng.below(idx == MOEJIT_INDEX_INT64 ? 12 : 6)];
+}
+
 // The rows (and gate index) contributing to each token, as the public contract defines them.
 struct Routing {
   int64_t rows = 0;
@@ -180,9 +197,11 @@ Routing make_routing(const Case& c, Rng& rng) {
     r.index_values.resize(static_cast<size_t>(T * K));
     for (int64_t slot = 0; slot < T * K; ++slot) {
       const int64_t roll = rng.below(10);
-      const int64_t row = roll == 0 || r.rows == 0 ? -1
-                          : roll == 1              ? r.rows + rng.below(1000)  // out of range
-                                                   : rng.below(r.rows);
+      int64_t row = roll == 0 || r.rows == 0 ? -1
+                    : roll == 1              ? r.rows + rng.below(1000)  // out of range
+                                             : rng.below(r.rows);
+      if (c.odd_indices && roll >= 1 && roll <= 2 && r.rows > 0)
+        row = odd_out_of_range(c.idx, r.rows, rng.below(r.rows), rng);
       r.index_values[slot] = row;
       if (row >= 0 && row < r.rows) r.per_token[slot / K].push_back({row, slot});
     }
@@ -204,6 +223,8 @@ Routing make_routing(const Case& c, Rng& rng) {
           row = -1;  // dropped slot
         else if (roll == 5)
           row = r.rows + rng.below(1000);  // out of range: dropped too
+        else if (c.odd_indices && roll < 25)
+          row = odd_out_of_range(c.idx, r.rows, row, rng);
         r.index_values[t * K + k] = row;
         if (row >= 0 && row < r.rows) r.per_token[t].push_back({row, t * K + k});
       }
@@ -224,6 +245,8 @@ Routing make_routing(const Case& c, Rng& rng) {
       token = -1;
     else if (roll == 5)
       token = T + rng.below(10);  // out of range: dropped
+    else if (c.odd_indices && roll < 25)
+      token = odd_out_of_range(c.idx, T, token, rng);
     r.index_values[row] = token;
   }
   for (int64_t row = 0; row < r.rows; ++row) {  // ascending rows, the documented order
@@ -664,6 +687,55 @@ TEST_F(CombineGpu, WalksPastAHotTokensList) {
                                      {32, 100, 20, {20, 100, 128, 129}}},
                                     6800, true),
                     4);
+}
+
+// moejit.h: an index outside its range is dropped like -1, whatever its value. The other cases
+// draw -1 and values just past the end; here a fifth of the entries are negative other than -1,
+// the bound itself, INT32_MIN / INT32_MAX, and with int64 indices values that pass 2^31, the int64
+// extremes and values whose low 32 bits name a row or token in range (odd_out_of_range). Each
+// kernel that reads indices in turn, both index types: the gather map's one-token kernel (T = 1, a
+// few rows), its fixed kernel at decode (K = 8), with four slots per thread (K = 2 at prefill), on
+// the mid-size 2-D grid (K = 8), with 9-16 rows in one batch (K = 12) and later rows two at a time
+// (K = 17); the token index's one-token kernel (T = 1, 8 rows), the single launch's small-call form
+// (T = 1 with 100 rows, T = 16 with K = 8) and slab form (T = 1 with 300 rows, T = 64 with K = 8),
+// its atomic scan of short rows (T = 1536, H = 64: 8-thread groups), and the list path with one row
+// held (T = 8200, K = 1) and with eight (T = 4096, K = 8), balanced and random.
+TEST_F(CombineGpu, OutOfRangeIndicesOfEveryKindAreDropped) {
+  struct Shape {
+    moejit_layout layout;
+    int64_t hidden, tokens, top_k;
+    bool random_routing;
+    int64_t gather_rows;
+  };
+  const Shape shapes[] = {
+      {MOEJIT_LAYOUT_GATHER_MAP, 7168, 1, 8, false, 6},
+      {MOEJIT_LAYOUT_GATHER_MAP, 7168, 1, 8, false, -1},
+      {MOEJIT_LAYOUT_GATHER_MAP, 4096, 4096, 2, false, -1},
+      {MOEJIT_LAYOUT_GATHER_MAP, 7168, 300, 8, false, -1},
+      {MOEJIT_LAYOUT_GATHER_MAP, 2880, 100, 12, false, -1},
+      {MOEJIT_LAYOUT_GATHER_MAP, 1000, 33, 17, false, -1},
+      {MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 1, 8, false, -1},
+      {MOEJIT_LAYOUT_TOKEN_INDEX, 2880, 1, 100, false, -1},
+      {MOEJIT_LAYOUT_TOKEN_INDEX, 2880, 1, 300, false, -1},
+      {MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 16, 8, true, -1},
+      {MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 64, 8, true, -1},
+      {MOEJIT_LAYOUT_TOKEN_INDEX, 64, 1536, 2, true, -1},
+      {MOEJIT_LAYOUT_TOKEN_INDEX, 2048, 8200, 1, false, -1},
+      {MOEJIT_LAYOUT_TOKEN_INDEX, 2880, 4096, 8, false, -1},
+      {MOEJIT_LAYOUT_TOKEN_INDEX, 2880, 4096, 8, true, -1},
+  };
+  std::vector<Case> cases;
+  uint64_t seed = 8800;
+  for (const Shape& sh : shapes)
+    for (moejit_index_type idx : {MOEJIT_INDEX_INT32, MOEJIT_INDEX_INT64}) {
+      Case c = vary(Case{sh.layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, idx, sh.hidden,
+                         sh.tokens, sh.top_k, seed++});
+      c.random_routing = sh.random_routing;
+      c.gather_rows = sh.gather_rows;
+      c.odd_indices = true;
+      cases.push_back(c);
+    }
+  expect_cases_pass(cases, 4);
 }
 
 // More rows than token_index_assign has threads (at most 4096 blocks of 256): each thread loads its
