@@ -30,6 +30,8 @@ struct FakeDriver {
   int (*module_load_calls)() = nullptr;
   int (*launches)() = nullptr;
   void (*refuse_stream_launches)(int mode) = nullptr;
+  void (*replace_context)() = nullptr;
+  int (*stale_unloads)() = nullptr;
 };
 
 FakeDriver fake_driver() {
@@ -42,6 +44,8 @@ FakeDriver fake_driver() {
   f.launches = reinterpret_cast<int (*)()>(dlsym(h, "fake_cuda_launches"));
   f.refuse_stream_launches =
       reinterpret_cast<void (*)(int)>(dlsym(h, "fake_cuda_refuse_stream_launches"));
+  f.replace_context = reinterpret_cast<void (*)()>(dlsym(h, "fake_cuda_replace_context"));
+  f.stale_unloads = reinterpret_cast<int (*)()>(dlsym(h, "fake_cuda_stale_unloads"));
   return f;
 }
 
@@ -234,4 +238,24 @@ TEST_F(DriverResults, AStreamOfAnotherContextIsNamed) {
   EXPECT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS) << moejit_last_error_message();
   EXPECT_EQ(driver_.launches(), launches + 2);
   moejit_runtime_destroy(rt);
+}
+
+// A context destroyed while a runtime holds modules loaded in it (cuCtxDestroy, cudaDeviceReset),
+// and a new one created under the same handle, as the driver may reuse one: the new context loads
+// its own module, and destroying the runtime unloads that one only. The old module went with its
+// context, and its handle may since name another module (of another library, say), which an
+// unload would destroy.
+TEST_F(DriverResults, ADestroyedContextsModulesAreNotUnloaded) {
+  ASSERT_NE(driver_.replace_context, nullptr);
+  moejit_runtime_t rt = runtime_on(dir_.path(), MOEJIT_CACHE_MODE_READ_WRITE);
+  const moejit_combine_args a = gather_map_args();
+  const int loads = driver_.module_load_calls();
+  EXPECT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS) << moejit_last_error_message();
+  driver_.replace_context();
+  EXPECT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS) << moejit_last_error_message();
+  EXPECT_EQ(driver_.module_load_calls(), loads + 2);
+  EXPECT_EQ(stats_of(rt).memory_hits, 0u);
+  const int stale = driver_.stale_unloads();
+  moejit_runtime_destroy(rt);
+  EXPECT_EQ(driver_.stale_unloads(), stale) << "a destroyed context's module was unloaded";
 }
