@@ -23,8 +23,9 @@ enum {
 
 static int load_result = kSuccess; /* what the next failing loads return */
 static int load_failures = 0;      /* how many loads still fail (-1: all of them) */
-static int load_calls = 0;
-static int launches = 0;
+/* Atomic: tests call the library from several threads at once. */
+static _Atomic int load_calls = 0;
+static _Atomic int launches = 0;
 static int context_storage, function_storage;
 /* The current context's id: cuCtxGetId of its handle. fake_cuda_replace_context() destroys the
  * context and creates another under the same handle, as the driver may reuse one. */

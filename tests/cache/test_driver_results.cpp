@@ -8,9 +8,11 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fake_combine_args.h"
@@ -258,4 +260,34 @@ TEST_F(DriverResults, ADestroyedContextsModulesAreNotUnloaded) {
   const int stale = driver_.stale_unloads();
   moejit_runtime_destroy(rt);
   EXPECT_EQ(driver_.stale_unloads(), stale) << "a destroyed context's module was unloaded";
+}
+
+// First calls of several shapes from eight threads at once (two per shape; one shape on the
+// token index's list path, which builds its helpers' module on another thread): every call
+// succeeds, each module is compiled and loaded exactly once, and the later calls are memory hits.
+// The sanitizer build (tools/sanitize.sh thread) watches the module cache and the store here.
+TEST_F(DriverResults, ConcurrentFirstCallsBuildAndLoadEachModuleOnce) {
+  moejit_runtime_t rt = runtime_on(dir_.path(), MOEJIT_CACHE_MODE_DISABLED);
+  moejit_combine_args token_index = moejit_test::fake_gather_map_args(65536, 1, 256);
+  token_index.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+  token_index.num_rows = 131072;  // two rows per token: the list path (clear, assign, combine)
+  token_index.workspace = moejit_test::fake_address(0x7f0040000000);
+  token_index.workspace_bytes = size_t{1} << 26;
+  const moejit_combine_args shapes[] = {moejit_test::fake_gather_map_args(33, 2, 256),
+                                        moejit_test::fake_gather_map_args(33, 2, 512),
+                                        moejit_test::fake_gather_map_args(33, 4, 256), token_index};
+  const int loads = driver_.module_load_calls();
+  std::atomic<int> succeeded{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 8; ++i)
+    threads.emplace_back([&, i] {
+      if (moejit_runtime_combine(rt, &shapes[i % 4], nullptr) == MOEJIT_SUCCESS) ++succeeded;
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(succeeded.load(), 8);
+  const moejit_stats s = stats_of(rt);
+  EXPECT_EQ(s.compiles, 5u);  // three gather-map modules, the list module and its helpers
+  EXPECT_EQ(driver_.module_load_calls(), loads + 5);
+  EXPECT_EQ(s.launches, 2u * (3 + 3));
+  moejit_runtime_destroy(rt);
 }
