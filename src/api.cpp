@@ -22,6 +22,9 @@ namespace {
 // allocates one that is never freed, once per such thread.
 thread_local std::string* t_last_error = nullptr;
 thread_local bool t_last_error_owner_gone = false;
+// Set instead of the string when a failure's message could not be stored (host memory ran out):
+// the status's static description, so that reporting a failure never throws.
+thread_local const char* t_last_error_static = nullptr;
 struct LastErrorOwner {
   ~LastErrorOwner() {
     delete t_last_error;
@@ -31,17 +34,25 @@ struct LastErrorOwner {
 };
 thread_local LastErrorOwner t_last_error_owner;
 
-std::string& last_error() {
-  if (t_last_error == nullptr) {
-    t_last_error = new std::string;
-    if (!t_last_error_owner_gone) (void)&t_last_error_owner;  // registers its destructor
+// Keeps prefix + message as the thread's last error and returns status. Never throws: it runs in
+// guarded()'s handlers, outside their try, so an exception here (std::bad_alloc, when the host is
+// out of memory and the handler was reporting just that) would leave through the C boundary and
+// terminate a C caller.
+moejit_status fail(moejit_status status, const char* message, const char* prefix = "") noexcept {
+  try {
+    if (t_last_error == nullptr) {
+      t_last_error = new std::string;
+      if (!t_last_error_owner_gone) (void)&t_last_error_owner;  // registers its destructor
+    }
+    t_last_error->assign(prefix).append(message);
+    t_last_error_static = nullptr;
+  } catch (...) {
+    t_last_error_static = moejit_status_description(status);
   }
-  return *t_last_error;
-}
-
-moejit_status fail(moejit_status status, const std::string& message) {
-  last_error() = message;
-  moejit::logger().debug("{}: {}", moejit_status_name(status), message);
+  try {
+    moejit::logger().debug("{}: {}{}", moejit_status_name(status), prefix, message);
+  } catch (...) {
+  }
   return status;
 }
 
@@ -56,7 +67,7 @@ moejit_status guarded(Body&& body) {
   } catch (const std::bad_alloc&) {
     return fail(MOEJIT_ERROR_OUT_OF_MEMORY, "host memory allocation failed");
   } catch (const std::exception& e) {
-    return fail(MOEJIT_ERROR_INTERNAL, std::string("internal error: ") + e.what());
+    return fail(MOEJIT_ERROR_INTERNAL, e.what(), "internal error: ");
   } catch (...) {
     return fail(MOEJIT_ERROR_INTERNAL, "internal error: unknown exception");
   }
@@ -103,8 +114,10 @@ const char* moejit_status_description(moejit_status status) {
   return "unknown status code";
 }
 
+// Allocates nothing: "" until this thread's first failure.
 const char* moejit_last_error_message(void) {
-  return last_error().c_str();
+  if (t_last_error_static != nullptr) return t_last_error_static;
+  return t_last_error != nullptr ? t_last_error->c_str() : "";
 }
 
 // Writes the defaults into the caller's struct, never past its size: a caller built against an

@@ -46,12 +46,22 @@ bool image_refused(CUresult result) {
 // H200 (driver 580) a module of another context, or with no context current, unloaded with
 // CUDA_SUCCESS, and one whose context the caller had destroyed returned
 // CUDA_ERROR_CONTEXT_IS_DESTROYED (its memory went with the context). Results are ignored.
+// A module of a destroyed context is not passed at all: its handle is no longer ours, and the
+// driver may have given it to a module loaded since (it reuses context handles; the GPU test
+// AModuleOfADestroyedContextIsNeverServedAgain prints when), which the unload would destroy under
+// its owner. The context's id tells: cuCtxGetId of a destroyed context fails, and a context created
+// since under the same handle has another id. Without cuCtxGetId (driver < 12.0) nothing tells.
 ModuleCache::~ModuleCache() {
   if (entries_.empty()) return;
   const DriverApi& d = driver();
-  for (auto& [key, entry] : entries_)
-    if (entry->ready.load() && entry->kernels.module != nullptr)
-      d.cuModuleUnload(entry->kernels.module);
+  for (auto& [key, entry] : entries_) {
+    if (!entry->ready.load() || entry->kernels.module == nullptr) continue;
+    unsigned long long id = 0;
+    if (d.cuCtxGetId != nullptr &&
+        (d.cuCtxGetId(entry->context, &id) != CUDA_SUCCESS || id != key.context))
+      continue;
+    d.cuModuleUnload(entry->kernels.module);
+  }
 }
 
 const LoadedKernels& ModuleCache::get(const KernelSpec& spec) {

@@ -32,7 +32,7 @@ struct LoadedKernels {
 class ModuleCache {
  public:
   ModuleCache(KernelStore& store, Stats& stats) : store_(store), stats_(stats) {}
-  ~ModuleCache();  // unloads every module (errors ignored: the context may be gone)
+  ~ModuleCache();  // unloads the modules of every context that still exists (errors ignored)
   ModuleCache(const ModuleCache&) = delete;
   ModuleCache& operator=(const ModuleCache&) = delete;
 

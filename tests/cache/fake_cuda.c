@@ -17,14 +17,24 @@ enum {
   kNoBinaryForGpu = 209,
   kInvalidHandle = 400,
   kIllegalAddress = 700,
+  kContextIsDestroyed = 709,
   kNotSupported = 801
 };
 
 static int load_result = kSuccess; /* what the next failing loads return */
 static int load_failures = 0;      /* how many loads still fail (-1: all of them) */
-static int load_calls = 0;
-static int launches = 0;
-static int context_storage, module_storage, function_storage;
+/* Atomic: tests call the library from several threads at once. */
+static _Atomic int load_calls = 0;
+static _Atomic int launches = 0;
+static int context_storage, function_storage;
+/* The current context's id: cuCtxGetId of its handle. fake_cuda_replace_context() destroys the
+ * context and creates another under the same handle, as the driver may reuse one. */
+static unsigned long long context_id = 1;
+/* Modules: each handle records the id of the context it was loaded in. */
+#define FAKE_MODULES 256
+static unsigned long long module_context[FAKE_MODULES];
+static _Atomic int modules_loaded = 0;
+static _Atomic int stale_unloads = 0; /* cuModuleUnload calls on a destroyed context's module */
 /* A second context, on device 1: the one caller-created streams belong to in
  * fake_cuda_refuse_stream_launches(1) (launches on them are then refused, as the real driver
  * does). */
@@ -45,6 +55,16 @@ FAKE_API int fake_cuda_module_load_calls(void) {
 }
 FAKE_API int fake_cuda_launches(void) {
   return launches;
+}
+/* Destroys the current context (its modules go with it) and creates a new one with the same
+ * handle, as the driver may hand out a destroyed context's handle again. */
+FAKE_API void fake_cuda_replace_context(void) {
+  ++context_id;
+}
+/* How many times a module of a destroyed context was passed to cuModuleUnload: a handle the driver
+ * may since have given to another module (of another library, say), which that call unloads. */
+FAKE_API int fake_cuda_stale_unloads(void) {
+  return stale_unloads;
 }
 /* Launches on every stream but the special ones (NULL, legacy, per-thread) fail with
  * CUDA_ERROR_INVALID_HANDLE: mode 1, those streams belong to another context, on device 1;
@@ -87,6 +107,8 @@ static const char* error_name(int result) {
       return "CUDA_ERROR_INVALID_HANDLE";
     case kIllegalAddress:
       return "CUDA_ERROR_ILLEGAL_ADDRESS";
+    case kContextIsDestroyed:
+      return "CUDA_ERROR_CONTEXT_IS_DESTROYED";
     default:
       return NULL;
   }
@@ -109,8 +131,7 @@ FAKE_API int cuCtxGetDevice(int* device) {
   return kSuccess;
 }
 FAKE_API int cuCtxGetId(void* context, unsigned long long* id) {
-  (void)context;
-  *id = 1;
+  *id = context == &context_storage ? context_id : 1000;
   return kSuccess;
 }
 FAKE_API int cuCtxPushCurrent_v2(void* context) {
@@ -153,11 +174,18 @@ FAKE_API int cuModuleLoadData(void** module, const void* image) {
   }
   /* What the real driver checks first: an ELF image (a cubin). */
   if (image == NULL || memcmp(image, "\177ELF", 4) != 0) return kInvalidImage;
-  *module = &module_storage;
+  const int m = modules_loaded++;
+  if (m >= FAKE_MODULES) return kOutOfMemory;
+  module_context[m] = pushed != NULL ? 1000 : context_id;
+  *module = &module_context[m];
   return kSuccess;
 }
 FAKE_API int cuModuleUnload(void* module) {
-  (void)module;
+  const unsigned long long* m = (const unsigned long long*)module;
+  if (*m != 1000 && *m != context_id) {
+    ++stale_unloads;
+    return kContextIsDestroyed;
+  }
   return kSuccess;
 }
 FAKE_API int cuModuleGetFunction(void** function, void* module, const char* name) {

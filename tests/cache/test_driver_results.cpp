@@ -8,9 +8,11 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fake_combine_args.h"
@@ -30,6 +32,8 @@ struct FakeDriver {
   int (*module_load_calls)() = nullptr;
   int (*launches)() = nullptr;
   void (*refuse_stream_launches)(int mode) = nullptr;
+  void (*replace_context)() = nullptr;
+  int (*stale_unloads)() = nullptr;
 };
 
 FakeDriver fake_driver() {
@@ -42,6 +46,8 @@ FakeDriver fake_driver() {
   f.launches = reinterpret_cast<int (*)()>(dlsym(h, "fake_cuda_launches"));
   f.refuse_stream_launches =
       reinterpret_cast<void (*)(int)>(dlsym(h, "fake_cuda_refuse_stream_launches"));
+  f.replace_context = reinterpret_cast<void (*)()>(dlsym(h, "fake_cuda_replace_context"));
+  f.stale_unloads = reinterpret_cast<int (*)()>(dlsym(h, "fake_cuda_stale_unloads"));
   return f;
 }
 
@@ -233,5 +239,55 @@ TEST_F(DriverResults, AStreamOfAnotherContextIsNamed) {
   driver_.refuse_stream_launches(0);
   EXPECT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS) << moejit_last_error_message();
   EXPECT_EQ(driver_.launches(), launches + 2);
+  moejit_runtime_destroy(rt);
+}
+
+// A context destroyed while a runtime holds modules loaded in it (cuCtxDestroy, cudaDeviceReset),
+// and a new one created under the same handle, as the driver may reuse one: the new context loads
+// its own module, and destroying the runtime unloads that one only. The old module went with its
+// context, and its handle may since name another module (of another library, say), which an
+// unload would destroy.
+TEST_F(DriverResults, ADestroyedContextsModulesAreNotUnloaded) {
+  ASSERT_NE(driver_.replace_context, nullptr);
+  moejit_runtime_t rt = runtime_on(dir_.path(), MOEJIT_CACHE_MODE_READ_WRITE);
+  const moejit_combine_args a = gather_map_args();
+  const int loads = driver_.module_load_calls();
+  EXPECT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS) << moejit_last_error_message();
+  driver_.replace_context();
+  EXPECT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS) << moejit_last_error_message();
+  EXPECT_EQ(driver_.module_load_calls(), loads + 2);
+  EXPECT_EQ(stats_of(rt).memory_hits, 0u);
+  const int stale = driver_.stale_unloads();
+  moejit_runtime_destroy(rt);
+  EXPECT_EQ(driver_.stale_unloads(), stale) << "a destroyed context's module was unloaded";
+}
+
+// First calls of several shapes from eight threads at once (two per shape; one shape on the
+// token index's list path, which builds its helpers' module on another thread): every call
+// succeeds, each module is compiled and loaded exactly once, and the later calls are memory hits.
+// The sanitizer build (tools/sanitize.sh thread) watches the module cache and the store here.
+TEST_F(DriverResults, ConcurrentFirstCallsBuildAndLoadEachModuleOnce) {
+  moejit_runtime_t rt = runtime_on(dir_.path(), MOEJIT_CACHE_MODE_DISABLED);
+  moejit_combine_args token_index = moejit_test::fake_gather_map_args(65536, 1, 256);
+  token_index.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+  token_index.num_rows = 131072;  // two rows per token: the list path (clear, assign, combine)
+  token_index.workspace = moejit_test::fake_address(0x7f0040000000);
+  token_index.workspace_bytes = size_t{1} << 26;
+  const moejit_combine_args shapes[] = {moejit_test::fake_gather_map_args(33, 2, 256),
+                                        moejit_test::fake_gather_map_args(33, 2, 512),
+                                        moejit_test::fake_gather_map_args(33, 4, 256), token_index};
+  const int loads = driver_.module_load_calls();
+  std::atomic<int> succeeded{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 8; ++i)
+    threads.emplace_back([&, i] {
+      if (moejit_runtime_combine(rt, &shapes[i % 4], nullptr) == MOEJIT_SUCCESS) ++succeeded;
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(succeeded.load(), 8);
+  const moejit_stats s = stats_of(rt);
+  EXPECT_EQ(s.compiles, 5u);  // three gather-map modules, the list module and its helpers
+  EXPECT_EQ(driver_.module_load_calls(), loads + 5);
+  EXPECT_EQ(s.launches, 2u * (3 + 3));
   moejit_runtime_destroy(rt);
 }
