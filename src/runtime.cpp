@@ -1,7 +1,6 @@
 #include "runtime.h"
 
 #include <memory>
-#include <mutex>
 
 #include "combine_plan.h"
 #include "logging.h"
@@ -23,11 +22,12 @@ void Runtime::combine(const moejit_combine_args* args, CUstream stream) {
 
 Runtime& default_runtime() {
   // Leaked on purpose: kernels may still be launched from other static destructors at exit, and
-  // unloading modules after the driver has shut down is undefined.
-  static std::mutex mutex;
-  static Runtime* runtime = nullptr;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (runtime == nullptr) runtime = new Runtime(resolve_settings(nullptr));
+  // unloading modules after the driver has shut down is undefined. A function-local static, not a
+  // mutex: every warm moe_combine() passes here, and threads calling it at once would contend on
+  // a lock; after the first success this is one acquire load. An initialization that throws (a bad
+  // environment) leaves it uninitialized, so the next call tries again, as the C++ standard
+  // guarantees ([stmt.dcl]).
+  static Runtime* const runtime = new Runtime(resolve_settings(nullptr));
   return *runtime;
 }
 

@@ -544,6 +544,30 @@ TEST(Api, AMalformedLogLevelIsReportedWhenARuntimeIsCreated) {
   EXPECT_EXIT(create_and_exit(true), testing::ExitedWithCode(0), expected);
 }
 
+// The default runtime (NULL handle) is made on first use from the environment. A bad setting fails
+// that call, and every call until the setting is fixed; then the next call makes it. Needs a
+// process whose default runtime does not exist yet (the threadsafe death-test style re-executes
+// this binary).
+TEST(Api, TheDefaultRuntimeIsMadeByTheFirstCallThatCan) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto fail_then_succeed = [] {
+    moejit_stats s;
+    s.struct_size = sizeof(s);
+    setenv("MOEJIT_CACHE_MODE", "sometimes", 1);
+    for (int i = 0; i < 2; ++i) {
+      if (moejit_runtime_get_stats(nullptr, &s) != MOEJIT_ERROR_INVALID_ARGUMENT) std::exit(1);
+      if (std::string(moejit_last_error_message()).find("MOEJIT_CACHE_MODE") == std::string::npos)
+        std::exit(2);
+    }
+    unsetenv("MOEJIT_CACHE_MODE");
+    if (moejit_runtime_get_stats(nullptr, &s) != MOEJIT_SUCCESS) std::exit(3);
+    // Made once: a bad setting now changes nothing.
+    setenv("MOEJIT_CACHE_MODE", "sometimes", 1);
+    std::exit(moejit_runtime_get_stats(nullptr, &s) == MOEJIT_SUCCESS ? 0 : 4);
+  };
+  EXPECT_EXIT(fail_then_succeed(), testing::ExitedWithCode(0), "");
+}
+
 TEST(Api, StatsStructSizeIsChecked) {
   moejit_stats s;
   s.struct_size = 4;
