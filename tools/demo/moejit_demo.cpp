@@ -218,8 +218,13 @@ int compile_only(const Options& o, const std::string& why) {
         "Kernels compile here; run this on a machine with an NVIDIA GPU to execute and "
         "time them.\n");
     return 0;
+  } catch (const moejit::Error& e) {
+    // Not only compiles fail here: in no-compile mode a kernel missing from the cache does.
+    std::fprintf(stderr, "no kernel for this shape (%s): %s\n", moejit_status_name(e.status()),
+                 e.what());
+    return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "compile failed: %s\n", e.what());
+    std::fprintf(stderr, "no kernel for this shape: %s\n", e.what());
     return 1;
   }
 }
