@@ -438,6 +438,19 @@ moejit_combine_args bf16_args(moejit_layout layout, int64_t tokens, int64_t top_
   return a;
 }
 
+// Sizes a's workspace and points a at *workspace, which it allocates while it is null (a test
+// that calls again with the same shape reuses it; the caller frees it). Nothing for a layout that
+// needs no workspace.
+void attach_workspace(moejit_combine_args* a, void** workspace) {
+  size_t bytes = 0;
+  ASSERT_EQ(moejit_combine_workspace_size(a, &bytes), MOEJIT_SUCCESS)
+      << moejit_last_error_message();
+  if (bytes == 0) return;
+  if (*workspace == nullptr) CUDA_OK(cudaMalloc(workspace, bytes));
+  a->workspace = *workspace;
+  a->workspace_bytes = bytes;
+}
+
 moejit_runtime_t memory_only_runtime() {
   moejit_runtime_options o;
   moejit_runtime_options_init(&o);
@@ -863,13 +876,7 @@ TEST_F(CombineGpu, CudaGraphCaptureAndReplay) {
     moejit_combine_args a = bf16_args(layout, T, K, first.rows, H, p.device[MOEJIT_DTYPE_BFLOAT16],
                                       p.gates_device, indices, out);
     a.scale = 1.5f;
-    size_t ws = 0;
-    ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
-    if (ws) {
-      CUDA_OK(cudaMalloc(&workspace, ws));
-      a.workspace = workspace;
-      a.workspace_bytes = ws;
-    }
+    ASSERT_NO_FATAL_FAILURE(attach_workspace(&a, &workspace));
     upload(indices, first);
     ASSERT_EQ(moejit_runtime_combine(rt, &a, stream), MOEJIT_SUCCESS)  // warm: compile + load
         << moejit_last_error_message();
@@ -1047,14 +1054,9 @@ TEST_F(DependentLaunchGpu, SeesThePreviousKernelsWrites) {
     const void* src = p.device[MOEJIT_DTYPE_BFLOAT16];  // the producer copies the pool's first rows
     moejit_combine_args a = bf16_args(layout, T, K, routing.rows, H, rows, p.gates_device,
                                       layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? nullptr : indices, out);
-    size_t ws = 0;
-    ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
-    if (ws) {
-      CUDA_OK(cudaMalloc(&workspace, ws));
-      CUDA_OK(cudaMemsetAsync(workspace, 0x7f, ws, stream_));  // any contents
-      a.workspace = workspace;
-      a.workspace_bytes = ws;
-    }
+    ASSERT_NO_FATAL_FAILURE(attach_workspace(&a, &workspace));
+    if (workspace)  // any contents
+      CUDA_OK(cudaMemsetAsync(workspace, 0x7f, a.workspace_bytes, stream_));
     // The reference: a plain call on the real rows.
     CUDA_OK(cudaMemcpyAsync(rows, src, row_bytes, cudaMemcpyDeviceToDevice, stream_));
     ASSERT_EQ(moejit_runtime_combine(rt_, &a, stream_), MOEJIT_SUCCESS)
@@ -1283,13 +1285,7 @@ TEST_F(DependentLaunchGpu, SeesRoutingThePreviousKernelWrote) {
     moejit_combine_args a =
         bf16_args(setup.layout, T, K, routing.rows, H, p.device[MOEJIT_DTYPE_BFLOAT16],
                   p.gates_device, indices, out);
-    size_t ws = 0;
-    ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
-    if (ws) {
-      CUDA_OK(cudaMalloc(&workspace, ws));
-      a.workspace = workspace;
-      a.workspace_bytes = ws;
-    }
+    ASSERT_NO_FATAL_FAILURE(attach_workspace(&a, &workspace));
     // The reference: a plain call on the real routing.
     ASSERT_EQ(moejit_runtime_combine(rt_, &a, stream_), MOEJIT_SUCCESS)
         << moejit_last_error_message();
@@ -1368,7 +1364,7 @@ TEST_F(CombineGpu, OneTokenSkipsDroppedRowsWhateverTheyHold) {
       for (int64_t h = 0; h < H; ++h)
         encode(&rows[r * H], MOEJIT_DTYPE_BFLOAT16, h, kept ? rng.uniform(-1, 1) : NAN);
     }
-    void *d_idx, *d_gates, *d_rows, *d_out, *d_ws;
+    void *d_idx, *d_gates, *d_rows, *d_out, *d_ws = nullptr;
     ASSERT_NO_FATAL_FAILURE(device_copy(token_idx, &d_idx));
     ASSERT_NO_FATAL_FAILURE(device_copy(gates, &d_gates));
     ASSERT_NO_FATAL_FAILURE(device_copy(rows, &d_rows));
@@ -1377,11 +1373,7 @@ TEST_F(CombineGpu, OneTokenSkipsDroppedRowsWhateverTheyHold) {
     // top_k 0: the token index does not use it.
     moejit_combine_args a = bf16_args(MOEJIT_LAYOUT_TOKEN_INDEX, 1, 0, R, H, d_rows,
                                       static_cast<const float*>(d_gates), d_idx, d_out);
-    size_t ws = 0;
-    ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
-    CUDA_OK(cudaMalloc(&d_ws, ws));
-    a.workspace = d_ws;
-    a.workspace_bytes = ws;
+    ASSERT_NO_FATAL_FAILURE(attach_workspace(&a, &d_ws));
     EXPECT_EQ(one_token_mismatches(rt, a,
                                    [&](int64_t h) {
                                      double ref = 0;
@@ -1520,13 +1512,7 @@ TEST_F(CombineGpu, AddressesPastTwoToThe31) {
       CUDA_OK(cudaMemcpy(indices, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
     moejit_combine_args a =
         bf16_args(layout, T, K, routing.rows, H, expert, p.gates_device, indices, out);
-    size_t ws = 0;
-    ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
-    if (ws) {
-      if (!workspace) CUDA_OK(cudaMalloc(&workspace, ws));
-      a.workspace = workspace;
-      a.workspace_bytes = ws;
-    }
+    ASSERT_NO_FATAL_FAILURE(attach_workspace(&a, &workspace));
     CUDA_OK(cudaMemset(out, 0xFF, static_cast<size_t>(T * H * 2)));
     ASSERT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS)
         << moejit_last_error_message();
@@ -1626,14 +1612,8 @@ TEST_F(CombineGpu, RowStridesPastFourGiB) {
                   setup.layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? nullptr : indices, out);
     a.expert_row_stride = stride;
     a.out_row_stride = stride;
-    size_t ws = 0;
     void* workspace = nullptr;
-    ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
-    if (ws) {
-      CUDA_OK(cudaMalloc(&workspace, ws));
-      a.workspace = workspace;
-      a.workspace_bytes = ws;
-    }
+    ASSERT_NO_FATAL_FAILURE(attach_workspace(&a, &workspace));
     for (int64_t t = 0; t < T; ++t)  // the row and the 64 elements after it
       CUDA_OK(cudaMemset(static_cast<uint8_t*>(out) + t * row_bytes, 0xFF, 2 * H * 2));
     ASSERT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS)
@@ -1998,13 +1978,7 @@ TEST_F(CombineGpu, AShapesFirstCallMayBeCaptured) {
     moejit_combine_args a =
         bf16_args(MOEJIT_LAYOUT_TOKEN_INDEX, T, K, routing.rows, H, p.device[MOEJIT_DTYPE_BFLOAT16],
                   p.gates_device, indices, out);
-    size_t ws = 0;
-    ASSERT_EQ(moejit_combine_workspace_size(&a, &ws), MOEJIT_SUCCESS);
-    if (ws) {
-      CUDA_OK(cudaMalloc(&workspace, ws));
-      a.workspace = workspace;
-      a.workspace_bytes = ws;
-    }
+    ASSERT_NO_FATAL_FAILURE(attach_workspace(&a, &workspace));
     moejit_runtime_t rt = memory_only_runtime();
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
