@@ -246,6 +246,43 @@ elseif(STEP STREQUAL "build_example_c")
   set(ENV{PKG_CONFIG_LIBDIR} ${PREFIX}/${PKGCONFIGDIR})
   configure_and_build(c -DPKG_CONFIG_EXECUTABLE=${pc})
 
+elseif(STEP STREQUAL "example_c_makefile")
+  # examples/c/Makefile, the way its header says to use it, in a copy (it builds in its own
+  # directory). A CUDA_HOME without a toolkit is refused by name before the compiler runs: the
+  # link would otherwise fail with undefined cuda* symbols that name no cause.
+  find_program(make NAMES make gmake)
+  if(NOT make)
+    message(FATAL_ERROR "make not found (Debian: apt-get install make)")
+  endif()
+  set(dir ${SCRATCH}/example-c-makefile)
+  file(REMOVE_RECURSE ${dir})
+  file(COPY ${SOURCE_DIR}/examples/c/Makefile ${SOURCE_DIR}/examples/c/combine.c DESTINATION ${dir})
+  set(pc_path PKG_CONFIG_PATH=${PREFIX}/${PKGCONFIGDIR})
+  execute_process(COMMAND ${make} -C ${dir} ${pc_path} CUDA_HOME=${SCRATCH}/no-such-toolkit
+                          CC=${C_COMPILER}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(rc EQUAL 0 OR NOT err MATCHES "no CUDA toolkit at CUDA_HOME=${SCRATCH}/no-such-toolkit")
+    message(FATAL_ERROR "a CUDA_HOME without a toolkit was not refused by name (rc ${rc}):\n"
+                        "${out}\n${err}")
+  endif()
+  if(EXISTS ${dir}/moejit-example-c)
+    message(FATAL_ERROR "the refused build left ${dir}/moejit-example-c")
+  endif()
+  set(ENV{PKG_CONFIG_LIBDIR} ${SCRATCH}/no-such-pkgconfig-dir)  # no system-wide moejit.pc either
+  execute_process(COMMAND ${make} -C ${dir} PKG_CONFIG_PATH=${SCRATCH}/no-such-pkgconfig-dir
+                          CUDA_HOME=${CUDA_ROOT}
+                          CC=${C_COMPILER}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(rc EQUAL 0 OR NOT err MATCHES "pkg-config cannot find moejit")
+    message(FATAL_ERROR "a PKG_CONFIG_PATH without moejit was not refused by name (rc ${rc}):\n"
+                        "${out}\n${err}")
+  endif()
+  # PKG_CONFIG_LIBDIR keeps any system-wide moejit.pc out of it: only the scratch prefix counts.
+  set(ENV{PKG_CONFIG_LIBDIR} ${PREFIX}/${PKGCONFIGDIR})
+  run(${make} -C ${dir} ${pc_path} CUDA_HOME=${CUDA_ROOT} CC=${C_COMPILER})
+  message("${run_output}")
+  expect_file(${dir}/moejit-example-c)
+
 else()
   message(FATAL_ERROR "unknown STEP '${STEP}'")
 endif()
