@@ -568,7 +568,9 @@ int main_impl(int argc, char** argv) {
   app.add_option("--cache-dir", o.cache_dir,
                  "cache directory (default: as the library, e.g. ~/.cache/moejit)")
       ->type_name("DIR");
-  app.add_option("-j,--jobs", o.jobs, "parallel compilations (default: number of cores)")
+  app.add_option("-j,--jobs", o.jobs,
+                 "parallel compilations (default: number of cores); --verify compiles nothing and "
+                 "ignores it")
       ->check(CLI::Range(1u, 1024u));
   app.add_flag("-q,--quiet", o.quiet, "no progress and no summary (errors are still printed)");
   app.add_flag("-n,--dry-run", o.dry_run,
