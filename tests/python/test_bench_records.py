@@ -110,6 +110,27 @@ def test_main_table_has_the_same_size_copy(merge_results):
     assert decode.split(" | ")[6] == "", decode
 
 
+def test_main_table_names_the_ceiling_of_the_peers_percentages(merge_results):
+    # A peer's % is of its own harness's ceiling (peers.py's), not the bench's that the table's
+    # first line gives: the line must say so, or a slower peer could show the higher %.
+    peers = peers_json()
+    peers["copy_ceiling_gbps"] = 2000.0
+    text = merge_results.markdown(merge_results.merge(bench_json(), peers))
+    intro = text.splitlines()[0]
+    assert "copy ceiling 4000 GB/s" in intro
+    assert "The peers' % are of peers.py's own copy ceiling, 2000 GB/s" in intro, intro
+    prefill = [line for line in text.splitlines() if line.startswith("| T4096 K8 H7168 bf16 |")][0]
+    # Triton 122.2 us on the gather map's minimal bytes (1000 GB/s x 143 us): 143e6 / 122.2e3 /
+    # 2000 = 58.5%, where the bench's ceiling would give 29%.
+    assert "| 122.2 (59%) |" in prefill, prefill
+    # Without the peers, or with the same ceiling, nothing to say.
+    assert "peers.py's own copy ceiling" not in merge_results.markdown(
+        merge_results.merge(bench_json(), None))
+    peers["copy_ceiling_gbps"] = 4000.0
+    assert "peers.py's own copy ceiling" not in merge_results.markdown(
+        merge_results.merge(bench_json(), peers))
+
+
 def test_one_harness_table_needs_the_peers(merge_results):
     # Without the peers' empty kernel the table stays, without "x empty".
     text = merge_results.markdown(merge_results.merge(bench_json(), peers_json(None)))

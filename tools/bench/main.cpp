@@ -6,6 +6,7 @@
 // 2 bad command line, 3 a case failed its check (NaN left in the output, error over the bound,
 // non-deterministic output, or moe_combine returned an error).
 #include <cuda_runtime.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <climits>
@@ -13,8 +14,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -108,11 +109,29 @@ std::vector<Shape> builtin_cases(bool quick, bool extra) {
   return list;
 }
 
+// The fields of text between the separators, empty ones included ("a," is "a" and "", "" is one
+// empty field). std::getline dropped a trailing empty field: "--case 1,8,7168,bf16," and
+// "--layout ''" were accepted (the latter ran every layout).
 std::vector<std::string> split(const std::string& text, char sep) {
   std::vector<std::string> parts;
-  std::stringstream in(text);
-  for (std::string part; std::getline(in, part, sep);) parts.push_back(part);
+  size_t begin = 0;
+  for (size_t end; (end = text.find(sep, begin)) != std::string::npos; begin = end + 1)
+    parts.push_back(text.substr(begin, end - begin));
+  parts.push_back(text.substr(begin));
   return parts;
+}
+
+// Whether path can be written as --json's file: checked before the run, which takes minutes;
+// the write at its end failed with exit code 1 and lost every figure.
+bool json_path_writable(const std::string& path) {
+  namespace fs = std::filesystem;
+  if (path.empty()) return false;
+  std::error_code ec;
+  const fs::path file(path);
+  if (fs::is_directory(file, ec)) return false;
+  if (fs::exists(file, ec)) return access(path.c_str(), W_OK) == 0;
+  const fs::path dir = file.parent_path().empty() ? fs::path(".") : file.parent_path();
+  return fs::is_directory(dir, ec) && access(dir.c_str(), W_OK | X_OK) == 0;
 }
 
 // A decimal integer in min..max; false for anything else (empty, trailing text, overflow).
@@ -219,9 +238,9 @@ bool parse(int argc, char** argv, Options* o) {
         moejit_layout l;
         if (!parse_layout(name, &l)) {
           std::fprintf(stderr,
-                       "moejit-bench: --layout %s: expected token_major, gather_map or "
+                       "moejit-bench: --layout %s: '%s' is not token_major, gather_map or "
                        "token_index\n",
-                       name.c_str());
+                       v.c_str(), name.c_str());
           return false;
         }
         o->layouts.push_back(l);
@@ -242,6 +261,11 @@ bool parse(int argc, char** argv, Options* o) {
       o->pipeline = true;
     } else if (a == "--json") {
       if (!next(&o->json_path)) return false;
+      if (!json_path_writable(o->json_path)) {
+        std::fprintf(stderr, "moejit-bench: --json '%s': cannot write a file there\n",
+                     o->json_path.c_str());
+        return false;
+      }
     } else if (a == "--reps" || a == "--warmup" || a == "--check-tokens" || a == "--seed") {
       // --reps and --warmup are ints; --check-tokens and --seed take any non-negative int64.
       const int64_t min = a == "--reps" ? 1 : (a == "--check-tokens" ? 2 : 0);
@@ -499,6 +523,9 @@ void write_json(const std::string& path, const std::string& device, const Floors
   j.end_object();
   std::ofstream out(path);
   out << j.str() << "\n";
+  // Closed before the check: the buffered bytes reach the file only then, and a full disk failed
+  // after "wrote" had been printed (and the exit code said 0).
+  out.close();
   if (!out) throw std::runtime_error("cannot write " + path);
   std::printf("wrote %s\n", path.c_str());
 }

@@ -169,6 +169,12 @@ def markdown(merged):
                f"flushed, (% of the copy ceiling); \"x empty\" is gather_map / empty kernel; "
                f"\"same-size copy\": a device-to-device copy moving the same bytes, timed the "
                f"same way (what a launch of that size leaves of the ceiling).")
+    if merged.get("peers") and peer_ceiling != ceiling:
+        # Each peer's % divides by the ceiling of the harness it ran in: said here, or a row could
+        # read as if a slower peer (132.4 us, 95%) reached more of one ceiling than libmoejit
+        # (131.8 us, 94%).
+        out[-1] += (f" The peers' % are of peers.py's own copy ceiling, {peer_ceiling:.0f} GB/s "
+                    f"(the harness they ran in).")
     out.append("")
     header = ["case", "libmoejit token_major", "libmoejit gather_map", "libmoejit token_index",
               "x empty", "L2-warm gather_map", "same-size copy"] + [title for _, title, _ in PEERS]
