@@ -283,6 +283,19 @@ def test_peers_fails_a_wrong_libmoejit_result(peers):
         assert peers.libmoejit_failures([wrong]) == [(peers.shape_text(wrong),
                                                       "libmoejit_gather_map")], wrong
     assert peers.libmoejit_failures([shape("fp16", rel_err=2.1e-4, rel_err_after=2.1e-4)]) == []
+    # Records with their own bound (one rounding of the reference, 1.25 times, plus 1e-6): an
+    # error within it passes, bf16 accumulation (1.45 times one rounding at K=2) does not, nor do
+    # tokens over their own bound or an Inf.
+    bound = peers.error_bound(1.66e-3)
+    assert peers.libmoejit_failures([shape("bf16", rel_err=1.66e-3, rel_err_after=1.66e-3,
+                                           rel_err_bound=bound)]) == []
+    for wrong in (shape("bf16", rel_err=2.4e-3, rel_err_after=2.4e-3, rel_err_bound=bound),
+                  shape("bf16", rel_err=1.66e-3, rel_err_after=1.66e-3, rel_err_bound=bound,
+                        tokens_over_bound=1),
+                  shape("bf16", rel_err=1.66e-3, rel_err_after=1.66e-3, rel_err_bound=bound,
+                        nonfinite_elements=1)):
+        assert peers.libmoejit_failures([wrong]) == [(peers.shape_text(wrong),
+                                                      "libmoejit_gather_map")], wrong
 
 
 def test_parity_split_is_odd_minus_even_runs(peers):

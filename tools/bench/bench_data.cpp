@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -148,7 +149,8 @@ HostInputs make_inputs(const Shape& shape, uint64_t seed) {
     }
   });
 
-  // Gates like a router's top-k softmax: positive, each token's sum 1.
+  // Gates like a router's top-k softmax: positive, each token's sum 1. At K = 1 that would make
+  // every gate exactly 1: a top-1 router's sigmoid score instead (Llama 4), not normalized.
   in.gates.resize(static_cast<size_t>(R));
   const uint64_t gate_seed = mix(seed ^ 0x6a7e5ull);
   for (int64_t t = 0; t < T; ++t) {
@@ -159,6 +161,7 @@ HostInputs make_inputs(const Shape& shape, uint64_t seed) {
       in.gates[static_cast<size_t>(t * K + k)] = static_cast<float>(u);
       sum += u;
     }
+    if (K == 1) continue;
     for (int64_t k = 0; k < K; ++k)
       in.gates[static_cast<size_t>(t * K + k)] =
           static_cast<float>(in.gates[static_cast<size_t>(t * K + k)] / sum);
@@ -189,16 +192,21 @@ HostInputs make_inputs(const Shape& shape, uint64_t seed) {
   return in;
 }
 
-double error_bound(moejit_dtype out_dtype) {
-  switch (out_dtype) {
-    case MOEJIT_DTYPE_FLOAT32:
-      return 1e-5;
-    case MOEJIT_DTYPE_FLOAT16:
-      return 1e-3;
-    case MOEJIT_DTYPE_BFLOAT16:
-      return 1e-2;
-  }
-  return 0.0;
+double round_to(moejit_dtype out_dtype, double value) {
+  if (value == 0.0 || !std::isfinite(value)) return value;
+  // Significand bits after the leading one, and the least normal exponent, of each dtype.
+  const int mantissa = out_dtype == MOEJIT_DTYPE_FLOAT32   ? 23
+                       : out_dtype == MOEJIT_DTYPE_FLOAT16 ? 10
+                                                           : 7;
+  const int min_exponent = out_dtype == MOEJIT_DTYPE_FLOAT16 ? -14 : -126;
+  int e = 0;
+  std::frexp(value, &e);  // |value| in [2^(e-1), 2^e)
+  const double quantum = std::ldexp(1.0, std::max(e - 1, min_exponent) - mantissa);
+  return std::nearbyint(value / quantum) * quantum;  // ties to even: the default rounding mode
+}
+
+double error_bound(double rounding) {
+  return 1.25 * rounding + 1e-6;
 }
 
 std::vector<int64_t> check_tokens(int64_t tokens, int64_t max_tokens) {
@@ -217,18 +225,26 @@ CheckResult check_output(const HostInputs& in, const std::vector<uint8_t>& out,
   const Shape& s = in.shape;
   const int64_t K = s.top_k, H = s.hidden;
   CheckResult result;
+  result.checked_tokens = static_cast<int64_t>(tokens.size());
 
-  std::atomic<int64_t> unwritten{0};
+  std::atomic<int64_t> nonfinite{0};
   parallel_for(s.tokens * H, 1 << 16, [&](int64_t begin, int64_t end) {
     int64_t n = 0;
-    for (int64_t i = begin; i < end; ++i) n += std::isnan(decode(s.out_dtype, out.data(), i));
-    unwritten += n;
+    for (int64_t i = begin; i < end; ++i) n += !std::isfinite(decode(s.out_dtype, out.data(), i));
+    nonfinite += n;
   });
-  result.unwritten = unwritten.load();
+  result.nonfinite = nonfinite.load();
 
-  std::atomic<double> err2{0.0}, ref2{0.0};
+  // Squared norms over the checked tokens: error, rounding, reference. Each token is also held to
+  // its own bound; bad tokens are counted and the first one named.
+  struct Sums {
+    double err2 = 0.0, round2 = 0.0, ref2 = 0.0;
+    int64_t bad = 0, first_bad = -1;
+  };
+  std::mutex mutex;
+  Sums total;
   parallel_for(static_cast<int64_t>(tokens.size()), 4, [&](int64_t begin, int64_t end) {
-    double e = 0.0, r = 0.0;
+    Sums part;
     std::vector<double> ref(static_cast<size_t>(H));
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = tokens[static_cast<size_t>(i)];
@@ -239,21 +255,37 @@ CheckResult check_output(const HostInputs& in, const std::vector<uint8_t>& out,
         for (int64_t h = 0; h < H; ++h)
           ref[static_cast<size_t>(h)] += g * decode(s.in_dtype, in.token_major.data(), row * H + h);
       }
+      double e = 0.0, q = 0.0, r = 0.0;
       for (int64_t h = 0; h < H; ++h) {
-        const double o = decode(s.out_dtype, out.data(), t * H + h);
-        const double d = o - ref[static_cast<size_t>(h)];
+        const double x = ref[static_cast<size_t>(h)];
+        const double d = decode(s.out_dtype, out.data(), t * H + h) - x;
+        const double dq = round_to(s.out_dtype, x) - x;
         e += d * d;
-        r += ref[static_cast<size_t>(h)] * ref[static_cast<size_t>(h)];
+        q += dq * dq;
+        r += x * x;
       }
+      // NaN compares false: a NaN error is a bad token.
+      if (!(std::sqrt(e) <= error_bound(std::sqrt(q / r)) * std::sqrt(r))) {
+        if (part.bad++ == 0) part.first_bad = t;
+      }
+      part.err2 += e;
+      part.round2 += q;
+      part.ref2 += r;
     }
-    // atomic<double> has no fetch_add before C++20: a CAS loop.
-    for (double old = err2.load(); !err2.compare_exchange_weak(old, old + e);) {
-    }
-    for (double old = ref2.load(); !ref2.compare_exchange_weak(old, old + r);) {
-    }
+    std::lock_guard<std::mutex> lock(mutex);
+    total.err2 += part.err2;
+    total.round2 += part.round2;
+    total.ref2 += part.ref2;
+    if (part.bad > 0 && (total.first_bad < 0 || part.first_bad < total.first_bad))
+      total.first_bad = part.first_bad;
+    total.bad += part.bad;
   });
-  result.rel_err =
-      ref2.load() > 0.0 ? std::sqrt(err2.load() / ref2.load()) : std::sqrt(err2.load());
+  const double norm = total.ref2 > 0.0 ? std::sqrt(total.ref2) : 1.0;
+  result.rel_err = std::sqrt(total.err2) / norm;
+  result.rounding_err = std::sqrt(total.round2) / norm;
+  result.bound = error_bound(result.rounding_err);
+  result.bad_tokens = total.bad;
+  result.first_bad_token = total.first_bad;
   return result;
 }
 

@@ -60,7 +60,7 @@ void usage(FILE* to) {
       "  --no-l2-warm                    skip the L2-warm timing\n"
       "  --reps N                        timed runs per figure (default 200, 100 if > 64 MB)\n"
       "  --warmup N                      untimed runs first (default 10)\n"
-      "  --check-tokens N                float64 reference on at most N tokens (default 512)\n"
+      "  --check-tokens N                float64 reference on at most N tokens (default: all)\n"
       "  --seed N                        input seed\n"
       "  --jit                           also measure compile, disk-cache and launch costs\n"
       "  --jit-only                      only the JIT figures\n"
@@ -346,12 +346,21 @@ void print_result(const CaseResult& r) {
     return;
   }
   std::string check = r.correct ? "ok" : "FAIL";
-  if (r.unwritten > 0) check += " (" + std::to_string(r.unwritten) + " NaN)";
+  const CheckResult& c = r.check;
+  if (c.nonfinite > 0) check += " (" + std::to_string(c.nonfinite) + " NaN or Inf)";
+  if (c.bad_tokens > 0)
+    check += " (" + std::to_string(c.bad_tokens) + " of " + std::to_string(c.checked_tokens) +
+             " tokens over their bound, the first " + std::to_string(c.first_bad_token) + ")";
+  if (!(c.rel_err <= c.bound)) {
+    char text[64];
+    std::snprintf(text, sizeof text, " (rel_err over %.2e)", c.bound);
+    check += text;
+  }
   if (!r.deterministic) check += " (output changed between runs)";
   std::printf("%-12s %-22s %10.2f %10.2f %8.0f %6.1f%% %6.1f%% %8.2f %9.2f %9.2e %+10.2f  %s\n",
               layout_text(r.layout), r.shape.describe().c_str(), r.median_us, r.l2_warm_us, r.gbps,
-              r.pct_ceiling, r.pct_floor_with_launch, r.ratio_empty, r.same_size_copy_us, r.rel_err,
-              r.parity_split_us, check.c_str());
+              r.pct_ceiling, r.pct_floor_with_launch, r.ratio_empty, r.same_size_copy_us,
+              r.check.rel_err, r.parity_split_us, check.c_str());
 }
 
 void print_pipeline(const std::vector<PipelineResult>& results) {
@@ -432,8 +441,12 @@ void write_json(const std::string& path, const std::string& device, const Floors
       j.member("same_size_copy_us", r.same_size_copy_us);
       j.member("pct_ceiling_same_size_copy", r.same_size_copy_pct_ceiling);
       j.member("pct_floor_with_launch_same_size_copy", r.same_size_copy_pct_floor_with_launch);
-      j.member("rel_err", r.rel_err);
-      j.member("nan_elements", r.unwritten);
+      j.member("rel_err", r.check.rel_err);
+      j.member("rel_err_bound", r.check.bound);
+      j.member("rounding_rel_err", r.check.rounding_err);
+      j.member("checked_tokens", r.check.checked_tokens);
+      j.member("tokens_over_bound", r.check.bad_tokens);
+      j.member("nonfinite_elements", r.check.nonfinite);
       j.member("deterministic", r.deterministic);
       j.member("correct", r.correct);
       j.member("reps", r.reps);
