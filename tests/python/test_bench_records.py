@@ -110,6 +110,24 @@ def test_main_table_has_the_same_size_copy(merge_results):
     assert decode.split(" | ")[6] == "", decode
 
 
+def test_main_table_takes_x_empty_and_l2_warm_from_the_gather_map_only(merge_results):
+    bench = bench_json()
+    bench["cases"] = [c for c in bench["cases"] if c["layout"] != "gather_map" or c["T"] == 1]
+    for c in bench["cases"]:
+        if c["T"] == 4096 and c["layout"] == "token_major":
+            c["error"] = "moe_combine: out of memory"
+    text = merge_results.markdown(merge_results.merge(bench, peers_json()))
+    row = [line for line in text.splitlines() if line.startswith("| T4096 K8 H7168 bf16 |")][0]
+    cells = row.split(" | ")
+    # token_major errored, no gather_map: no "x empty" or L2-warm of another layout's...
+    assert cells[1:4] == ["error", "", "156.0 (25%)"], row
+    assert cells[4:6] == ["", ""], row
+    # ...but the peers keep their % (from the bytes of a layout that ran).
+    assert "122.2 (" in row, row
+    decode = [line for line in text.splitlines() if line.startswith("| T1 K8 H7168 bf16 |")][0]
+    assert decode.split(" | ")[4] == "1.38x", decode
+
+
 def test_main_table_names_the_ceiling_of_the_peers_percentages(merge_results):
     # A peer's % is of its own harness's ceiling (peers.py's), not the bench's that the table's
     # first line gives: the line must say so, or a slower peer could show the higher %.

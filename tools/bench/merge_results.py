@@ -194,9 +194,14 @@ def markdown(merged):
             else:
                 cell = fmt_us(c.get("median_us"), c.get("pct_ceiling"))
                 cells.append(cell + ("" if c.get("correct", True) else " FAIL"))
-        g = by_layout.get("gather_map") or next(iter(by_layout.values()))
-        cells.append(f"{g['ratio_empty']:.2f}x" if g.get("ratio_empty") else "")
-        cells.append(fmt_us(g.get("l2_warm_us")))
+        # "x empty" and the L2-warm time are the gather map's own: blank where it did not run.
+        # The shape's figures (same-size copy, bytes, peers) come from any layout that ran.
+        gm = by_layout.get("gather_map") or {}
+        gm = {} if gm.get("error") else gm
+        ran = [c for c in by_layout.values() if not c.get("error")]
+        g = gm or (ran[0] if ran else next(iter(by_layout.values())))
+        cells.append(f"{gm['ratio_empty']:.2f}x" if gm.get("ratio_empty") else "")
+        cells.append(fmt_us(gm.get("l2_warm_us")))
         cells.append(fmt_us(g.get("same_size_copy_us") or None,
                             g.get("pct_ceiling_same_size_copy") or None))
         peers_us = g.get("peers_us") or {}
