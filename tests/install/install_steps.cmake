@@ -258,25 +258,23 @@ elseif(STEP STREQUAL "example_c_makefile")
   file(REMOVE_RECURSE ${dir})
   file(COPY ${SOURCE_DIR}/examples/c/Makefile ${SOURCE_DIR}/examples/c/combine.c DESTINATION ${dir})
   set(pc_path PKG_CONFIG_PATH=${PREFIX}/${PKGCONFIGDIR})
-  execute_process(COMMAND ${make} -C ${dir} ${pc_path} CUDA_HOME=${SCRATCH}/no-such-toolkit
-                          CC=${C_COMPILER}
-                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(rc EQUAL 0 OR NOT err MATCHES "no CUDA toolkit at CUDA_HOME=${SCRATCH}/no-such-toolkit")
-    message(FATAL_ERROR "a CUDA_HOME without a toolkit was not refused by name (rc ${rc}):\n"
-                        "${out}\n${err}")
-  endif()
-  if(EXISTS ${dir}/moejit-example-c)
-    message(FATAL_ERROR "the refused build left ${dir}/moejit-example-c")
-  endif()
+  # make with the given variables must fail, saying `reason`, and build nothing.
+  function(expect_make_refused what reason)
+    execute_process(COMMAND ${make} -C ${dir} ${ARGN} CC=${C_COMPILER}
+                    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+    if(rc EQUAL 0 OR NOT err MATCHES "${reason}")
+      message(FATAL_ERROR "${what} was not refused by name (rc ${rc}):\n${out}\n${err}")
+    endif()
+    if(EXISTS ${dir}/moejit-example-c)
+      message(FATAL_ERROR "the refused build left ${dir}/moejit-example-c")
+    endif()
+  endfunction()
+  expect_make_refused("a CUDA_HOME without a toolkit"
+                      "no CUDA toolkit at CUDA_HOME=${SCRATCH}/no-such-toolkit"
+                      ${pc_path} CUDA_HOME=${SCRATCH}/no-such-toolkit)
   set(ENV{PKG_CONFIG_LIBDIR} ${SCRATCH}/no-such-pkgconfig-dir)  # no system-wide moejit.pc either
-  execute_process(COMMAND ${make} -C ${dir} PKG_CONFIG_PATH=${SCRATCH}/no-such-pkgconfig-dir
-                          CUDA_HOME=${CUDA_ROOT}
-                          CC=${C_COMPILER}
-                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(rc EQUAL 0 OR NOT err MATCHES "pkg-config cannot find moejit")
-    message(FATAL_ERROR "a PKG_CONFIG_PATH without moejit was not refused by name (rc ${rc}):\n"
-                        "${out}\n${err}")
-  endif()
+  expect_make_refused("a PKG_CONFIG_PATH without moejit" "pkg-config cannot find moejit"
+                      PKG_CONFIG_PATH=${SCRATCH}/no-such-pkgconfig-dir CUDA_HOME=${CUDA_ROOT})
   # PKG_CONFIG_LIBDIR keeps any system-wide moejit.pc out of it: only the scratch prefix counts.
   set(ENV{PKG_CONFIG_LIBDIR} ${PREFIX}/${PKGCONFIGDIR})
   run(${make} -C ${dir} ${pc_path} CUDA_HOME=${CUDA_ROOT} CC=${C_COMPILER})
