@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <thread>
@@ -187,6 +188,88 @@ const BadCase kBadCases[] = {
        a.workspace_bytes = 16;
      },
      MOEJIT_ERROR_WORKSPACE_TOO_SMALL, "workspace_bytes = 16"},
+    // One past each bound, and the other side of each range (the limits themselves are accepted:
+    // tests/unit/test_combine_args.cpp).
+    {"struct_size_larger", [](auto& a) { a.struct_size = sizeof(moejit_combine_args) + 8; },
+     MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->struct_size = " + std::to_string(sizeof(moejit_combine_args) + 8) +
+         ": must be sizeof(moejit_combine_args)"},
+    {"layout_past_last", [](auto& a) { set_c_enum(a.layout, 3); }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->layout = 3: must be MOEJIT_LAYOUT_TOKEN_MAJOR"},
+    {"layout_negative", [](auto& a) { set_c_enum(a.layout, -1); }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->layout = -1"},
+    {"expert_dtype_negative", [](auto& a) { set_c_enum(a.expert_dtype, -1); },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "args->expert_dtype = -1: must be MOEJIT_DTYPE_FLOAT32 (0)"},
+    {"out_dtype_past_last", [](auto& a) { set_c_enum(a.out_dtype, 3); },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "args->out_dtype = 3: must be MOEJIT_DTYPE_FLOAT32 (0)"},
+    {"index_type_negative", [](auto& a) { set_c_enum(a.index_type, -1); },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "args->index_type = -1"},
+    {"num_tokens_past_max", [](auto& a) { a.num_tokens = MOEJIT_MAX_NUM_TOKENS + 1; },
+     MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->num_tokens = 1099511627777: must be in 0..1099511627776"},
+    {"dependent_launch_negative", [](auto& a) { a.dependent_launch = -1; },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "args->dependent_launch = -1"},
+    {"accumulate_negative", [](auto& a) { a.accumulate = -1; }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->accumulate = -1: must be 0 (overwrite out) or 1 (add into out)"},
+    {"scale_infinite", [](auto& a) { a.scale = INFINITY; }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->scale = inf: must be a finite number"},
+    {"scale_minus_infinite", [](auto& a) { a.scale = -INFINITY; }, MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->scale = -inf: must be a finite number"},
+    // One row of 2^61 + 1 bf16 elements: 2^62 + 2 bytes (the element size counts).
+    {"expert_stride_past_extent",
+     [](auto& a) {
+       a.num_rows = 1;
+       a.expert_row_stride = (int64_t{1} << 61) + 1;
+     },
+     MOEJIT_ERROR_INVALID_ARGUMENT,
+     "args->expert_row_stride = 2305843009213693953: is too large: num_rows = 1 rows of that many "
+     "bf16 elements span more than 2^62 bytes"},
+    // The token-major rows (num_rows 0: num_tokens * top_k of them) are read: there must be some.
+    {"expert_null_token_major",
+     [](auto& a) {
+       a.layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
+       a.num_rows = 0;
+       a.expert_hidden = nullptr;
+     },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "args->expert_hidden = NULL"},
+    // The gather map has num_tokens * top_k entries whatever num_rows is: out placed on its last
+    // entries overlaps it.
+    {"out_overlaps_map_past_num_rows",
+     [](auto& a) {
+       a.num_rows = 1;
+       a.out = fake(moejit_test::kFakeIndices + 65 * 4);
+     },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "overlaps args->indices"},
+    {"out_overlaps_last_gate", [](auto& a) { a.out = fake(moejit_test::kFakeGates + 65 * 4); },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "overlaps args->gates"},
+    {"out_overlaps_last_int64_index",
+     [](auto& a) {
+       a.index_type = MOEJIT_INDEX_INT64;
+       a.out = fake(moejit_test::kFakeIndices + 65 * 8);
+     },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "overlaps args->indices"},
+    // The workspace is written too: it may share bytes with none of the buffers read.
+    {"workspace_overlaps_expert",
+     [](auto& a) {
+       a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+       a.workspace = fake(moejit_test::kFakeExpert + 4096);
+       a.workspace_bytes = 1 << 20;
+     },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "overlaps args->expert_hidden"},
+    {"workspace_overlaps_token_idx",
+     [](auto& a) {
+       a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+       a.workspace = fake(moejit_test::kFakeIndices + 256);  // 66 entries: 264 bytes
+       a.workspace_bytes = 1 << 20;
+     },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "overlaps args->indices"},
+    {"workspace_overlaps_gates",
+     [](auto& a) {
+       a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+       a.workspace = fake(moejit_test::kFakeGates + 256);
+       a.workspace_bytes = 1 << 20;
+     },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "overlaps args->gates"},
     {"workspace_misaligned",
      [](auto& a) {
        a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
@@ -214,6 +297,17 @@ TEST(Api, NullArgs) {
   EXPECT_EQ(moejit_runtime_get_stats(nullptr, nullptr), MOEJIT_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(moejit_runtime_create(nullptr, nullptr), MOEJIT_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(moejit_runtime_destroy(nullptr), MOEJIT_SUCCESS);  // accepts NULL
+}
+
+// moejit_runtime_create: "runtime receives the handle (NULL on failure)", whatever it held.
+TEST(Api, AFailedCreateLeavesANullHandle) {
+  moejit_runtime_options o;
+  moejit_runtime_options_init(&o);
+  set_c_enum(o.cache_mode, 9);
+  int not_a_runtime = 0;
+  moejit_runtime_t rt = reinterpret_cast<moejit_runtime_t>(&not_a_runtime);
+  EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(rt, nullptr);
 }
 
 TEST(Api, StatusNamesAndDescriptions) {
@@ -447,10 +541,27 @@ TEST(Api, RuntimeOptions) {
             std::string::npos);
   EXPECT_EQ(rt, nullptr);
 
+  set_c_enum(o.cache_mode, -1);
+  EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moejit_last_error_message()).find("options->cache_mode = -1"),
+            std::string::npos);
+  EXPECT_EQ(rt, nullptr);
+  // Every mode itself is accepted, the last one included.
+  for (moejit_cache_mode mode : {MOEJIT_CACHE_MODE_DISABLED, MOEJIT_CACHE_MODE_NO_COMPILE}) {
+    o.cache_mode = mode;
+    o.cache_dir = "/nonexistent/moejit-cache";  // no-compile only reads: nothing is created
+    ASSERT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_SUCCESS) << moejit_last_error_message();
+    moejit_runtime_destroy(rt);
+  }
+
   moejit_runtime_options_init(&o);
   set_c_enum(o.log_level, 42);
   EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(moejit_last_error_message()).find("options->log_level = 42"),
+            std::string::npos);
+  set_c_enum(o.log_level, -2);  // below MOEJIT_LOG_DEFAULT
+  EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moejit_last_error_message()).find("options->log_level = -2"),
             std::string::npos);
   set_c_enum(o.log_level, 5);  // between ERROR (4) and OFF (6): no level
   EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
@@ -522,6 +633,44 @@ TEST(Api, BadEnvironmentIsReportedByName) {
   unsetenv("MOEJIT_TEMPLATE_DIR");
 }
 
+// A field of moejit_runtime_options that is set wins over its environment variable, which is then
+// not even read: a malformed one does not fail the create. An empty variable counts as unset.
+TEST(Api, OptionsThatAreSetOverrideTheEnvironment) {
+  moejit_runtime_options o;
+  moejit_runtime_options_init(&o);
+  moejit_runtime_t rt = nullptr;
+  setenv("MOEJIT_CACHE_MODE", "sometimes", 1);
+  setenv("MOEJIT_CACHE_MAX_BYTES", "lots", 1);
+  o.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
+  o.cache_max_bytes = 1 << 20;
+  EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_SUCCESS) << moejit_last_error_message();
+  moejit_runtime_destroy(rt);
+  // Each variable is read where its field is left at the default.
+  o.cache_max_bytes = 0;
+  EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moejit_last_error_message()).find("MOEJIT_CACHE_MAX_BYTES = \"lots\""),
+            std::string::npos)
+      << moejit_last_error_message();
+  o.cache_max_bytes = 1 << 20;
+  o.cache_mode = MOEJIT_CACHE_MODE_DEFAULT;
+  EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moejit_last_error_message()).find("MOEJIT_CACHE_MODE = \"sometimes\""),
+            std::string::npos)
+      << moejit_last_error_message();
+  // Empty: as if unset (read-write, here in a directory of the test's own).
+  setenv("MOEJIT_CACHE_MODE", "", 1);
+  setenv("MOEJIT_CACHE_MAX_BYTES", "", 1);
+  char dir[] = "/tmp/moejit-api-test-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  o.cache_max_bytes = 0;
+  o.cache_dir = dir;
+  EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_SUCCESS) << moejit_last_error_message();
+  moejit_runtime_destroy(rt);
+  unsetenv("MOEJIT_CACHE_MODE");
+  unsetenv("MOEJIT_CACHE_MAX_BYTES");
+  std::filesystem::remove_all(dir);
+}
+
 // A malformed MOEJIT_LOG_LEVEL is reported when a runtime is created, not at the library's first
 // message: at the default level that may never come, and whoever asked for "verbose" would see
 // nothing at all. The logger reads the variable once per process, so the check runs in a fresh
@@ -579,6 +728,14 @@ TEST(Api, StatsStructSizeIsChecked) {
                       std::to_string(sizeof(moejit_stats)) + " for this library version)"),
             std::string::npos)
       << moejit_last_error_message();
+  // The smallest accepted size: struct_size and the first counter, and nothing past it written.
+  std::memset(&s, 0xAB, sizeof(s));
+  s.struct_size = sizeof(size_t) + sizeof(uint64_t);
+  ASSERT_EQ(moejit_runtime_get_stats(nullptr, &s), MOEJIT_SUCCESS) << moejit_last_error_message();
+  EXPECT_NE(s.memory_hits, 0xABABABABABABABABull);
+  EXPECT_EQ(s.disk_hits, 0xABABABABABABABABull);
+  s.struct_size = sizeof(size_t) + sizeof(uint64_t) - 1;
+  EXPECT_EQ(moejit_runtime_get_stats(nullptr, &s), MOEJIT_ERROR_INVALID_ARGUMENT);
   // A size that ends inside a field: the fields before it are written, that one not at all.
   moejit_runtime_options o;
   moejit_runtime_options_init(&o);

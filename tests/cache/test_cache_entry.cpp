@@ -156,6 +156,66 @@ TEST(CacheEntry, InconsistentMetadataIsRejected) {
   rejects(m, "no arch");
 }
 
+// Each check stands on its own: an entry whose checksums are right (a foreign writer, or one with
+// a bug) but whose content is wrong in one way only is rejected, for that reason. (Damage that
+// also breaks a checksum is rejected by the checksum first: the tests above.)
+TEST(CacheEntry, EachCheckRejectsOnItsOwn) {
+  const std::string good = encode_cache_entry(sample_key(), sample_module());
+  auto reason = [](const std::string& bytes) {
+    std::string why;
+    EXPECT_FALSE(parses(bytes, &why));
+    return why;
+  };
+  std::string e = good;
+  e[1] = 'X';  // magic "\x89XOEJIT\n"
+  reseal(&e);
+  EXPECT_EQ(reason(e), "not a moejit cache entry");
+  e = good;
+  e[12] = 80;  // header size
+  reseal(&e);
+  EXPECT_EQ(reason(e), "unexpected header size");
+  e = good + "x";  // a byte past the last field, inside the payload the header declares
+  put_u64(&e, 48, e.size() - 72);
+  reseal(&e);
+  EXPECT_EQ(reason(e), "malformed payload");
+  e = good;
+  e[72 + 4] = 2;  // the ptx flag: 0 or 1
+  reseal(&e);
+  EXPECT_EQ(reason(e), "implausible target");
+
+  auto rejected_for = [&](const CompiledModule& m) {
+    return reason(encode_cache_entry(sample_key(), m));
+  };
+  CompiledModule m = sample_module();  // an arch of 0, with options that build for it
+  m.target.sm = 0;
+  m.options[1] = "--gpu-architecture=sm_0";
+  EXPECT_EQ(rejected_for(m), "implausible target");
+  m.target.sm = 100000;
+  m.options[1] = "--gpu-architecture=sm_100000";
+  EXPECT_EQ(rejected_for(m), "implausible target");
+  m = sample_module();  // PTX for the arch its options name, without the terminating NUL
+  m.target.ptx = true;
+  m.options[1] = "--gpu-architecture=compute_90";
+  m.image = ".version 9.0\n.target sm_90\n";
+  EXPECT_EQ(rejected_for(m), "PTX image is not NUL-terminated");
+  m.image.clear();
+  EXPECT_EQ(rejected_for(m), "empty image");
+  m = sample_module();
+  m.image.clear();
+  EXPECT_EQ(rejected_for(m), "empty image");
+  m = sample_module();
+  m.image =
+      "\x7f"
+      "EL";
+  EXPECT_EQ(rejected_for(m), "cubin is not ELF");
+  m = sample_module();
+  m.options[1] = "--gpu-architecture=sm_900";
+  EXPECT_EQ(rejected_for(m), "options do not build for sm_90");
+  m = sample_module();
+  m.lowered_names[1].clear();
+  EXPECT_EQ(rejected_for(m), "empty lowered name");
+}
+
 TEST(CacheEntry, KeysAreHexOnly) {
   EXPECT_TRUE(is_cache_key(sample_key()));
   EXPECT_FALSE(is_cache_key(""));

@@ -79,6 +79,7 @@ TEST_F(CacheEviction, NeverDeletesAnEntryBeingReplacedOrJustWritten) {
   for (int i = 0; i < 3; ++i) ASSERT_EQ(obtain(i, 1ull << 30), Source::kCompiled);
   age(0, 1000);
   age(1, 1000);
+  age(2, 5);  // five seconds old: still under the minimum eviction age (10 s)
   // Entry 2 is young (as if it had just replaced an older one); entry 1 is being rebuilt by
   // "another process", which holds its build lock.
   Stats s;
@@ -150,6 +151,7 @@ TEST_F(CacheEviction, NeverDeletesFilesThatAreNotTheCaches) {
       shard + "/build.lock",
       shard + "/notes.moejit",
       shard + "/.notes.1.x.0.tmp",
+      shard + "/x" + keys_[0] + ".1.deadbeef.0.tmp",  // a temp file's name but for the dot
       shard + "/" + keys_[0] + ".moejit.bak",
   };
   struct timespec old[2];

@@ -3,9 +3,15 @@
 // (cupy#9830).
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #include "cache_key.h"
 #include "cache_test_util.h"
 #include "kernel_store.h"
+#include "moejit/moejit.h"
 
 namespace moejit {
 namespace {
@@ -97,6 +103,48 @@ TEST_F(CacheKey, ChangesWithCompilerAndFormatVersion) {
   EXPECT_NE(cache_key(request_, "12.9", kCacheFormatVersion), base_);
   EXPECT_NE(cache_key(request_, "13.0", kCacheFormatVersion + 1), base_);
   EXPECT_EQ(cache_key(request_), cache_key(request_, nvrtc_version(), kCacheFormatVersion));
+}
+
+// The key is the XXH3-128 of its fields, each length-prefixed, in a fixed order (cache_key.h),
+// all 128 bits in hex. Recomputed here from that description: the one way a test can see that the
+// library version is among the fields (a test cannot change it), and that no bit of the hash is
+// dropped or repeated.
+TEST_F(CacheKey, IsTheHashOfEveryDocumentedField) {
+  auto expected = [](const CompileRequest& r, const std::string& nvrtc, int format) {
+    XXH3_state_t* state = XXH3_createState();
+    XXH3_128bits_reset(state);
+    auto add = [&](const std::string& field) {
+      const unsigned long long n = field.size();
+      XXH3_128bits_update(state, &n, sizeof(n));
+      XXH3_128bits_update(state, field.data(), field.size());
+    };
+    add("libmoejit-cache-key");
+    add(std::to_string(format));
+    add(moejit_version_string());
+    add(nvrtc);
+    add(r.target.name());
+    add(std::to_string(r.options.size()));
+    for (const std::string& o : r.options) add(o);
+    add(std::to_string(r.name_expressions.size()));
+    for (const std::string& e : r.name_expressions) add(e);
+    add(r.source);
+    add(std::to_string(r.headers.size()));
+    for (const auto& [name, bytes] : r.headers) {
+      add(name);
+      add(bytes);
+    }
+    const XXH128_hash_t h = XXH3_128bits_digest(state);
+    XXH3_freeState(state);
+    char hex[33];
+    std::snprintf(hex, sizeof(hex), "%016llx%016llx", static_cast<unsigned long long>(h.high64),
+                  static_cast<unsigned long long>(h.low64));
+    return std::string(hex);
+  };
+  EXPECT_EQ(base_, expected(request_, "13.0", kCacheFormatVersion));
+  EXPECT_EQ(key(store_.request_for(test::small_spec(1), Target{80, true})),
+            expected(store_.request_for(test::small_spec(1), Target{80, true}), "13.0",
+                     kCacheFormatVersion));
+  EXPECT_NE(base_.substr(0, 16), base_.substr(16));
 }
 
 TEST_F(CacheKey, FieldBoundariesMatter) {

@@ -1,6 +1,7 @@
 // The disk cache under the kernel store, with real (host-only) NVRTC compiles: every damaged
 // entry is a counted, warned miss followed by a good entry; modes; directory faults and the
 // security checks fall back to memory with one warning and never a wrong hit.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -166,6 +167,30 @@ TEST_F(CacheStore, VerifyReportsAndRepairs) {
   EXPECT_TRUE(verify_cache_dir(scratch_ / "nothing-here", false).error.empty());
 }
 
+// The runtime looks for an entry only in the shard directory its key names (<ab>/<key>.moejit): a
+// valid entry copied into another shard is never served, so verify calls it invalid (and repair
+// removes it).
+TEST_F(CacheStore, VerifyCallsAnEntryInAnotherShardInvalid) {
+  Stats s;
+  obtain(0, &s);
+  const std::string key = key_of(0);
+  const std::string other_shard = key[0] == '0' ? "1f" : "0f";
+  const fs::path shard = fs::path(dir_) / ("v" + std::to_string(kCacheFormatVersion)) / other_shard;
+  ASSERT_TRUE(fs::create_directory(shard));
+  ASSERT_EQ(chmod(shard.c_str(), 0700), 0);
+  const fs::path stray = shard / (key + ".moejit");
+  fs::copy_file(entry_of(0), stray);
+  CacheVerifyReport report = verify_cache_dir(dir_, false);
+  EXPECT_EQ(report.entries, 2u);
+  EXPECT_EQ(report.valid, 1u);
+  ASSERT_EQ(report.invalid_paths.size(), 1u);
+  EXPECT_EQ(fs::path(report.invalid_paths[0]), stray);
+  report = verify_cache_dir(dir_, true);
+  EXPECT_EQ(report.removed, 1u);
+  EXPECT_FALSE(fs::exists(stray));
+  EXPECT_TRUE(fs::exists(entry_of(0)));
+}
+
 // verify applies the runtime's directory checks to the cache directory and v1: a directory the
 // runtime refuses is reported, and repair never deletes anything through a symlink.
 TEST_F(CacheStore, VerifyRefusesUnsafeDirectoriesAndNeverFollowsSymlinks) {
@@ -265,6 +290,12 @@ TEST_F(CacheStore, ReadOnlyModeServesHitsAndWritesNothing) {
 
 TEST_F(CacheStore, NoCompileModeServesHitsAndRefusesMisses) {
   Stats s;
+  {
+    // Like read-only, it never creates or writes anything: a missing directory stays missing.
+    KernelStore missing(test::cache_settings(dir_, MOEJIT_CACHE_MODE_NO_COMPILE), s);
+    EXPECT_FALSE(missing.has_disk_cache());
+    EXPECT_FALSE(fs::exists(dir_));
+  }
   obtain(0, &s);
   Stats nc;
   EXPECT_EQ(obtain(0, &nc, MOEJIT_CACHE_MODE_NO_COMPILE), Source::kDisk);
@@ -286,6 +317,18 @@ TEST_F(CacheStore, NoCompileModeServesHitsAndRefusesMisses) {
   }
   EXPECT_EQ(nc.compiles.load(), 0u);
   EXPECT_FALSE(fs::exists(entry_of(1)));
+  // A hit does not refresh the entry's last use either (a read-write hit does, after a minute).
+  struct timespec old[2];
+  clock_gettime(CLOCK_REALTIME, &old[0]);
+  old[0].tv_sec -= 3600;
+  old[0].tv_nsec = 0;
+  old[1] = old[0];
+  ASSERT_EQ(utimensat(AT_FDCWD, entry_of(0).c_str(), old, 0), 0);
+  Stats again;
+  EXPECT_EQ(obtain(0, &again, MOEJIT_CACHE_MODE_NO_COMPILE), Source::kDisk);
+  struct stat st {};
+  ASSERT_EQ(stat(entry_of(0).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mtim.tv_sec, old[0].tv_sec) << "a no-compile hit wrote the entry's mtime";
 }
 
 TEST_F(CacheStore, DisabledModeTouchesNoDisk) {
@@ -303,6 +346,12 @@ TEST_F(CacheStore, CreatesTheDirectoryAndOneMissingParent) {
   EXPECT_EQ(obtain(0, &s), Source::kCompiled);
   EXPECT_TRUE(fs::is_regular_file(entry_of(0)));
   EXPECT_EQ(warnings_->warnings(), 0);
+  // Both created 0700, the parent too (docs/cache.md: a fresh ~/.cache is not opened to others).
+  struct stat st {};
+  ASSERT_EQ(stat(dir_.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  ASSERT_EQ(stat(fs::path(dir_).parent_path().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
 }
 
 // Falls back to memory with exactly one warning and one counted disk error, compiles fine, and
@@ -512,6 +561,35 @@ TEST_F(CacheStore, ARelativeXdgCacheHomeIsIgnored) {
   EXPECT_EQ(resolve_settings(nullptr).cache_dir, "/var/cache/moejit-test/moejit");
   ::setenv("XDG_CACHE_HOME", "relative/cache", 1);
   EXPECT_EQ(resolve_settings(nullptr).cache_dir, "/home/moejit-test/.cache/moejit");
+  for (const auto& [name, value] : saved) {
+    if (value)
+      ::setenv(name.c_str(), value->c_str(), 1);
+    else
+      ::unsetenv(name.c_str());
+  }
+}
+
+// moejit_runtime_options: a field left at zero / NULL takes the environment's value, an empty
+// string as well (as an empty variable counts as unset); a field that is set wins.
+TEST_F(CacheStore, OptionsFallBackToTheEnvironmentOnlyWhereUnset) {
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved;
+  for (const char* name : {"MOEJIT_CACHE_DIR", "MOEJIT_CACHE_MAX_BYTES"}) {
+    const char* v = std::getenv(name);
+    saved.emplace_back(name, v != nullptr ? std::optional<std::string>(v) : std::nullopt);
+  }
+  ::setenv("MOEJIT_CACHE_DIR", "/var/cache/moejit-from-env", 1);
+  ::setenv("MOEJIT_CACHE_MAX_BYTES", "12345", 1);
+  moejit_runtime_options o;
+  moejit_runtime_options_init(&o);
+  o.cache_dir = "";
+  Settings s = resolve_settings(&o);
+  EXPECT_EQ(s.cache_dir, "/var/cache/moejit-from-env");
+  EXPECT_EQ(s.cache_max_bytes, 12345u);
+  o.cache_dir = "/var/cache/moejit-from-options";
+  o.cache_max_bytes = 678;
+  s = resolve_settings(&o);
+  EXPECT_EQ(s.cache_dir, "/var/cache/moejit-from-options");
+  EXPECT_EQ(s.cache_max_bytes, 678u);
   for (const auto& [name, value] : saved) {
     if (value)
       ::setenv(name.c_str(), value->c_str(), 1);

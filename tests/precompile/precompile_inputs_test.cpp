@@ -520,6 +520,20 @@ TEST_F(Cli, ManifestShapeLineTakesOutDtypeFromTheCommandLine) {
   r = run(common);
   EXPECT_EQ(r.rc, 0) << r.err;
   EXPECT_NE(r.out.find("in=bf16 out=bf16"), std::string::npos) << r.out;
+  // A shape line without a dtype takes the one --dtype.
+  test::write_file(scratch_ + "/nodtype.txt", "hidden=64 topk=1 layout=token_major\n");
+  r = run("--manifest '" + scratch_ + "/nodtype.txt' --dtype fp16 --arch sm_90 --dry-run " +
+          "--cache-dir '" + scratch_ + "/cache'");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("in=fp16 out=fp16"), std::string::npos) << r.out;
+  // --out-dtype applies to --hidden/--topk shapes as well.
+  r =
+      run("--hidden 64 --topk 1 --dtype bf16 --out-dtype fp32 --layout token_major --arch sm_90 "
+          "--dry-run --cache-dir '" +
+          scratch_ + "/cache'");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("in=bf16 out=fp32"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("out=bf16"), std::string::npos) << r.out;
 }
 
 // --verify checks the whole directory: an option that would seem to narrow it is refused, not
@@ -546,6 +560,7 @@ TEST_F(Cli, BadInputsExitTwoWithAClearMessage) {
                    R"({"hidden_size": 7168, "num_experts_per_tok": 8})");
   test::write_file(scratch_ + "/dense.json",
                    R"({"hidden_size": 4096, "top_k": 50, "torch_dtype": "bfloat16"})");
+  test::write_file(scratch_ + "/shapes.txt", "hidden=64 topk=2\n");
   test::write_file(scratch_ + "/overflow.txt",
                    "layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=65536 "
                    "tpb=65536 upt=1 cap=0\n");
@@ -569,6 +584,9 @@ TEST_F(Cli, BadInputsExitTwoWithAClearMessage) {
       {"--manifest '" + scratch_ + "/none.txt'", {"none.txt", "cannot be read"}},
       {"--dry-run --manifest '" + scratch_ + "/overflow.txt'",
        {"overflow.txt:1", "tpt = 65536", "4..1024"}},
+      // A manifest's shape lines take one default dtype: refused, not expanded for either.
+      {"--dry-run --dtype bf16,fp16 --manifest '" + scratch_ + "/shapes.txt'",
+       {"--manifest takes at most one --dtype"}},
       {"", {"nothing to compile"}},
       {"--jobs 0 --hidden 4096 --topk 2 --dtype bf16", {"jobs"}},
       {"--no-such-flag", {"no-such-flag"}},
@@ -580,6 +598,11 @@ TEST_F(Cli, BadInputsExitTwoWithAClearMessage) {
       EXPECT_NE(r.err.find(piece), std::string::npos) << c.args << "\nwants: " << piece << "\n"
                                                       << r.err;
   }
+  // A malformed setting from the environment is bad input too.
+  const test::ToolRun env = test::run_tool("--dry-run --hidden 64 --topk 2 --dtype bf16" + cache,
+                                           scratch_, "MOEJIT_CACHE_MAX_BYTES=lots ");
+  EXPECT_EQ(env.rc, 2) << env.err;
+  EXPECT_NE(env.err.find("MOEJIT_CACHE_MAX_BYTES = \"lots\""), std::string::npos) << env.err;
   const test::ToolRun arch = run("--model-config '" + configs("mixtral-8x7b.json") +
                                  "' --arch sm_42 --cache-dir '" + scratch_ + "/cache'");
   EXPECT_EQ(arch.rc, 2);
