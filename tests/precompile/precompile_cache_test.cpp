@@ -459,6 +459,34 @@ TEST(ReadableByAll, AnotherUserReadsACacheWarmedByRoot) {
   test::remove_tree(scratch);
 }
 
+// A part of the cache --readable-by-all may not change (a shard that is a symlink: never followed)
+// is reported, and the run exits 3: another user would still not read what is behind it.
+TEST(ReadableByAll, APartItCannotChangeExitsThree) {
+  const std::string scratch = test::make_temp_dir("pc-readable-fail");
+  const std::string cache = scratch + "/cache";
+  const std::string args =
+      "--arch sm_90 --hidden 64 --topk 2 --dtype bf16 --layout token_major --cache-dir '" + cache +
+      "'";
+  test::ToolRun r = test::run_tool(args + " -q", scratch);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const std::string key = parse_json(test::run_tool(args + " --json", scratch))["jobs"][0]["key"];
+  const std::string other_shard = key.substr(0, 2) == "ff" ? "fe" : "ff";
+  ASSERT_TRUE(std::filesystem::create_directory(scratch + "/elsewhere"));
+  ASSERT_EQ(chmod((scratch + "/elsewhere").c_str(), 0700), 0);
+  std::filesystem::create_directory_symlink(scratch + "/elsewhere", cache + "/v1/" + other_shard);
+
+  r = test::run_tool(args + " --readable-by-all --json", scratch);
+  EXPECT_EQ(r.rc, 3) << r.out << r.err;
+  const json readable = parse_json(r)["readable_by_all"];
+  ASSERT_EQ(readable["failed"].size(), 1u) << readable.dump();
+  EXPECT_NE(readable["failed"][0].get<std::string>().find(cache + "/v1/" + other_shard),
+            std::string::npos)
+      << readable.dump();
+  EXPECT_EQ(readable["entries"], 1) << readable.dump();  // the rest is still made readable
+  EXPECT_EQ(mode_of(scratch + "/elsewhere"), 0700u);     // nothing followed through the link
+  test::remove_tree(scratch);
+}
+
 }  // namespace
 }  // namespace precompile
 }  // namespace moejit
