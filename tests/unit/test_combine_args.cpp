@@ -9,6 +9,7 @@
 
 #include "combine_plan.h"
 #include "error.h"
+#include "fake_combine_args.h"
 #include "moejit/moejit.h"
 
 namespace moejit {
@@ -26,22 +27,13 @@ void* at(uintptr_t address) {
 }
 
 // A valid gather-map call (bf16 rows and output, int32 map, gates) on fake addresses, each buffer
-// in a region of its own.
+// in a region of its own, far enough apart for the largest spans planned here.
 moejit_combine_args gather_map(int64_t tokens, int64_t top_k, int64_t hidden) {
-  moejit_combine_args a;
-  moejit_combine_args_init(&a);
-  a.layout = MOEJIT_LAYOUT_GATHER_MAP;
-  a.num_tokens = tokens;
-  a.top_k = top_k;
-  a.num_rows = tokens * top_k;
-  a.hidden_dim = hidden;
+  moejit_combine_args a = moejit_test::fake_gather_map_args(tokens, top_k, hidden);
   a.expert_hidden = at(kExpert);
-  a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
   a.gates = static_cast<const float*>(at(kGates));
   a.indices = at(kIndices);
-  a.index_type = MOEJIT_INDEX_INT32;
   a.out = at(kOut);
-  a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
   return a;
 }
 

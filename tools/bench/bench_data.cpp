@@ -205,8 +205,8 @@ double round_to(moejit_dtype out_dtype, double value) {
   return std::nearbyint(value / quantum) * quantum;  // ties to even: the default rounding mode
 }
 
-double error_bound(double rounding) {
-  return 1.25 * rounding + 1e-6;
+double error_bound(double rounding, double norm) {
+  return 1.25 * rounding + 1e-6 * norm;
 }
 
 std::vector<int64_t> check_tokens(int64_t tokens, int64_t max_tokens) {
@@ -265,7 +265,7 @@ CheckResult check_output(const HostInputs& in, const std::vector<uint8_t>& out,
         r += x * x;
       }
       // NaN compares false: a NaN error is a bad token.
-      if (!(std::sqrt(e) <= error_bound(std::sqrt(q / r)) * std::sqrt(r))) {
+      if (!(std::sqrt(e) <= error_bound(std::sqrt(q), std::sqrt(r)))) {
         if (part.bad++ == 0) part.first_bad = t;
       }
       part.err2 += e;

@@ -66,7 +66,9 @@ double round_to(moejit_dtype out_dtype, double value);
 // `rounding` itself (bf16 1.7e-3, fp16 2.1e-4, fp32 3e-8 in the record). Accumulating in the
 // output dtype lands 1.45 times over it at K=2 and more at larger K, and fails (a fixed bound of
 // 1e-2 for bf16 and 1e-3 for fp16 once passed that).
-double error_bound(double rounding);
+// With norm (the reference's), rounding is the rounding error's norm and the bound absolute: a
+// token's own bound without dividing by its norm.
+double error_bound(double rounding, double norm = 1.0);
 
 struct CheckResult {
   double rel_err = 0.0;       // ||out - ref|| / ||ref|| over the checked tokens

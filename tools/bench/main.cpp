@@ -3,8 +3,8 @@
 // tools/bench/README.md for the method and the output format.
 //
 // Exit codes: 0 success (also: no GPU found, after saying so), 1 environment or CUDA failure,
-// 2 bad command line, 3 a case failed its check (NaN left in the output, error over the bound,
-// non-deterministic output, or moe_combine returned an error).
+// 2 bad command line, 3 a case failed its check (NaN or Inf in the output, an error over the
+// bound, a token over its own, non-deterministic output, or moe_combine returned an error).
 #include <cuda_runtime.h>
 #include <unistd.h>
 

@@ -223,11 +223,11 @@ def minimal_bytes(s):
     return r * s["H"] * size[s["in_dtype"]] + r * 8 + s["T"] * s["H"] * size[s["out_dtype"]]
 
 
-def error_bound(rounding):
-    """moejit-bench's bound on a relative error (bench_data.h, error_bound), from what rounding the
-    float64 reference once to the output dtype costs, relative too: the library accumulates in
-    fp32 and rounds once."""
-    return 1.25 * rounding + 1e-6
+def error_bound(rounding, norm=1.0):
+    """moejit-bench's bound on an error (bench_data.h, error_bound), from what rounding the float64
+    reference once to the output dtype costs: relative, or with the reference's norm absolute
+    (elementwise on tensors too). The library accumulates in fp32 and rounds once."""
+    return 1.25 * rounding + 1e-6 * norm
 
 
 def legacy_error_bound(out_dtype):
@@ -534,7 +534,7 @@ def main_gpu(args, shapes):
         rounding = ref.to(odt).double() - ref
         rel_err_bound = error_bound(torch.linalg.vector_norm(rounding).item() / ref_norm)
         token_norm = torch.linalg.vector_norm(ref, dim=1)
-        token_bound = 1.25 * torch.linalg.vector_norm(rounding, dim=1) + 1e-6 * token_norm
+        token_bound = error_bound(torch.linalg.vector_norm(rounding, dim=1), token_norm)
         del rounding
 
         def check(out):
