@@ -9,7 +9,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -58,8 +57,9 @@ void usage(FILE* to) {
       "  --quick                         a short subset, 50 timed runs each\n"
       "  --no-extra                      skip the shapes of other models (Qwen3-235B, ...)\n"
       "  --no-l2-warm                    skip the L2-warm timing\n"
-      "  --reps N                        timed runs per figure (default 200, 100 if > 64 MB)\n"
-      "  --warmup N                      untimed runs first (default 10)\n"
+      "  --reps N                        timed runs per figure, 1..1000000 (default 200, 100 if\n"
+      "                                  > 64 MB)\n"
+      "  --warmup N                      untimed runs first, 0..100000 (default 10)\n"
       "  --check-tokens N                float64 reference on at most N tokens (default: all)\n"
       "  --seed N                        input seed\n"
       "  --jit                           also measure compile, disk-cache and launch costs\n"
@@ -134,9 +134,10 @@ bool json_path_writable(const std::string& path) {
   return fs::is_directory(dir, ec) && access(dir.c_str(), W_OK | X_OK) == 0;
 }
 
-// A decimal integer in min..max; false for anything else (empty, trailing text, overflow).
+// A decimal integer in min..max; false for anything else (empty, a sign, spaces, trailing text,
+// overflow). strtoll alone would take " +8" as 8.
 bool parse_int(const std::string& text, int64_t min, int64_t max, int64_t* value) {
-  if (text.empty()) return false;
+  if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos) return false;
   char* end = nullptr;
   errno = 0;
   const long long v = std::strtoll(text.c_str(), &end, 10);
@@ -153,6 +154,10 @@ double case_host_bytes(const Shape& s) {
                h = static_cast<double>(s.hidden);
   return 2.0 * r * h * dtype_bytes(s.in_dtype) + 20.0 * r + 2.0 * t * h * dtype_bytes(s.out_dtype);
 }
+
+// Timed and untimed runs per figure, at most.
+constexpr int64_t kMaxReps = 1000000;
+constexpr int64_t kMaxWarmup = 100000;
 
 // Larger cases are refused: their buffers would not fit a host or a GPU of today.
 constexpr double kMaxCaseBytes = 64.0 * (1ull << 30);
@@ -267,9 +272,11 @@ bool parse(int argc, char** argv, Options* o) {
         return false;
       }
     } else if (a == "--reps" || a == "--warmup" || a == "--check-tokens" || a == "--seed") {
-      // --reps and --warmup are ints; --check-tokens and --seed take any non-negative int64.
+      // --reps and --warmup are capped so that a run ends (a million timed runs of the largest
+      // shape take about 10 minutes per figure); --check-tokens and --seed take any
+      // non-negative int64.
       const int64_t min = a == "--reps" ? 1 : (a == "--check-tokens" ? 2 : 0);
-      const int64_t max = a == "--reps" || a == "--warmup" ? INT_MAX : INT64_MAX;
+      const int64_t max = a == "--reps" ? kMaxReps : (a == "--warmup" ? kMaxWarmup : INT64_MAX);
       if (!next(&v)) return false;
       if (!parse_int(v, min, max, &n)) {
         std::fprintf(stderr, "moejit-bench: %s %s: expected an integer in %lld..%lld\n", a.c_str(),

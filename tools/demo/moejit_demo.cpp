@@ -48,9 +48,10 @@ uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-// A decimal integer in min..max; false for anything else (empty, trailing text, overflow).
+// A decimal integer in min..max; false for anything else (empty, a sign, spaces, trailing text,
+// overflow). strtoll alone would take " +8" as 8.
 bool parse_int(const char* text, int64_t min, int64_t max, int64_t* value) {
-  if (*text == '\0') return false;
+  if (*text == '\0' || std::strspn(text, "0123456789") != std::strlen(text)) return false;
   char* end = nullptr;
   errno = 0;
   const long long v = std::strtoll(text, &end, 10);
