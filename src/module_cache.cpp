@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <future>
+#include <iterator>
 #include <system_error>
 
 #include "driver.h"
@@ -80,9 +81,12 @@ const LoadedKernels& ModuleCache::get(const KernelSpec& spec) {
   }
   if (entry == nullptr) {
     std::unique_lock<std::shared_mutex> lock(mutex_);
+    if (contexts_.emplace(id, ctx).second) forget_destroyed_contexts();
     auto& slot = entries_[key];
     if (!slot) slot = std::make_unique<Entry>();
-    entry = slot.get();  // entries are never removed before destruction: the pointer stays valid
+    // Entries are removed only once their context is destroyed, and the caller's context is
+    // current: it may not be destroyed while this call uses it. The pointer stays valid.
+    entry = slot.get();
   }
   std::lock_guard<std::mutex> load_lock(entry->load_mutex);
   if (!entry->ready.load(std::memory_order_acquire)) {
@@ -92,6 +96,44 @@ const LoadedKernels& ModuleCache::get(const KernelSpec& spec) {
     stats_.memory_hits.fetch_add(1, std::memory_order_relaxed);
   }
   return entry->kernels;
+}
+
+// A destroyed context's modules went with it (they are not unloaded: see the destructor); what
+// is left here is their records, about 200 bytes per spec. They are dropped when a context is
+// first seen, which is when a process that destroys contexts creates the next one, so the records
+// kept are those of live contexts and of the ones destroyed since the last new context. Without
+// cuCtxGetId (driver < 12.0) a destroyed context cannot be told from a live one: nothing is
+// dropped. An entry still locked is being loaded (by a caller whose context was destroyed under
+// it, which the caller may not do): it stays.
+void ModuleCache::forget_destroyed_contexts() {
+  const DriverApi& d = driver();
+  if (d.cuCtxGetId == nullptr) return;
+  for (auto c = contexts_.begin(); c != contexts_.end();) {
+    unsigned long long id = 0;
+    if (d.cuCtxGetId(c->second, &id) == CUDA_SUCCESS && id == c->first) {
+      ++c;
+      continue;
+    }
+    bool all_forgotten = true;
+    for (auto e = entries_.begin(); e != entries_.end();) {
+      Entry& entry = *e->second;
+      if (e->first.context != c->first) {
+        ++e;
+        continue;
+      }
+      if (!entry.load_mutex.try_lock()) {
+        all_forgotten = false;
+        ++e;
+        continue;
+      }
+      entry.load_mutex.unlock();
+      if (entry.ready.load(std::memory_order_acquire) && entry.kernels.module != nullptr)
+        stats_.loaded_modules.fetch_sub(1, std::memory_order_relaxed);
+      e = entries_.erase(e);
+    }
+    logger().debug("forgot the modules of destroyed context {}", static_cast<void*>(c->second));
+    c = all_forgotten ? contexts_.erase(c) : std::next(c);
+  }
 }
 
 void ModuleCache::load(const KernelSpec& spec, CUcontext context, Entry& entry) {
@@ -160,6 +202,7 @@ void ModuleCache::load(const KernelSpec& spec, CUcontext context, Entry& entry) 
   k.dependent_launch = major >= 9 && target.sm >= 90 && d.cuLaunchKernelEx != nullptr;
   entry.kernels = k;
   entry.context = context;
+  stats_.loaded_modules.fetch_add(1, std::memory_order_relaxed);
   logger().debug("loaded {} ({}) in context {}", spec.describe(), target.name(),
                  static_cast<void*>(context));
 }

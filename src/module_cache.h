@@ -1,7 +1,9 @@
 // Loaded kernels per (CUDA context, KernelSpec). Modules belong to a context, so the same spec is
 // loaded once in each context that uses it (jitify2 keys its cache the same way). The warm path
 // is one shared-lock lookup; a miss loads (compiling through the KernelStore if needed) exactly
-// once, other threads missing the same key wait for that load.
+// once, other threads missing the same key wait for that load. The entries of a context the
+// caller destroyed are forgotten when the next new context is first used, so that a process that
+// creates and destroys contexts does not collect them for the runtime's lifetime.
 #pragma once
 
 #include <cuda.h>
@@ -59,11 +61,16 @@ class ModuleCache {
   };
 
   void load(const KernelSpec& spec, CUcontext context, Entry& entry);
+  // Called with mutex_ held exclusively, when a context is seen for the first time: forgets the
+  // entries of every context that has been destroyed since it was seen.
+  void forget_destroyed_contexts();
 
   KernelStore& store_;
   Stats& stats_;
   std::shared_mutex mutex_;  // guards entries_ (the map, not the entries' contents)
   std::unordered_map<Key, std::unique_ptr<Entry>, KeyHash> entries_;
+  // Every context with entries: its id (as in Key) and its handle, which cuCtxGetId checks.
+  std::unordered_map<unsigned long long, CUcontext> contexts_;
 };
 
 }  // namespace moejit

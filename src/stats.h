@@ -15,6 +15,7 @@ struct Stats {
   std::atomic<uint64_t> disk_errors{0};
   std::atomic<uint64_t> launches{0};
   std::atomic<uint64_t> compile_nanoseconds{0};
+  std::atomic<uint64_t> loaded_modules{0};  // a gauge: loaded now, not a count of loads
 
   void copy_to(moejit_stats* out) const;
 };

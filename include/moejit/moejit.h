@@ -398,10 +398,14 @@ typedef struct moejit_stats {
   uint64_t disk_errors;   /* cache entries found invalid, or cache reads/writes that failed */
   uint64_t launches;      /* kernels launched */
   double compile_seconds; /* wall time spent in NVRTC */
+  /* Since 0.2. Modules the runtime holds loaded now, over all contexts (not a count of loads).
+   * Those of a context the caller destroyed are dropped when the runtime is next used in a
+   * context it has not seen (with a driver of CUDA 12.0 or later, which can tell). */
+  uint64_t loaded_modules;
 } moejit_stats;
 
 /*
- * Copies a runtime's counters (cumulative since its creation) into *stats.
+ * Copies a runtime's counters (cumulative since its creation, but loaded_modules) into *stats.
  *   runtime  from moejit_runtime_create(), or NULL for the default runtime.
  *   stats    must not be NULL; the caller sets stats->struct_size = sizeof(moejit_stats). Only
  *            the fields that fit in struct_size are written, so older callers stay safe.

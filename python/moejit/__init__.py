@@ -20,7 +20,7 @@ def version():
 
 def stats():
     """Counters of the default runtime: memory_hits, disk_hits, compiles, disk_errors, launches,
-    compile_seconds."""
+    compile_seconds; and loaded_modules, the modules it holds loaded now."""
     from . import _capi
 
     return _capi.stats()

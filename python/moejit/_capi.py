@@ -115,6 +115,7 @@ class Stats(ctypes.Structure):
         ("disk_errors", ctypes.c_uint64),
         ("launches", ctypes.c_uint64),
         ("compile_seconds", ctypes.c_double),
+        ("loaded_modules", ctypes.c_uint64),
     ]
 
 

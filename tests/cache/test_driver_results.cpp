@@ -246,17 +246,31 @@ TEST_F(DriverResults, AStreamOfAnotherContextIsNamed) {
 // and a new one created under the same handle, as the driver may reuse one: the new context loads
 // its own module, and destroying the runtime unloads that one only. The old module went with its
 // context, and its handle may since name another module (of another library, say), which an
-// unload would destroy.
+// unload would destroy. The runtime forgets the old context's modules once the new one is used:
+// a process that destroys and creates contexts in a loop holds one context's records, not all.
 TEST_F(DriverResults, ADestroyedContextsModulesAreNotUnloaded) {
   ASSERT_NE(driver_.replace_context, nullptr);
   moejit_runtime_t rt = runtime_on(dir_.path(), MOEJIT_CACHE_MODE_READ_WRITE);
   const moejit_combine_args a = gather_map_args();
+  const moejit_combine_args b = moejit_test::fake_gather_map_args(33, 2, 512);
   const int loads = driver_.module_load_calls();
   EXPECT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS) << moejit_last_error_message();
-  driver_.replace_context();
-  EXPECT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS) << moejit_last_error_message();
-  EXPECT_EQ(driver_.module_load_calls(), loads + 2);
+  EXPECT_EQ(moejit_runtime_combine(rt, &b, nullptr), MOEJIT_SUCCESS) << moejit_last_error_message();
+  EXPECT_EQ(stats_of(rt).loaded_modules, 2u);
+  for (int round = 0; round < 3; ++round) {
+    driver_.replace_context();
+    // Destroyed, and no new context used yet: its records are still counted.
+    EXPECT_EQ(stats_of(rt).loaded_modules, round == 0 ? 2u : 1u);
+    EXPECT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS)
+        << moejit_last_error_message();
+    EXPECT_EQ(stats_of(rt).loaded_modules, 1u) << "round " << round;
+  }
+  EXPECT_EQ(driver_.module_load_calls(), loads + 2 + 3);
   EXPECT_EQ(stats_of(rt).memory_hits, 0u);
+  // The live context's module is still served from memory.
+  EXPECT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS) << moejit_last_error_message();
+  EXPECT_EQ(stats_of(rt).memory_hits, 1u);
+  EXPECT_EQ(stats_of(rt).loaded_modules, 1u);
   const int stale = driver_.stale_unloads();
   moejit_runtime_destroy(rt);
   EXPECT_EQ(driver_.stale_unloads(), stale) << "a destroyed context's module was unloaded";
@@ -289,5 +303,6 @@ TEST_F(DriverResults, ConcurrentFirstCallsBuildAndLoadEachModuleOnce) {
   EXPECT_EQ(s.compiles, 5u);  // three gather-map modules, the list module and its helpers
   EXPECT_EQ(driver_.module_load_calls(), loads + 5);
   EXPECT_EQ(s.launches, 2u * (3 + 3));
+  EXPECT_EQ(s.loaded_modules, 5u);
   moejit_runtime_destroy(rt);
 }

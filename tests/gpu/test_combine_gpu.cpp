@@ -2016,7 +2016,8 @@ TEST_F(CombineGpu, AShapesFirstCallMayBeCaptured) {
 // module loaded in a destroyed context must never be served to a later one, even when the driver
 // hands the new context the same handle (the runtime keys modules by cuCtxGetId, unique for the
 // process). Three rounds of create -> inputs -> call -> destroy on device 0, one runtime: every
-// round must compute the float64 reference's result, and load its module again.
+// round must compute the float64 reference's result, and load its module again. The runtime keeps
+// the records of the last context only (stats.loaded_modules).
 TEST_F(CombineGpu, AModuleOfADestroyedContextIsNeverServedAgain) {
   const Pools& p = pools();  // host values only: device memory dies with each context
   const DriverCalls drv = driver_calls();
@@ -2066,6 +2067,9 @@ TEST_F(CombineGpu, AModuleOfADestroyedContextIsNeverServedAgain) {
     EXPECT_EQ(stats.memory_hits, memory_hits_before)
         << "a new context was served a module loaded in an earlier one";
     memory_hits_before = stats.memory_hits;
+    // This round's context (destroyed above, not yet forgotten); the earlier rounds' were
+    // forgotten when this one was first used.
+    EXPECT_EQ(stats.loaded_modules, 1u) << "the modules of earlier, destroyed contexts are held";
     int64_t bad = 0;
     for (int64_t i = 0; i < T * H; ++i) {
       const int64_t t = i / H, h = i % H;

@@ -51,6 +51,7 @@ int main(void) {
   FIELD(moejit_stats, disk_errors)
   FIELD(moejit_stats, launches)
   FIELD(moejit_stats, compile_seconds)
+  FIELD(moejit_stats, loaded_modules)
   printf(
       "}},\n \"constants\": {\"DTYPE_FLOAT32\": %d, \"DTYPE_FLOAT16\": %d, "
       "\"DTYPE_BFLOAT16\": %d, \"INDEX_INT32\": %d, \"INDEX_INT64\": %d, "

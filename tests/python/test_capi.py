@@ -102,7 +102,7 @@ def test_stats_is_a_dict_of_counters():
 
     s = moejit.stats()
     assert set(s) == {"memory_hits", "disk_hits", "compiles", "disk_errors", "launches",
-                      "compile_seconds"}
+                      "compile_seconds", "loaded_modules"}
 
 
 def test_args_defaults_come_from_the_library():
