@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "bench_data.h"
@@ -92,11 +93,11 @@ void store(moejit_dtype dtype, double v, std::vector<uint8_t>* bytes, size_t i) 
   std::memcpy(bytes->data() + i * 2, &b, 2);
 }
 
-// The combine's result computed in double (by layout-independent token-major order) and stored
-// in the output dtype, as a kernel with fp32 accumulation and one final rounding would; `hook`
-// may change each value first (a kernel's bug). With accumulate_bits, every product and partial
-// sum is rounded to that many significant bits instead, as a kernel accumulating in bf16 (8) or
-// fp16 (11) would.
+// The combine's result computed in double (by layout-independent token-major order, dropped slots
+// left out) and stored in the output dtype, as a kernel with fp32 accumulation and one final
+// rounding would; `hook` may change each value first (a kernel's bug). With accumulate_bits, every
+// product and partial sum is rounded to that many significant bits instead, as a kernel
+// accumulating in bf16 (8) or fp16 (11) would.
 template <typename Hook>
 std::vector<uint8_t> host_combine(const HostInputs& in, Hook hook, int accumulate_bits = 0) {
   const Shape& s = in.shape;
@@ -109,6 +110,7 @@ std::vector<uint8_t> host_combine(const HostInputs& in, Hook hook, int accumulat
       double acc = 0.0;
       for (int64_t k = 0; k < s.top_k; ++k) {
         const size_t row = static_cast<size_t>(t * s.top_k + k);
+        if (in.gather_map[row] < 0) continue;
         const double x = value(s.in_dtype, in.token_major,
                                row * static_cast<size_t>(s.hidden) + static_cast<size_t>(h));
         acc = rounded(acc + rounded(in.gates[row] * x));
@@ -250,6 +252,173 @@ TEST(BenchData, TopOneGatesAreScoresAndAreChecked) {
     for (int64_t k = 0; k < 8; ++k) sum += eight.gates[static_cast<size_t>(t * 8 + k)];
     EXPECT_NEAR(sum, 1.0, 1e-6);
   }
+}
+
+// --drop: round(P% of T*K) slots dropped, marked alike in both index layouts; everything else as
+// at drop 0 with the same seed, so a drop run's rows and gates are the plain run's.
+TEST(BenchData, DropMarksTheSameSlotsInTheGatherMapAndTokenIdx) {
+  struct Case {
+    int64_t t, k;
+    double percent;
+  };
+  for (const Case& c : {Case{4096, 8, 12.5}, Case{1000, 2, 33.3}, Case{512, 1, 90.0},
+                        Case{1, 8, 12.5}, Case{3, 1, 10.0}}) {
+    const Shape shape = make_shape(c.t, c.k, 16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16);
+    const HostInputs plain = make_inputs(shape, 23);
+    const HostInputs in = make_inputs(shape, 23, c.percent);
+    const int64_t rows = shape.rows();
+    const std::string what = shape.describe() + " drop " + std::to_string(c.percent);
+    EXPECT_EQ(plain.dropped_slots, 0);
+    EXPECT_EQ(std::count(plain.gather_map.begin(), plain.gather_map.end(), -1), 0);
+    EXPECT_EQ(in.drop_percent, c.percent);
+    EXPECT_EQ(in.dropped_slots, std::llround(static_cast<double>(rows) * c.percent / 100.0))
+        << what;
+    EXPECT_NEAR(static_cast<double>(in.dropped_slots) / static_cast<double>(rows),
+                c.percent / 100.0, 0.5 / static_cast<double>(rows))
+        << what;
+    EXPECT_EQ(std::count(in.gather_map.begin(), in.gather_map.end(), -1), in.dropped_slots);
+    EXPECT_EQ(std::count(in.token_idx.begin(), in.token_idx.end(), -1), in.dropped_slots);
+    // The plain run's map names the row holding each slot: dropped in one layout iff in the other.
+    for (int64_t slot = 0; slot < rows; ++slot) {
+      const size_t row = static_cast<size_t>(plain.gather_map[static_cast<size_t>(slot)]);
+      const bool dropped = in.gather_map[static_cast<size_t>(slot)] == -1;
+      EXPECT_EQ(dropped, in.token_idx[row] == -1) << what << " slot " << slot;
+      if (!dropped) {
+        EXPECT_EQ(in.gather_map[static_cast<size_t>(slot)],
+                  plain.gather_map[static_cast<size_t>(slot)]);
+        EXPECT_EQ(in.token_idx[row], plain.token_idx[row]);
+      }
+    }
+    EXPECT_EQ(in.token_major, plain.token_major) << what;
+    EXPECT_EQ(in.sorted, plain.sorted) << what;  // dropped rows stay, unreferenced
+    EXPECT_EQ(in.gates, plain.gates) << what;    // not renormalized
+    EXPECT_EQ(in.gates_by_row, plain.gates_by_row) << what;
+  }
+}
+
+// The dropped set follows the seed (the same seed, the same set) and is spread over the slots,
+// not the first round(P% of R) of them.
+TEST(BenchData, DroppedSlotsFollowTheSeedAndSpreadOut) {
+  const Shape shape = make_shape(4096, 8, 4, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32);
+  const HostInputs a = make_inputs(shape, 5, 10.0), again = make_inputs(shape, 5, 10.0),
+                   other = make_inputs(shape, 6, 10.0);
+  EXPECT_EQ(a.gather_map, again.gather_map);
+  EXPECT_EQ(a.token_idx, again.token_idx);
+  std::vector<int64_t> dropped, dropped_other;
+  for (int64_t slot = 0; slot < shape.rows(); ++slot) {
+    if (a.gather_map[static_cast<size_t>(slot)] == -1) dropped.push_back(slot);
+    if (other.gather_map[static_cast<size_t>(slot)] == -1) dropped_other.push_back(slot);
+  }
+  EXPECT_NE(dropped, dropped_other);
+  // Each quarter of the slots holds about a quarter of the dropped ones.
+  for (int64_t quarter = 0; quarter < 4; ++quarter) {
+    const int64_t begin = quarter * shape.rows() / 4, end = (quarter + 1) * shape.rows() / 4;
+    const auto in_quarter = std::count_if(dropped.begin(), dropped.end(),
+                                          [&](int64_t s) { return s >= begin && s < end; });
+    EXPECT_NEAR(static_cast<double>(in_quarter), static_cast<double>(dropped.size()) / 4, 100.0)
+        << "quarter " << quarter;
+  }
+}
+
+// Both index layouts describe the combine the check's reference computes: summed through the
+// gather map or through token_idx, each token gets the same rows and gates.
+TEST(BenchData, DroppedInputsGiveOneCombineInEveryIndexLayout) {
+  const Shape shape = make_shape(300, 4, 8, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32);
+  const HostInputs in = make_inputs(shape, 31, 40.0);
+  const int64_t T = shape.tokens, K = shape.top_k, H = shape.hidden;
+  std::vector<double> by_map(static_cast<size_t>(T * H)), by_token_idx(by_map.size());
+  for (int64_t slot = 0; slot < T * K; ++slot) {
+    const int32_t row = in.gather_map[static_cast<size_t>(slot)];
+    if (row < 0) continue;
+    for (int64_t h = 0; h < H; ++h)
+      by_map[static_cast<size_t>(slot / K * H + h)] +=
+          in.gates[static_cast<size_t>(slot)] *
+          value(shape.in_dtype, in.sorted, static_cast<size_t>(row * H + h));
+  }
+  for (int64_t row = 0; row < T * K; ++row) {
+    const int32_t t = in.token_idx[static_cast<size_t>(row)];
+    if (t < 0) continue;
+    for (int64_t h = 0; h < H; ++h)
+      by_token_idx[static_cast<size_t>(t * H + h)] +=
+          in.gates_by_row[static_cast<size_t>(row)] *
+          value(shape.in_dtype, in.sorted, static_cast<size_t>(row * H + h));
+  }
+  for (size_t i = 0; i < by_map.size(); ++i) EXPECT_NEAR(by_map[i], by_token_idx[i], 1e-12) << i;
+  // The check's reference (through the token-major rows) is that combine too.
+  std::vector<uint8_t> out(by_token_idx.size() * 4);
+  for (size_t i = 0; i < by_token_idx.size(); ++i)
+    store(MOEJIT_DTYPE_FLOAT32, by_token_idx[i], &out, i);
+  EXPECT_TRUE(check_output(in, out, all_tokens(in)).passed());
+}
+
+// The reference leaves dropped slots out: a combine without them passes in every dtype, one that
+// adds a dropped slot's row back fails, on that token.
+TEST(BenchData, CheckLeavesOutDroppedSlots) {
+  for (moejit_dtype dt : {MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_BFLOAT16})
+    for (int64_t k : {1, 2, 8}) {
+      const HostInputs in = make_inputs(make_shape(256, k, 256, dt, dt), 7, 25.0);
+      ASSERT_GT(in.dropped_slots, 0);
+      const CheckResult c = check_output(in, host_combine(in, kExact), all_tokens(in));
+      EXPECT_TRUE(c.passed()) << dtype_text(dt) << " K" << k << ": rel_err " << c.rel_err
+                              << ", bound " << c.bound << ", bad tokens " << c.bad_tokens;
+      EXPECT_GT(c.rounding_err, 0.0);
+      EXPECT_NEAR(c.rel_err, c.rounding_err, 0.05 * c.rounding_err + 1e-7);
+
+      // A kernel that read a dropped slot's row anyway (say, through a stale map entry): the
+      // first token with a dropped slot gets that slot's gate times its row.
+      int64_t slot = 0;
+      while (in.gather_map[static_cast<size_t>(slot)] != -1) ++slot;
+      const int64_t token = slot / k;
+      const auto with_dropped = [&](int64_t t, int64_t h, double v) {
+        if (t != token) return v;
+        return v + in.gates[static_cast<size_t>(slot)] *
+                       value(dt, in.token_major, static_cast<size_t>(slot * 256 + h));
+      };
+      const CheckResult wrong = check_output(in, host_combine(in, with_dropped), all_tokens(in));
+      EXPECT_FALSE(wrong.passed()) << dtype_text(dt) << " K" << k;
+      EXPECT_EQ(wrong.bad_tokens, 1) << dtype_text(dt) << " K" << k;
+      EXPECT_EQ(wrong.first_bad_token, token) << dtype_text(dt) << " K" << k;
+    }
+}
+
+// A token whose slots were all dropped has reference 0 and bound 0 (its norm is 0): its output
+// must be exactly 0 (the library writes 0 for a token without rows); anything else, however
+// small, makes it a bad token.
+TEST(BenchData, TokenWithEverySlotDroppedMustBeZero) {
+  for (int64_t k : {1, 4}) {
+    const HostInputs in =
+        make_inputs(make_shape(64, k, 32, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16), 3, 90.0);
+    int64_t empty = -1;
+    for (int64_t t = 0; t < 64 && empty < 0; ++t) {
+      const auto first = in.gather_map.begin() + t * k;
+      if (std::all_of(first, first + k, [](int32_t row) { return row == -1; })) empty = t;
+    }
+    ASSERT_GE(empty, 0) << "K" << k << ": no token with every slot dropped";
+    std::vector<uint8_t> out = host_combine(in, kExact);
+    EXPECT_TRUE(check_output(in, out, all_tokens(in)).passed()) << "K" << k;
+    const uint16_t negative_zero = 0x8000;  // also exactly 0
+    std::memcpy(out.data() + 2 * (empty * 32 + 1), &negative_zero, 2);
+    EXPECT_TRUE(check_output(in, out, all_tokens(in)).passed()) << "K" << k;
+    const uint16_t least_subnormal = 0x0001;  // bf16's smallest positive value
+    std::memcpy(out.data() + 2 * (empty * 32 + 5), &least_subnormal, 2);
+    const CheckResult c = check_output(in, out, all_tokens(in));
+    EXPECT_FALSE(c.passed()) << "K" << k;
+    EXPECT_EQ(c.bad_tokens, 1) << "K" << k;
+    EXPECT_EQ(c.first_bad_token, empty) << "K" << k;
+  }
+  // Every slot of the output dropped: the whole reference is 0, and so must the output be.
+  const HostInputs none =
+      make_inputs(make_shape(1, 1, 8, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32), 3, 90.0);
+  ASSERT_EQ(none.dropped_slots, 1);
+  std::vector<uint8_t> out = host_combine(none, kExact);
+  const CheckResult zero = check_output(none, out, all_tokens(none));
+  EXPECT_TRUE(zero.passed());
+  EXPECT_EQ(zero.rel_err, 0.0);
+  const float tiny = 1e-30f;
+  std::memcpy(out.data() + 4 * 3, &tiny, 4);
+  const CheckResult c = check_output(none, out, all_tokens(none));
+  EXPECT_FALSE(c.passed());
+  EXPECT_EQ(c.bad_tokens, 1);
 }
 
 TEST(BenchData, CheckTokensSpreadOverTheOutputWithBothEnds) {

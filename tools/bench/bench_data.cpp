@@ -125,9 +125,10 @@ std::string Shape::describe() const {
   return s;
 }
 
-HostInputs make_inputs(const Shape& shape, uint64_t seed) {
+HostInputs make_inputs(const Shape& shape, uint64_t seed, double drop_percent) {
   HostInputs in;
   in.shape = shape;
+  in.drop_percent = drop_percent;
   const int64_t T = shape.tokens, K = shape.top_k, H = shape.hidden, R = shape.rows();
   const size_t row_bytes =
       static_cast<size_t>(H) * static_cast<size_t>(dtype_bytes(shape.in_dtype));
@@ -189,7 +190,28 @@ HostInputs make_inputs(const Shape& shape, uint64_t seed) {
     in.token_idx[static_cast<size_t>(p)] = static_cast<int32_t>(src / K);
     in.gates_by_row[static_cast<size_t>(p)] = in.gates[static_cast<size_t>(src)];
   }
+
+  // Dropped slots: exactly round(drop_percent% of R), every set of that size equally likely
+  // (selection sampling: a slot goes with probability slots still to drop / slots left). Drawn
+  // counter-based from a seed of their own, after everything else: the inputs above are those of
+  // drop_percent 0, and drop_percent 0 draws nothing.
+  int64_t to_drop = dropped_slot_count(R, drop_percent);
+  const uint64_t drop_seed = mix(seed ^ 0xd2095ull);
+  for (int64_t slot = 0; slot < R && to_drop > 0; ++slot) {
+    const uint64_t h = mix(drop_seed + static_cast<uint64_t>(slot));
+    const double u = static_cast<double>(h >> 11) * 0x1.0p-53;  // [0, 1)
+    if (u * static_cast<double>(R - slot) >= static_cast<double>(to_drop)) continue;
+    const int32_t row = in.gather_map[static_cast<size_t>(slot)];
+    in.gather_map[static_cast<size_t>(slot)] = -1;
+    in.token_idx[static_cast<size_t>(row)] = -1;  // the row stays in `sorted`, unreferenced
+    --to_drop;
+    ++in.dropped_slots;
+  }
   return in;
+}
+
+int64_t dropped_slot_count(int64_t rows, double drop_percent) {
+  return std::llround(static_cast<double>(rows) * drop_percent / 100.0);
 }
 
 double round_to(moejit_dtype out_dtype, double value) {
@@ -250,6 +272,7 @@ CheckResult check_output(const HostInputs& in, const std::vector<uint8_t>& out,
       const int64_t t = tokens[static_cast<size_t>(i)];
       std::fill(ref.begin(), ref.end(), 0.0);
       for (int64_t k = 0; k < K; ++k) {
+        if (in.gather_map[static_cast<size_t>(t * K + k)] < 0) continue;  // a dropped slot
         const double g = in.gates[static_cast<size_t>(t * K + k)];
         const int64_t row = t * K + k;
         for (int64_t h = 0; h < H; ++h)
@@ -264,7 +287,8 @@ CheckResult check_output(const HostInputs& in, const std::vector<uint8_t>& out,
         q += dq * dq;
         r += x * x;
       }
-      // NaN compares false: a NaN error is a bad token.
+      // NaN compares false: a NaN error is a bad token. A token whose slots were all dropped has
+      // reference 0 and so bound 0: only an output of exactly 0 (either sign) passes.
       if (!(std::sqrt(e) <= error_bound(std::sqrt(q), std::sqrt(r)))) {
         if (part.bad++ == 0) part.first_bad = t;
       }

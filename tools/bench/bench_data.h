@@ -5,6 +5,10 @@
 // (sorted[p] = token_major[source[p]]). The gather map is its inverse (map[t*K + k] = the p
 // holding that slot) and token_idx[p] = source[p] / K, with the gates permuted the same way.
 // So one reference serves all three layouts.
+//
+// Dropped slots (moejit-bench --drop, capacity-factor routing): a dropped slot's map entry is -1
+// and so is token_idx of the row that held it; the row stays in `sorted`, unreferenced. The
+// token-major buffer has no index to mark a slot dropped, so that layout cannot run such inputs.
 #pragma once
 
 #include <cstddef>
@@ -42,13 +46,22 @@ struct HostInputs {
   // top-1 router's sigmoid score in [0.05, 1) (Llama 4), so a kernel that ignores gates fails.
   std::vector<float> gates;
   std::vector<float> gates_by_row;  // [R], gates of the sorted rows (token-index layout)
-  std::vector<int32_t> gather_map;  // [T*K] -> row of `sorted`
-  std::vector<int32_t> token_idx;   // [R] -> token of each row of `sorted`
+  std::vector<int32_t> gather_map;  // [T*K] -> row of `sorted`, -1 for a dropped slot
+  std::vector<int32_t> token_idx;   // [R] -> token of each row of `sorted`, -1 for a dropped one
+  double drop_percent = 0.0;        // as asked of make_inputs
+  int64_t dropped_slots = 0;        // how many map entries are -1
 };
 
 // Random inputs, never zero: every element has magnitude in [1/16, 2) and a random sign, drawn as
 // bit patterns so each value is exact in its dtype. Deterministic in seed; multithreaded.
-HostInputs make_inputs(const Shape& shape, uint64_t seed);
+// drop_percent (0..100) drops round(drop_percent% of T*K) slots, a uniformly random set drawn
+// from a stream of its own: rows, gates and the permutation are those of drop_percent 0 with the
+// same seed. Gates stay as they are, not renormalized over the slots left: most engines' capacity
+// dropping does not renormalize either.
+HostInputs make_inputs(const Shape& shape, uint64_t seed, double drop_percent = 0.0);
+
+// How many of `rows` slots make_inputs drops at drop_percent: round(drop_percent% of rows).
+int64_t dropped_slot_count(int64_t rows, double drop_percent);
 
 // The tokens the reference is computed for: all of them up to max_tokens, else max_tokens spread
 // evenly over [0, T) with the first and last included. moejit-bench checks every token unless
@@ -84,7 +97,9 @@ struct CheckResult {
 };
 
 // Compares out (T rows of H elements of out_dtype, as downloaded) against the float64 reference on
-// `tokens`, and scans all of out for NaN and Inf. Multithreaded.
+// `tokens`, and scans all of out for NaN and Inf. Multithreaded. The reference leaves out dropped
+// slots (gather map -1): a token whose slots were all dropped has reference 0, its own bound is 0,
+// and any output but 0 makes it a bad token.
 CheckResult check_output(const HostInputs& in, const std::vector<uint8_t>& out,
                          const std::vector<int64_t>& tokens);
 

@@ -129,6 +129,8 @@ CaseResult run_layout(const HostInputs& in, const DeviceInputs& d, moejit_layout
   CaseResult r;
   r.shape = s;
   r.layout = layout;
+  r.drop_percent = in.drop_percent;
+  r.dropped_slots = in.dropped_slots;
   cudaStream_t stream = timer.stream();
   moejit_combine_args args = args_for(s, layout, d);
   DeviceBuffer workspace;
@@ -226,13 +228,15 @@ std::vector<PipelineResult> run_pipeline(const Shape& shape,
       PipelineResult r;
       r.shape = shape;
       r.layout = layout;
+      r.drop_percent = settings.drop_percent;
+      r.dropped_slots = dropped_slot_count(shape.rows(), settings.drop_percent);
       r.skipped = "the producer copies 16-byte words; the rows are " + std::to_string(row_bytes) +
                   " bytes, not a multiple of 16";
       results.push_back(r);
     }
     return results;
   }
-  const HostInputs in = make_inputs(shape, settings.seed);
+  const HostInputs in = make_inputs(shape, settings.seed, settings.drop_percent);
   const DeviceInputs d(in);
   DeviceBuffer pristine(row_bytes);
   DeviceBuffer sweep(kSweepBytes), sink(sizeof(unsigned));
@@ -241,6 +245,8 @@ std::vector<PipelineResult> run_pipeline(const Shape& shape,
     PipelineResult r;
     r.shape = shape;
     r.layout = layout;
+    r.drop_percent = in.drop_percent;
+    r.dropped_slots = in.dropped_slots;
     moejit_combine_args args = args_for(shape, layout, d);
     DeviceBuffer workspace;
     r.error = attach_workspace(&args, &workspace);
@@ -330,7 +336,7 @@ bool parse_layout(const std::string& text, moejit_layout* layout) {
 std::vector<CaseResult> run_case(const Shape& shape, const std::vector<moejit_layout>& layouts,
                                  const BenchSettings& settings, const Floors& floors,
                                  Timer& timer) {
-  const HostInputs in = make_inputs(shape, settings.seed);
+  const HostInputs in = make_inputs(shape, settings.seed, settings.drop_percent);
   const DeviceInputs d(in);
   std::vector<CaseResult> results;
   for (moejit_layout layout : layouts)

@@ -18,6 +18,9 @@ struct BenchSettings {
   bool l2_warm = true;               // also time with a warm L2
   int64_t check_tokens = INT64_MAX;  // float64 reference on at most this many tokens (>= 2)
   uint64_t seed = 20261130;
+  // Percent of each case's T*K routing slots dropped (make_inputs); then `layouts` must not hold
+  // token-major, which has no way to mark a slot dropped.
+  double drop_percent = 0.0;
 };
 
 // The machine's floors, measured once per run and shared by every case.
@@ -32,6 +35,8 @@ struct Floors {
 struct CaseResult {
   Shape shape;
   moejit_layout layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
+  double drop_percent = 0.0;  // the inputs' (HostInputs)
+  int64_t dropped_slots = 0;
   double median_us = 0.0;  // L2 flushed between runs
   // Of the flushed runs: median of the odd runs minus median of the even ones (Timer).
   double parity_split_us = 0.0;
@@ -65,6 +70,8 @@ struct CaseResult {
 struct PipelineResult {
   Shape shape;
   moejit_layout layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
+  double drop_percent = 0.0;  // the inputs' (HostInputs)
+  int64_t dropped_slots = 0;
   double producer_plain_us = 0.0, producer_dependent_us = 0.0;  // the producer alone, per step
   double combine_plain_us = 0.0, combine_dependent_us = 0.0;
   double empty_plain_us = 0.0, empty_dependent_us = 0.0;

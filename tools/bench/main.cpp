@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -41,6 +42,9 @@ struct Options {
   bool jit_only = false;
   bool pipeline = false;  // decode steps in a CUDA graph, plain vs programmatic dependent launch
   std::vector<moejit_layout> layouts;
+  // --drop without --layout: token-major left out of the default layouts (it cannot express a
+  // dropped slot), and the run says so.
+  bool token_major_skipped = false;
   std::string json_path;
   BenchSettings bench;
 };
@@ -62,6 +66,13 @@ void usage(FILE* to) {
       "  --warmup N                      untimed runs first, 0..100000 (default 10)\n"
       "  --check-tokens N                float64 reference on at most N tokens (default: all)\n"
       "  --seed N                        input seed\n"
+      "  --drop P                        drop P%% of each case's T*K routing slots, 0..90 (an\n"
+      "                                  integer or a decimal such as 12.5; default 0): gather\n"
+      "                                  map and token_idx -1, the rows left unreferenced;\n"
+      "                                  gates kept, not renormalized (as most engines' capacity\n"
+      "                                  dropping). token_major cannot express it: left out, or\n"
+      "                                  refused if --layout names it. GB/s and %% keep the\n"
+      "                                  minimal bytes of all T*K slots: not record figures\n"
       "  --jit                           also measure compile, disk-cache and launch costs\n"
       "  --jit-only                      only the JIT figures\n"
       "  --pipeline                      also time decode-sized cases (T <= 64) as steps of a\n"
@@ -144,6 +155,31 @@ bool parse_int(const std::string& text, int64_t min, int64_t max, int64_t* value
   if (errno == ERANGE || *end != '\0' || v < min || v > max) return false;
   *value = v;
   return true;
+}
+
+// Largest --drop: past it most tokens get no row at all at small K, and a case times the writing
+// of an empty output more than a combine.
+constexpr double kMaxDropPercent = 90.0;
+
+// A percentage in 0..max written as digits, optionally a point and more digits ("12", "12.5");
+// false for anything else (a sign, an exponent, spaces, "nan", a bare point).
+bool parse_percent(const std::string& text, double max, double* value) {
+  const size_t point = text.find('.');
+  const std::string whole = text.substr(0, point);
+  const std::string fraction = point == std::string::npos ? "0" : text.substr(point + 1);
+  for (const std::string& digits : {whole, fraction})
+    if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos) return false;
+  const double v = std::strtod(text.c_str(), nullptr);
+  if (!(v <= max)) return false;
+  *value = v;
+  return true;
+}
+
+// "12.5" for 12.5, "10" for 10: how the output names a --drop value.
+std::string percent_text(double percent) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", percent);
+  return text;
 }
 
 // Host memory a case holds at once (make_inputs: the rows twice, token-major and sorted; the
@@ -287,11 +323,37 @@ bool parse(int argc, char** argv, Options* o) {
       if (a == "--warmup") o->bench.warmup = static_cast<int>(n);
       if (a == "--check-tokens") o->bench.check_tokens = n;
       if (a == "--seed") o->bench.seed = static_cast<uint64_t>(n);
+    } else if (a == "--drop") {
+      if (!next(&v)) return false;
+      if (!parse_percent(v, kMaxDropPercent, &o->bench.drop_percent)) {
+        std::fprintf(stderr,
+                     "moejit-bench: --drop %s: expected a percentage in 0..%g (an integer or a "
+                     "decimal such as 12.5)\n",
+                     v.c_str(), kMaxDropPercent);
+        return false;
+      }
     } else {
       std::fprintf(stderr, "moejit-bench: unknown option %s\n", a.c_str());
       usage(stderr);
       return false;
     }
+  }
+  // A token-major buffer holds a row for every slot: it cannot run inputs with dropped slots.
+  // Named in --layout, that is a contradiction to refuse (not a request to ignore silently); by
+  // default, the layout is left out and run() says so.
+  const bool dropping = o->bench.drop_percent > 0;
+  if (dropping && std::find(o->layouts.begin(), o->layouts.end(), MOEJIT_LAYOUT_TOKEN_MAJOR) !=
+                      o->layouts.end()) {
+    std::fprintf(stderr,
+                 "moejit-bench: --layout token_major with --drop %s: a token-major buffer has a "
+                 "row for every slot and cannot mark one dropped; leave token_major out of "
+                 "--layout (without --layout, --drop runs gather_map and token_index)\n",
+                 percent_text(o->bench.drop_percent).c_str());
+    return false;
+  }
+  if (dropping && o->layouts.empty()) {
+    o->layouts = {MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_LAYOUT_TOKEN_INDEX};
+    o->token_major_skipped = true;
   }
   if (o->layouts.empty())
     o->layouts = {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_LAYOUT_TOKEN_INDEX};
@@ -335,20 +397,32 @@ Floors measure_floors(Timer& timer, const HelperKernels& helpers) {
   return f;
 }
 
-void print_header() {
+// The shape column names the drop rate with --drop, so that no row of such a run passes for a
+// figure of the record: its GB/s still divide the minimal bytes of every slot.
+std::string case_text(const Shape& shape, double drop_percent) {
+  const std::string text = shape.describe();
+  return drop_percent > 0 ? text + " drop " + percent_text(drop_percent) + "%" : text;
+}
+int case_width(double drop_percent) {
+  return drop_percent > 0 ? 34 : 22;
+}
+
+void print_header(double drop_percent) {
   // copy_us: a device-to-device copy of the same bytes (see CaseResult::same_size_copy_us).
   // %adj: of the launch-adjusted floor, bytes at the ceiling + one empty kernel (BENCHMARKS.md's
   // reading of the 95% target for prefill shapes whose bytes-only floor is under about 60 us).
   // odd-even: median of the odd flushed runs minus the even ones (Timer: every other flushed run
   // takes 0.6-0.75 us longer on the H200).
-  std::printf("%-12s %-22s %10s %10s %8s %7s %7s %8s %9s %9s %10s  %s\n", "layout", "shape",
-              "median_us", "l2warm_us", "GB/s", "%ceil", "%adj", "x_empty", "copy_us", "rel_err",
-              "odd-even", "check");
+  std::printf("%-12s %-*s %10s %10s %8s %7s %7s %8s %9s %9s %10s  %s\n", "layout",
+              case_width(drop_percent), "shape", "median_us", "l2warm_us", "GB/s", "%ceil", "%adj",
+              "x_empty", "copy_us", "rel_err", "odd-even", "check");
 }
 
 void print_result(const CaseResult& r) {
+  const std::string shape = case_text(r.shape, r.drop_percent);
+  const int width = case_width(r.drop_percent);
   if (!r.error.empty()) {
-    std::printf("%-12s %-22s FAILED: %s\n", layout_text(r.layout), r.shape.describe().c_str(),
+    std::printf("%-12s %-*s FAILED: %s\n", layout_text(r.layout), width, shape.c_str(),
                 r.error.c_str());
     return;
   }
@@ -364,50 +438,56 @@ void print_result(const CaseResult& r) {
     check += text;
   }
   if (!r.deterministic) check += " (output changed between runs)";
-  std::printf("%-12s %-22s %10.2f %10.2f %8.0f %6.1f%% %6.1f%% %8.2f %9.2f %9.2e %+10.2f  %s\n",
-              layout_text(r.layout), r.shape.describe().c_str(), r.median_us, r.l2_warm_us, r.gbps,
+  std::printf("%-12s %-*s %10.2f %10.2f %8.0f %6.1f%% %6.1f%% %8.2f %9.2f %9.2e %+10.2f  %s\n",
+              layout_text(r.layout), width, shape.c_str(), r.median_us, r.l2_warm_us, r.gbps,
               r.pct_ceiling, r.pct_floor_with_launch, r.ratio_empty, r.same_size_copy_us,
               r.check.rel_err, r.parity_split_us, check.c_str());
 }
 
-void print_pipeline(const std::vector<PipelineResult>& results) {
+void print_pipeline(const std::vector<PipelineResult>& results, double drop_percent) {
   std::printf(
       "\nDecode steps in a CUDA graph (--pipeline): a producer kernel that writes the rows and "
       "allows its dependents at once, then the combine; us per step added to the producer's "
       "(2 us spin + copy), 100 steps, median of 15 replays; *_ev: the routing evicted from L2 "
       "before each step (a 256 MB read before the producer), as after a real step's expert "
       "GEMMs\n");
-  std::printf("%-12s %-22s %9s %9s %7s %9s %9s %9s %9s %7s %9s  %s\n", "layout", "shape",
+  const int width = case_width(drop_percent);
+  std::printf("%-12s %-*s %9s %9s %7s %9s %9s %9s %9s %7s %9s  %s\n", "layout", width, "shape",
               "producer", "plain", "PDL", "saved", "empty", "empty_PDL", "plain_ev", "PDL_ev",
               "saved_ev", "check");
   for (const PipelineResult& r : results) {
+    const std::string shape = case_text(r.shape, r.drop_percent);
     if (!r.skipped.empty()) {
-      std::printf("%-12s %-22s pipeline: skipped (%s)\n", layout_text(r.layout),
-                  r.shape.describe().c_str(), r.skipped.c_str());
+      std::printf("%-12s %-*s pipeline: skipped (%s)\n", layout_text(r.layout), width,
+                  shape.c_str(), r.skipped.c_str());
       continue;
     }
     if (!r.error.empty()) {
-      std::printf("%-12s %-22s FAILED: %s\n", layout_text(r.layout), r.shape.describe().c_str(),
+      std::printf("%-12s %-*s FAILED: %s\n", layout_text(r.layout), width, shape.c_str(),
                   r.error.c_str());
       continue;
     }
     std::printf(
-        "%-12s %-22s %9.2f %9.2f %7.2f %9.2f %9.2f %9.2f %9.2f %7.2f %9.2f  %s\n",
-        layout_text(r.layout), r.shape.describe().c_str(), r.producer_plain_us, r.combine_plain_us,
+        "%-12s %-*s %9.2f %9.2f %7.2f %9.2f %9.2f %9.2f %9.2f %7.2f %9.2f  %s\n",
+        layout_text(r.layout), width, shape.c_str(), r.producer_plain_us, r.combine_plain_us,
         r.combine_dependent_us, r.combine_plain_us - r.combine_dependent_us, r.empty_plain_us,
         r.empty_dependent_us, r.combine_plain_evicted_us, r.combine_dependent_evicted_us,
         r.combine_plain_evicted_us - r.combine_dependent_evicted_us, r.correct ? "ok" : "FAIL");
   }
 }
 
-// The members that name a case: its layout and shape (the same keys in "cases" and "pipeline").
-void write_case_shape(JsonWriter& j, const Shape& shape, moejit_layout layout) {
+// The members that name a case: its layout, shape and dropped slots (--drop; the exact count is
+// round(drop_percent% of T*K)). The same keys in "cases" and "pipeline".
+void write_case_shape(JsonWriter& j, const Shape& shape, moejit_layout layout, double drop_percent,
+                      int64_t dropped_slots) {
   j.member("layout", layout_text(layout));
   j.member("T", shape.tokens);
   j.member("K", shape.top_k);
   j.member("H", shape.hidden);
   j.member("in_dtype", dtype_text(shape.in_dtype));
   j.member("out_dtype", dtype_text(shape.out_dtype));
+  j.member("drop_percent", drop_percent);
+  j.member("dropped_slots", dropped_slots);
 }
 
 void write_json(const std::string& path, const std::string& device, const Floors& floors,
@@ -432,7 +512,7 @@ void write_json(const std::string& path, const std::string& device, const Floors
   for (const CaseResult& r : results) {
     j.begin_object();
     j.member("label", r.shape.label);
-    write_case_shape(j, r.shape, r.layout);
+    write_case_shape(j, r.shape, r.layout, r.drop_percent, r.dropped_slots);
     // An integer (exact below 2^53): "%.6g" kept 6 digits (528744448 was written 528744000).
     j.member("minimal_bytes", static_cast<int64_t>(r.shape.minimal_bytes()));
     if (!r.error.empty()) {
@@ -506,7 +586,7 @@ void write_json(const std::string& path, const std::string& device, const Floors
     j.key("pipeline").begin_array();
     for (const PipelineResult& r : pipeline) {
       j.begin_object();
-      write_case_shape(j, r.shape, r.layout);
+      write_case_shape(j, r.shape, r.layout, r.drop_percent, r.dropped_slots);
       if (!r.skipped.empty()) {
         j.member("skipped", r.skipped);
       } else if (!r.error.empty()) {
@@ -550,7 +630,22 @@ void write_json(const std::string& path, const std::string& device, const Floors
   std::printf("wrote %s\n", path.c_str());
 }
 
+// What --drop does to this run, before anything else is printed.
+void print_drop_notice(const Options& o) {
+  if (o.bench.drop_percent <= 0) return;
+  const std::string p = percent_text(o.bench.drop_percent);
+  std::printf(
+      "drop %s%%: %s%% of each case's T*K routing slots dropped (JSON dropped_slots: how many), "
+      "gates not renormalized; GB/s and %% still divide the minimal bytes of all T*K slots: not "
+      "figures for the record\n",
+      p.c_str(), p.c_str());
+  if (o.token_major_skipped)
+    std::printf("token_major: skipped in every case (--drop %s: it cannot mark a slot dropped)\n",
+                p.c_str());
+}
+
 int run(const Options& o) {
+  print_drop_notice(o);
   JitFigures jit;
   if (o.jit) disable_compute_cache_for_jit(&jit);  // before CUDA or NVRTC reads the environment
   int devices = 0;
@@ -600,7 +695,7 @@ int run(const Options& o) {
         "%.2f us (L2 flushed; odd - even runs %+.2f us), %.2f us (warm)\n\n",
         floors.copy_ceiling_gbps, floors.empty_kernel_us, floors.empty_kernel_parity_split_us,
         floors.empty_kernel_warm_us);
-    print_header();
+    print_header(o.bench.drop_percent);
     for (const Shape& shape : o.cases) {
       for (const CaseResult& r : run_case(shape, o.layouts, o.bench, floors, timer)) {
         print_result(r);
@@ -619,7 +714,7 @@ int run(const Options& o) {
           if (r.skipped.empty()) all_correct = all_correct && r.error.empty() && r.correct;
           pipeline.push_back(r);
         }
-    print_pipeline(pipeline);
+    print_pipeline(pipeline, o.bench.drop_percent);
   }
 
   if (o.jit) {
@@ -632,12 +727,12 @@ int run(const Options& o) {
     // The summary again, last, so the end of the output carries it.
     std::printf("\nSummary (copy ceiling %.0f GB/s, empty kernel %.2f us):\n",
                 floors.copy_ceiling_gbps, floors.empty_kernel_us);
-    print_header();
+    print_header(o.bench.drop_percent);
     for (const CaseResult& r : results) print_result(r);
   }
   if (!o.json_path.empty())
     write_json(o.json_path, device, floors, results, o.jit ? &jit : nullptr, "", pipeline);
-  if (!pipeline.empty()) print_pipeline(pipeline);  // last, with the summary
+  if (!pipeline.empty()) print_pipeline(pipeline, o.bench.drop_percent);  // last, with the summary
   BENCH_CUDA(cudaStreamDestroy(stream));
   if (!all_correct) {
     std::printf("moejit-bench: at least one case FAILED its check (see above)\n");
