@@ -73,6 +73,15 @@ def test_merge_keeps_peers_and_the_ctypes_cross_check(merge_results):
         "BLOCK_H=128")
 
 
+def test_a_run_with_dropped_slots_is_no_record(merge_results):
+    bench = bench_json()
+    bench["cases"][0]["drop_percent"] = 12.5
+    with pytest.raises(ValueError, match="--drop 12.5"):
+        merge_results.merge(bench, peers_json())
+    bench["cases"][0]["drop_percent"] = 0
+    merge_results.merge(bench, peers_json())
+
+
 def test_one_harness_table_has_every_shape_and_the_ratios(merge_results):
     text = merge_results.markdown(merge_results.merge(bench_json(), peers_json()))
     assert "All shapes in one harness (peers.py" in text

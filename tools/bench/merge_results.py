@@ -71,6 +71,13 @@ def paired_of(peer_shape, layout):
 def merge(bench, peers, decode_peers=None):
     """The record: bench's cases with peers.py's figures on the same shapes; decode_peers (optional)
     is a second peers.py run on the decode shapes alone, with more paired rounds (run-h200.sh)."""
+    dropped = [c for c in bench.get("cases", []) if c.get("drop_percent", 0) > 0]
+    if dropped:
+        # Peers run every slot and the record's GB/s assume them all: such a run is no record.
+        raise ValueError(
+            f"the moejit-bench run dropped routing slots (--drop {dropped[0]['drop_percent']:g}):"
+            " its figures are not comparable with the peers' or the record's; merge a run"
+            " without --drop")
     peer_shapes = {shape_key(s): s for s in (peers or {}).get("shapes", [])}
     decode_shapes = {shape_key(s): s for s in (decode_peers or {}).get("shapes", [])}
     ceiling, empty = bench.get("copy_ceiling_gbps"), bench.get("empty_kernel_us")
@@ -452,7 +459,11 @@ def main():
                 complete_floor_figures(c, merged.get("copy_ceiling_gbps"),
                                        merged.get("empty_kernel_us"))
     else:
-        merged = merge(bench, peers, decode_peers)
+        try:
+            merged = merge(bench, peers, decode_peers)
+        except ValueError as e:
+            print(f"merge_results.py: {e}", file=sys.stderr)
+            return 2
     if args.markdown:
         sys.stdout.write(markdown(merged))
     else:
