@@ -34,6 +34,9 @@ TEST(BenchData, MinimalBytesAreRowsRoutingAndOutput) {
             3072.0 * 128 * 4 + 3072.0 * 8 + 1536.0 * 128 * 4);
   EXPECT_EQ(make_shape(64, 2, 4096, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_FLOAT32).minimal_bytes(),
             128.0 * 4096 * 2 + 128.0 * 8 + 64.0 * 4096 * 4);
+  // Dropped slots' rows are not read; their index and gate are.
+  EXPECT_EQ(make_shape(64, 2, 4096, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_FLOAT32).minimal_bytes(16),
+            112.0 * 4096 * 2 + 128.0 * 8 + 64.0 * 4096 * 4);
 }
 
 double value(moejit_dtype dtype, const std::vector<uint8_t>& bytes, size_t i) {

@@ -112,10 +112,10 @@ bool parse_dtype(const std::string& text, moejit_dtype* dtype) {
   return true;
 }
 
-double Shape::minimal_bytes() const {
+double Shape::minimal_bytes(int64_t dropped) const {
   const double r = static_cast<double>(rows()), t = static_cast<double>(tokens),
-               h = static_cast<double>(hidden);
-  return r * h * dtype_bytes(in_dtype) + r * 8.0 + t * h * dtype_bytes(out_dtype);
+               h = static_cast<double>(hidden), read = static_cast<double>(rows() - dropped);
+  return read * h * dtype_bytes(in_dtype) + r * 8.0 + t * h * dtype_bytes(out_dtype);
 }
 
 std::string Shape::describe() const {

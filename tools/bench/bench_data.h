@@ -29,8 +29,9 @@ struct Shape {
   std::string label;  // e.g. "DeepSeek-V3 prefill"; empty for command-line cases
 
   int64_t rows() const { return tokens * top_k; }
-  // BENCHMARKS.md's minimal bytes: R*H*in + R*8 (index + gate) + T*H*out.
-  double minimal_bytes() const;
+  // BENCHMARKS.md's minimal bytes: R*H*in + R*8 (index + gate) + T*H*out. With dropped slots
+  // (moejit-bench --drop) their rows need not be read: (R - dropped)*H*in + R*8 + T*H*out.
+  double minimal_bytes(int64_t dropped = 0) const;
   std::string describe() const;  // "T4096 K8 H7168 bf16" (+ "->fp32" when the output differs)
 };
 

@@ -89,18 +89,18 @@ std::string attach_workspace(moejit_combine_args* args, DeviceBuffer* workspace)
   return "";
 }
 
-// Percent of the copy ceiling that moving the case's minimal bytes in `us` reaches (0 without a
+// Percent of the copy ceiling that moving a case's minimal bytes in `us` reaches (0 without a
 // ceiling): the combine's figure and its same-size copy's.
-double pct_of_ceiling(const Shape& s, double us, const Floors& floors) {
-  const double gbps = s.minimal_bytes() / (us * 1e-6) / 1e9;
+double pct_of_ceiling(double minimal_bytes, double us, const Floors& floors) {
+  const double gbps = minimal_bytes / (us * 1e-6) / 1e9;
   return floors.copy_ceiling_gbps > 0 ? 100.0 * gbps / floors.copy_ceiling_gbps : 0.0;
 }
 
 // BENCHMARKS.md's floor for shapes a launch's fixed cost cannot hide under: the minimal bytes at
 // the ceiling plus one empty kernel (timed the same way), as % of `us`.
-double pct_of_floor_with_launch(const Shape& s, double us, const Floors& floors) {
+double pct_of_floor_with_launch(double minimal_bytes, double us, const Floors& floors) {
   if (floors.copy_ceiling_gbps <= 0 || us <= 0) return 0.0;
-  const double bytes_floor_us = s.minimal_bytes() / (floors.copy_ceiling_gbps * 1e9) * 1e6;
+  const double bytes_floor_us = minimal_bytes / (floors.copy_ceiling_gbps * 1e9) * 1e6;
   return 100.0 * (bytes_floor_us + floors.empty_kernel_us) / us;
 }
 
@@ -109,10 +109,10 @@ int timed_runs(const Shape& s, const BenchSettings& settings) {
   return settings.reps > 0 ? settings.reps : (s.minimal_bytes() < 64e6 ? 200 : 100);
 }
 
-// A device-to-device copy that moves the case's minimal bytes (half read, half written), timed
-// like the combine.
-double time_same_size_copy(const Shape& s, int reps, int warmup, Timer& timer) {
-  const size_t bytes = static_cast<size_t>(s.minimal_bytes() / 2);
+// A device-to-device copy that moves minimal_bytes (half read, half written), timed like the
+// combine.
+double time_same_size_copy(double minimal_bytes, int reps, int warmup, Timer& timer) {
+  const size_t bytes = static_cast<size_t>(minimal_bytes / 2);
   DeviceBuffer src(bytes), dst(bytes);
   BENCH_CUDA(cudaMemset(src.get(), 0x5a, bytes));
   return timer.median_us(
@@ -165,9 +165,10 @@ CaseResult run_layout(const HostInputs& in, const DeviceInputs& d, moejit_layout
     return r;
   }
 
-  r.gbps = s.minimal_bytes() / (r.median_us * 1e-6) / 1e9;
-  r.pct_ceiling = pct_of_ceiling(s, r.median_us, floors);
-  r.pct_floor_with_launch = pct_of_floor_with_launch(s, r.median_us, floors);
+  const double bytes = s.minimal_bytes(in.dropped_slots);
+  r.gbps = bytes / (r.median_us * 1e-6) / 1e9;
+  r.pct_ceiling = pct_of_ceiling(bytes, r.median_us, floors);
+  r.pct_floor_with_launch = pct_of_floor_with_launch(bytes, r.median_us, floors);
   r.ratio_empty = floors.empty_kernel_us > 0 ? r.median_us / floors.empty_kernel_us : 0.0;
   r.correct = r.check.passed() && r.deterministic;
   return r;
@@ -341,10 +342,11 @@ std::vector<CaseResult> run_case(const Shape& shape, const std::vector<moejit_la
   std::vector<CaseResult> results;
   for (moejit_layout layout : layouts)
     results.push_back(run_layout(in, d, layout, settings, floors, timer));
+  const double bytes = shape.minimal_bytes(in.dropped_slots);
   const double copy_us =
-      time_same_size_copy(shape, timed_runs(shape, settings), settings.warmup, timer);
-  const double copy_pct = pct_of_ceiling(shape, copy_us, floors);
-  const double copy_pct_adjusted = pct_of_floor_with_launch(shape, copy_us, floors);
+      time_same_size_copy(bytes, timed_runs(shape, settings), settings.warmup, timer);
+  const double copy_pct = pct_of_ceiling(bytes, copy_us, floors);
+  const double copy_pct_adjusted = pct_of_floor_with_launch(bytes, copy_us, floors);
   for (CaseResult& r : results) {
     r.same_size_copy_us = copy_us;
     r.same_size_copy_pct_ceiling = copy_pct;

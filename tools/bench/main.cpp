@@ -71,8 +71,8 @@ void usage(FILE* to) {
       "                                  map and token_idx -1, the rows left unreferenced;\n"
       "                                  gates kept, not renormalized (as most engines' capacity\n"
       "                                  dropping). token_major cannot express it: left out, or\n"
-      "                                  refused if --layout names it. GB/s and %% keep the\n"
-      "                                  minimal bytes of all T*K slots: not record figures\n"
+      "                                  refused if --layout names it. Minimal bytes leave the\n"
+      "                                  dropped rows out: (R-dropped)*H*in + R*8 + T*H*out\n"
       "  --jit                           also measure compile, disk-cache and launch costs\n"
       "  --jit-only                      only the JIT figures\n"
       "  --pipeline                      also time decode-sized cases (T <= 64) as steps of a\n"
@@ -398,7 +398,7 @@ Floors measure_floors(Timer& timer, const HelperKernels& helpers) {
 }
 
 // The shape column names the drop rate with --drop, so that no row of such a run passes for a
-// figure of the record: its GB/s still divide the minimal bytes of every slot.
+// figure of the record: fewer rows are read, and its minimal bytes leave them out.
 std::string case_text(const Shape& shape, double drop_percent) {
   const std::string text = shape.describe();
   return drop_percent > 0 ? text + " drop " + percent_text(drop_percent) + "%" : text;
@@ -514,7 +514,7 @@ void write_json(const std::string& path, const std::string& device, const Floors
     j.member("label", r.shape.label);
     write_case_shape(j, r.shape, r.layout, r.drop_percent, r.dropped_slots);
     // An integer (exact below 2^53): "%.6g" kept 6 digits (528744448 was written 528744000).
-    j.member("minimal_bytes", static_cast<int64_t>(r.shape.minimal_bytes()));
+    j.member("minimal_bytes", static_cast<int64_t>(r.shape.minimal_bytes(r.dropped_slots)));
     if (!r.error.empty()) {
       j.member("error", r.error);
     } else {
@@ -636,8 +636,8 @@ void print_drop_notice(const Options& o) {
   const std::string p = percent_text(o.bench.drop_percent);
   std::printf(
       "drop %s%%: %s%% of each case's T*K routing slots dropped (JSON dropped_slots: how many), "
-      "gates not renormalized; GB/s and %% still divide the minimal bytes of all T*K slots: not "
-      "figures for the record\n",
+      "gates not renormalized; minimal bytes (GB/s, %%, copy_us) leave the dropped rows out: "
+      "(R - dropped)*H*in + R*8 + T*H*out. Not figures for the record\n",
       p.c_str(), p.c_str());
   if (o.token_major_skipped)
     std::printf("token_major: skipped in every case (--drop %s: it cannot mark a slot dropped)\n",
