@@ -4,6 +4,7 @@
 #include <future>
 #include <iterator>
 #include <system_error>
+#include <unordered_set>
 
 #include "driver.h"
 #include "error.h"
@@ -40,6 +41,15 @@ bool image_refused(CUresult result) {
          result == CUDA_ERROR_INVALID_SOURCE;
 }
 
+// Whether the context that had `id` when the runtime saw it as `handle` has since been destroyed:
+// cuCtxGetId of a destroyed context fails, and a context created since under the same handle has
+// another id. Without cuCtxGetId (driver < 12.0) nothing tells: false.
+bool context_destroyed(CUcontext handle, unsigned long long id) {
+  const DriverApi& d = driver();
+  unsigned long long now = 0;
+  return d.cuCtxGetId != nullptr && (d.cuCtxGetId(handle, &now) != CUDA_SUCCESS || now != id);
+}
+
 }  // namespace
 
 // Modules of every context are unloaded from whatever context is current. The documentation
@@ -50,19 +60,16 @@ bool image_refused(CUresult result) {
 // A module of a destroyed context is not passed at all: its handle is no longer ours, and the
 // driver may have given it to a module loaded since (it reuses context handles; the GPU test
 // AModuleOfADestroyedContextIsNeverServedAgain prints when), which the unload would destroy under
-// its owner. The context's id tells: cuCtxGetId of a destroyed context fails, and a context created
-// since under the same handle has another id. Without cuCtxGetId (driver < 12.0) nothing tells.
+// its owner (context_destroyed() tells).
 ModuleCache::~ModuleCache() {
   if (entries_.empty()) return;
   const DriverApi& d = driver();
-  for (auto& [key, entry] : entries_) {
-    if (!entry->ready.load() || entry->kernels.module == nullptr) continue;
-    unsigned long long id = 0;
-    if (d.cuCtxGetId != nullptr &&
-        (d.cuCtxGetId(entry->context, &id) != CUDA_SUCCESS || id != key.context))
-      continue;
-    d.cuModuleUnload(entry->kernels.module);
-  }
+  std::unordered_set<unsigned long long> destroyed;
+  for (const auto& [id, handle] : contexts_)
+    if (context_destroyed(handle, id)) destroyed.insert(id);
+  for (auto& [key, entry] : entries_)
+    if (entry->ready.load() && entry->kernels.module != nullptr && !destroyed.count(key.context))
+      d.cuModuleUnload(entry->kernels.module);
 }
 
 const LoadedKernels& ModuleCache::get(const KernelSpec& spec) {
@@ -101,16 +108,12 @@ const LoadedKernels& ModuleCache::get(const KernelSpec& spec) {
 // A destroyed context's modules went with it (they are not unloaded: see the destructor); what
 // is left here is their records, about 200 bytes per spec. They are dropped when a context is
 // first seen, which is when a process that destroys contexts creates the next one, so the records
-// kept are those of live contexts and of the ones destroyed since the last new context. Without
-// cuCtxGetId (driver < 12.0) a destroyed context cannot be told from a live one: nothing is
-// dropped. An entry still locked is being loaded (by a caller whose context was destroyed under
-// it, which the caller may not do): it stays.
+// kept are those of live contexts and of the ones destroyed since the last new context (without
+// cuCtxGetId, of every context: nothing tells a destroyed one). An entry still locked is being
+// loaded (by a caller whose context was destroyed under it, which the caller may not do): it stays.
 void ModuleCache::forget_destroyed_contexts() {
-  const DriverApi& d = driver();
-  if (d.cuCtxGetId == nullptr) return;
   for (auto c = contexts_.begin(); c != contexts_.end();) {
-    unsigned long long id = 0;
-    if (d.cuCtxGetId(c->second, &id) == CUDA_SUCCESS && id == c->first) {
+    if (!context_destroyed(c->second, c->first)) {
       ++c;
       continue;
     }
@@ -201,7 +204,6 @@ void ModuleCache::load(const KernelSpec& spec, CUcontext context, Entry& entry) 
   // programmatic dependent, or it would read what its predecessor is still writing.
   k.dependent_launch = major >= 9 && target.sm >= 90 && d.cuLaunchKernelEx != nullptr;
   entry.kernels = k;
-  entry.context = context;
   stats_.loaded_modules.fetch_add(1, std::memory_order_relaxed);
   logger().debug("loaded {} ({}) in context {}", spec.describe(), target.name(),
                  static_cast<void*>(context));

@@ -57,7 +57,6 @@ class ModuleCache {
     std::mutex load_mutex;           // held while loading: one loader per key
     std::atomic<bool> ready{false};  // set once kernels is complete; never cleared
     LoadedKernels kernels;
-    CUcontext context = nullptr;
   };
 
   void load(const KernelSpec& spec, CUcontext context, Entry& entry);
@@ -69,7 +68,8 @@ class ModuleCache {
   Stats& stats_;
   std::shared_mutex mutex_;  // guards entries_ (the map, not the entries' contents)
   std::unordered_map<Key, std::unique_ptr<Entry>, KeyHash> entries_;
-  // Every context with entries: its id (as in Key) and its handle, which cuCtxGetId checks.
+  // Every context with entries (each entry's Key::context is here): its id and its handle, which
+  // context_destroyed() checks.
   std::unordered_map<unsigned long long, CUcontext> contexts_;
 };
 

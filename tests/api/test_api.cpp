@@ -30,6 +30,13 @@ void set_c_enum(E& field, int value) {
   std::memcpy(&field, &value, sizeof(field));
 }
 
+// Turns a into a token-index call whose (1 MB) workspace starts at the fake address `at`.
+void token_index_workspace_at(moejit_combine_args& a, uintptr_t at) {
+  a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+  a.workspace = fake(at);
+  a.workspace_bytes = 1 << 20;
+}
+
 // A valid gather-map combine on (fake, well aligned) device pointers, with gates.
 moejit_combine_args valid_args() {
   moejit_combine_args a = moejit_test::fake_gather_map_args(33, 2, 4096);
@@ -143,12 +150,7 @@ const BadCase kBadCases[] = {
      MOEJIT_ERROR_INVALID_ARGUMENT,
      "args->out = [0x7f0020000000, 0x7f0020042000): overlaps "
      "args->indices"},
-    {"workspace_overlaps_out",
-     [](auto& a) {
-       a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
-       a.workspace = fake(0x7f0030000000 + 4096);
-       a.workspace_bytes = 1 << 20;
-     },
+    {"workspace_overlaps_out", [](auto& a) { token_index_workspace_at(a, 0x7f0030000000 + 4096); },
      MOEJIT_ERROR_INVALID_ARGUMENT, "args->workspace = [0x7f0030001000"},
     {"expert_misaligned", [](auto& a) { a.expert_hidden = fake(0x7f0000000001); },
      MOEJIT_ERROR_INVALID_ARGUMENT, "args->expert_hidden = 0x7f0000000001: must be aligned"},
@@ -250,32 +252,16 @@ const BadCase kBadCases[] = {
      MOEJIT_ERROR_INVALID_ARGUMENT, "overlaps args->indices"},
     // The workspace is written too: it may share bytes with none of the buffers read.
     {"workspace_overlaps_expert",
-     [](auto& a) {
-       a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
-       a.workspace = fake(moejit_test::kFakeExpert + 4096);
-       a.workspace_bytes = 1 << 20;
-     },
+     [](auto& a) { token_index_workspace_at(a, moejit_test::kFakeExpert + 4096); },
      MOEJIT_ERROR_INVALID_ARGUMENT, "overlaps args->expert_hidden"},
+    // token_idx: 66 entries, 264 bytes.
     {"workspace_overlaps_token_idx",
-     [](auto& a) {
-       a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
-       a.workspace = fake(moejit_test::kFakeIndices + 256);  // 66 entries: 264 bytes
-       a.workspace_bytes = 1 << 20;
-     },
+     [](auto& a) { token_index_workspace_at(a, moejit_test::kFakeIndices + 256); },
      MOEJIT_ERROR_INVALID_ARGUMENT, "overlaps args->indices"},
     {"workspace_overlaps_gates",
-     [](auto& a) {
-       a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
-       a.workspace = fake(moejit_test::kFakeGates + 256);
-       a.workspace_bytes = 1 << 20;
-     },
+     [](auto& a) { token_index_workspace_at(a, moejit_test::kFakeGates + 256); },
      MOEJIT_ERROR_INVALID_ARGUMENT, "overlaps args->gates"},
-    {"workspace_misaligned",
-     [](auto& a) {
-       a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
-       a.workspace = fake(0x7f0040000008);
-       a.workspace_bytes = 1 << 20;
-     },
+    {"workspace_misaligned", [](auto& a) { token_index_workspace_at(a, 0x7f0040000008); },
      MOEJIT_ERROR_INVALID_ARGUMENT,
      "args->workspace = 0x7f0040000008: must be aligned to 16 bytes"},
 };
