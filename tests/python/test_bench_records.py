@@ -82,6 +82,17 @@ def test_a_run_with_dropped_slots_is_no_record(merge_results):
     merge_results.merge(bench, peers_json())
 
 
+def test_a_peers_run_with_dropped_slots_is_no_record(merge_results):
+    peers = peers_json()
+    peers["drop_percent"] = 50
+    with pytest.raises(ValueError, match="peers.py run dropped routing slots \\(--drop 50\\)"):
+        merge_results.merge(bench_json(), peers)
+    with pytest.raises(ValueError, match="decode peers.py run dropped"):
+        merge_results.merge(bench_json(), peers_json(), peers)
+    peers["drop_percent"] = 0
+    merge_results.merge(bench_json(), peers, peers)
+
+
 def test_one_harness_table_has_every_shape_and_the_ratios(merge_results):
     text = merge_results.markdown(merge_results.merge(bench_json(), peers_json()))
     assert "All shapes in one harness (peers.py" in text
@@ -576,3 +587,35 @@ def test_time_interleaved_runs_each_once_per_round_in_random_orders(peers):
     assert [e[0] for e in timed[:3]] == ["sleep", "fill", "run"] and timed[0] == ("sleep", 123)
     fills = [v for kind, v in timed if kind == "fill"]
     assert fills == [n & 0xFF for n in range(150)]
+
+
+# ---- peers.py --drop ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,value", [("0", 0.0), ("12.5", 12.5), ("90", 90.0), ("90.0", 90.0),
+                                        ("007", 7.0)])
+def test_peers_drop_takes_moejit_bench_percentages(peers, text, value):
+    assert peers.parse_drop(text) == value
+
+
+@pytest.mark.parametrize("text", ["91", "90.5", "-1", "+5", "1e1", " 5", "5 ", "nan", "inf", ".5",
+                                  "5.", "", "x", "12,5"])
+def test_peers_drop_refuses_what_moejit_bench_refuses(peers, text):
+    with pytest.raises(peers.argparse.ArgumentTypeError, match="expected a percentage in 0..90"):
+        peers.parse_drop(text)
+
+
+def test_peers_drop_counts_and_bytes_match_moejit_bench(peers):
+    # round(P% of T*K), halves away from zero, as std::llround.
+    assert peers.dropped_slot_count(32768, 12.5) == 4096
+    assert peers.dropped_slot_count(4, 12.5) == 1  # 0.5 -> 1
+    assert peers.dropped_slot_count(12, 12.5) == 2  # 1.5 -> 2
+    assert peers.dropped_slot_count(128, 0) == 0
+    shape = {"T": 4096, "K": 8, "H": 7168, "in_dtype": "bf16", "out_dtype": "bf16"}
+    assert peers.with_drops([shape], 0) == [shape]
+    (dropped,) = peers.with_drops([shape], 50)
+    assert dropped["drop_percent"] == 50 and dropped["dropped_slots"] == 16384
+    assert "dropped_slots" not in shape  # the caller's shape is not changed
+    # (R - dropped)*H*in + R*8 + T*H*out: the dropped rows are not read, their routing is.
+    R = 4096 * 8
+    assert peers.minimal_bytes(shape) == R * 7168 * 2 + R * 8 + 4096 * 7168 * 2
+    assert peers.minimal_bytes(dropped) == (R - 16384) * 7168 * 2 + R * 8 + 4096 * 7168 * 2

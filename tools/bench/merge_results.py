@@ -78,6 +78,11 @@ def merge(bench, peers, decode_peers=None):
             f"the moejit-bench run dropped routing slots (--drop {dropped[0]['drop_percent']:g}):"
             " its figures are not comparable with the peers' or the record's; merge a run"
             " without --drop")
+    for name, run in (("peers.py", peers), ("the decode peers.py", decode_peers)):
+        if (run or {}).get("drop_percent", 0) > 0:
+            raise ValueError(
+                f"{name} run dropped routing slots (--drop {run['drop_percent']:g}): its figures"
+                " are not comparable with the record's; merge a run without --drop")
     peer_shapes = {shape_key(s): s for s in (peers or {}).get("shapes", [])}
     decode_shapes = {shape_key(s): s for s in (decode_peers or {}).get("shapes", [])}
     ceiling, empty = bench.get("copy_ceiling_gbps"), bench.get("empty_kernel_us")

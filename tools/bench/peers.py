@@ -23,6 +23,15 @@ each comparison the issue sets (PAIRS) is read round by round: the peer's time o
 its median and a distribution-free 95% interval. An interval entirely above 1 says libmoejit is
 faster, entirely below 1 the peer; one that contains 1 says the two are level within the noise.
 
+--drop P drops P% of each shape's routing slots, as capacity-factor routing does (moejit-bench's
+--drop): the gather map's entry and the token_idx of the row that held the slot become -1, gates
+stay as they are, and the reference leaves those slots out. libmoejit's token-major layout cannot
+express a drop and is left out. Each peer takes the -1 entries the way a torch user would have to,
+and that work is timed with it: the Triton kernels mask the dropped rows' loads (and atomics);
+gather+sum and index_add_ redirect -1 to one spare row (a zero row after the expert rows, a
+discarded row after the output's) with torch.where in every call. Such a run is no record
+(merge_results.py refuses it).
+
 Needs torch (and triton for the Triton peers); libmoejit.so from --lib or $MOEJIT_LIBRARY.
 `--check-binding` only loads the library and checks the ctypes structs (no torch, no GPU).
 """
@@ -34,6 +43,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import sys
 
@@ -217,10 +227,38 @@ def shape_text(s):
 
 
 def minimal_bytes(s):
-    """BENCHMARKS.md: R*H*in + R*8 (index + gate) + T*H*out."""
+    """BENCHMARKS.md: R*H*in + R*8 (index + gate) + T*H*out; a dropped slot's row is not read
+    ((R - dropped)*H*in, as moejit-bench counts it)."""
     size = {"fp32": 4, "fp16": 2, "bf16": 2}
     r = s["T"] * s["K"]
-    return r * s["H"] * size[s["in_dtype"]] + r * 8 + s["T"] * s["H"] * size[s["out_dtype"]]
+    read = r - s.get("dropped_slots", 0)
+    return read * s["H"] * size[s["in_dtype"]] + r * 8 + s["T"] * s["H"] * size[s["out_dtype"]]
+
+
+MAX_DROP_PERCENT = 90.0  # moejit-bench's limit: past it most tokens get no row at small K
+
+
+def parse_drop(text):
+    """--drop: a percentage in 0..90 written as digits with an optional decimal part ("12",
+    "12.5"), as moejit-bench takes it; no sign, exponent, spaces or "nan"."""
+    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", text) or float(text) > MAX_DROP_PERCENT:
+        raise argparse.ArgumentTypeError(
+            f"--drop {text}: expected a percentage in 0..{MAX_DROP_PERCENT:g} (an integer or a "
+            "decimal)")
+    return float(text)
+
+
+def dropped_slot_count(rows, drop_percent):
+    """round(drop_percent% of rows), halves away from zero (moejit-bench's std::llround)."""
+    return int(math.floor(rows * drop_percent / 100.0 + 0.5))
+
+
+def with_drops(shapes, drop_percent):
+    """The shapes with their drop rate and dropped-slot count; unchanged at 0."""
+    if not drop_percent:
+        return shapes
+    return [dict(s, drop_percent=drop_percent,
+                 dropped_slots=dropped_slot_count(s["T"] * s["K"], drop_percent)) for s in shapes]
 
 
 def error_bound(rounding, norm=1.0):
@@ -379,8 +417,10 @@ else:
 if triton is not None:
     @triton.jit
     def gather_kernel(x_ptr, map_ptr, gate_ptr, out_ptr, H,
-                      K: tl.constexpr, BLOCK_H: tl.constexpr):
+                      K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_DROPS: tl.constexpr = False):
         # One token x one BLOCK_H chunk: K independent row loads (unrolled), fp32 sum, one store.
+        # HAS_DROPS (--drop): a -1 entry's row is not loaded (it adds zero); without it the
+        # kernel is the one the record measures.
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = offs < H
@@ -388,17 +428,24 @@ if triton is not None:
         for k in tl.static_range(K):
             row = tl.load(map_ptr + t * K + k).to(tl.int64)
             g = tl.load(gate_ptr + t * K + k)
-            x = tl.load(x_ptr + row * H + offs, mask=mask, other=0.0)
+            if HAS_DROPS:
+                x = tl.load(x_ptr + row * H + offs, mask=mask & (row >= 0), other=0.0)
+            else:
+                x = tl.load(x_ptr + row * H + offs, mask=mask, other=0.0)
             acc += g * x.to(tl.float32)
         tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def atomic_kernel(x_ptr, tidx_ptr, gate_ptr, out_ptr, H, BLOCK_H: tl.constexpr):
-        # The original formulation: each row adds itself into its token's output row.
+    def atomic_kernel(x_ptr, tidx_ptr, gate_ptr, out_ptr, H, BLOCK_H: tl.constexpr,
+                      HAS_DROPS: tl.constexpr = False):
+        # The original formulation: each row adds itself into its token's output row; with
+        # HAS_DROPS a row whose token is -1 loads and adds nothing.
         r = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = offs < H
         t = tl.load(tidx_ptr + r).to(tl.int64)
+        if HAS_DROPS:
+            mask = mask & (t >= 0)
         g = tl.load(gate_ptr + r)
         x = tl.load(x_ptr + r * H + offs, mask=mask, other=0.0)
         val = (g * x.to(tl.float32)).to(out_ptr.dtype.element_ty)
@@ -520,13 +567,30 @@ def main_gpu(args, shapes):
         gates_by_row = gates[perm].contiguous()
         gmap64, tidx64 = inverse, perm // K
 
+        # --drop: the slots to drop, from a generator of their own (rows, gates and permutation
+        # stay those of --drop 0). A slot's map entry and the token_idx of the sorted row that
+        # held it become -1; the gates stay (not renormalized), and the reference leaves the
+        # slots out (a zero gate there: x * 0 adds exactly nothing).
+        dropped = shape.get("dropped_slots", 0)
+        gates_ref = gates
+        if dropped:
+            drop_gen = torch.Generator(device=device)
+            drop_gen.manual_seed(args.seed + 0xD209 + T * 1_000_003 + K * 1_009 + H)
+            slots = torch.randperm(R, generator=drop_gen, device=device)[:dropped]
+            gmap64, tidx64 = inverse.clone(), tidx64.clone()
+            gmap64[slots] = -1
+            tidx64[inverse[slots]] = -1
+            gmap32, tidx32 = gmap64.to(torch.int32), tidx64.to(torch.int32)
+            gates_ref = gates.clone()
+            gates_ref[slots] = 0
+
         # float64 reference, chunked over tokens to bound the temporaries.
         ref = torch.empty((T, H), dtype=torch.float64, device=device)
         step = max(1, (1 << 27) // (K * H))
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
             xs = x_tm[t0 * K:t1 * K].double().view(t1 - t0, K, H)
-            ref[t0:t1] = (xs * gates[t0 * K:t1 * K].double().view(t1 - t0, K, 1)).sum(dim=1)
+            ref[t0:t1] = (xs * gates_ref[t0 * K:t1 * K].double().view(t1 - t0, K, 1)).sum(dim=1)
             del xs
         ref_norm = torch.linalg.vector_norm(ref).item()
         # The bound, as moejit-bench's: from what one rounding of the reference to the output dtype
@@ -577,7 +641,10 @@ def main_gpu(args, shapes):
         # index_add_): where each wrote its own, two runs of the same kernel into two buffers
         # differed by up to 4% at decode sizes (T64 K2 H4096, paired rounds), as much as the
         # contenders do. Each measurement poisons it and checks its own result.
-        out_shared = torch.empty((T, H), dtype=odt, device=device)
+        # With --drop it has one spare row after the T the others see: index_add_ sends the -1
+        # rows there.
+        out_storage = torch.empty((T + (1 if dropped else 0), H), dtype=odt, device=device)
+        out_shared = out_storage[:T]
 
         # libmoejit, three layouts, on the same tensors.
         if lib is not None:
@@ -587,6 +654,8 @@ def main_gpu(args, shapes):
                 "gather_map": (x_sorted, gates, gmap32),
                 "token_index": (x_sorted, gates_by_row, tidx32),
             }
+            if dropped:  # a token-major buffer has a row for every slot: no way to mark a drop
+                del layouts["token_major"]
             for layout, (x, g, idx) in layouts.items():
                 a = lib.args(layout, T, K, R, H, x.data_ptr(), shape["in_dtype"], g.data_ptr(),
                              None if idx is None else idx.data_ptr(), out_lib.data_ptr(),
@@ -603,8 +672,17 @@ def main_gpu(args, shapes):
         g_tkh = gates.to(dt).view(T, K, 1)
         gs_out = {}
 
-        def gather_sum():
-            gs_out["out"] = (x_sorted[gmap64].view(T, K, H) * g_tkh).sum(dim=1).to(odt)
+        if not dropped:
+            def gather_sum():
+                gs_out["out"] = (x_sorted[gmap64].view(T, K, H) * g_tkh).sum(dim=1).to(odt)
+        else:
+            # -1 sends a slot to a zero row after the expert rows (a buffer a user would allocate
+            # once); the redirect runs in every call, as the routing changes from call to call.
+            x_pad = torch.cat([x_sorted, torch.zeros((1, H), dtype=dt, device=device)])
+
+            def gather_sum():
+                rows = torch.where(gmap64 < 0, R, gmap64)
+                gs_out["out"] = (x_pad[rows].view(T, K, H) * g_tkh).sum(dim=1).to(odt)
         measure("torch_gather_sum", "gather_map", gather_sum, lambda: gs_out["out"])
 
         # torch index_add_: the scatter-add formulation, in the output dtype.
@@ -612,8 +690,13 @@ def main_gpu(args, shapes):
         g_rows = gates_by_row.to(dt)[:, None]
 
         def index_add():
-            out_ia.zero_()
-            out_ia.index_add_(0, tidx64, (x_sorted * g_rows).to(odt))
+            if dropped:  # -1 rows into the spare output row, redirected in every call
+                out_storage.zero_()
+                out_storage.index_add_(0, torch.where(tidx64 < 0, T, tidx64),
+                                       (x_sorted * g_rows).to(odt))
+            else:
+                out_ia.zero_()
+                out_ia.index_add_(0, tidx64, (x_sorted * g_rows).to(odt))
         measure("torch_index_add", "token_index", index_add, lambda: out_ia, poison=out_ia)
 
         if triton is not None:
@@ -623,7 +706,8 @@ def main_gpu(args, shapes):
                 bh, nw = cfg
                 grid = (T, triton.cdiv(H, bh))
                 return lambda: gather_kernel[grid](x_sorted, gmap32, gates, out_tg, H,
-                                                   K=K, BLOCK_H=bh, num_warps=nw)
+                                                   K=K, BLOCK_H=bh, HAS_DROPS=bool(dropped),
+                                                   num_warps=nw)
             try:
                 cfg, fn = tune(make_gather, configs(H, args.quick))
                 measure("triton_gather_inv", "gather_map", fn, lambda: out_tg,
@@ -644,14 +728,14 @@ def main_gpu(args, shapes):
                     def fn():
                         acc.zero_()
                         atomic_kernel[grid](x_sorted, tidx32, gates_by_row, acc, H,
-                                            BLOCK_H=bh, num_warps=nw)
+                                            BLOCK_H=bh, HAS_DROPS=bool(dropped), num_warps=nw)
                         out_ta.copy_(acc)
                     return fn
 
                 def fn():
                     out_ta.zero_()
                     atomic_kernel[grid](x_sorted, tidx32, gates_by_row, out_ta, H,
-                                        BLOCK_H=bh, num_warps=nw)
+                                        BLOCK_H=bh, HAS_DROPS=bool(dropped), num_warps=nw)
                 return fn
             note = ""
             try:
@@ -713,8 +797,10 @@ def main_gpu(args, shapes):
 
     def print_table(shape, results):
         floor_us = minimal_bytes(shape) / (ceiling * 1e9) * 1e6
-        print(f"\n== {shape_text(shape)}  {shape['label']}  (bytes floor {floor_us:.1f} us at "
-              f"{ceiling:.0f} GB/s)")
+        drop = (f"  drop {shape['drop_percent']:g}% ({shape['dropped_slots']} slots)"
+                if shape.get("drop_percent") else "")
+        print(f"\n== {shape_text(shape)}{drop}  {shape['label']}  (bytes floor {floor_us:.1f} us "
+              f"at {ceiling:.0f} GB/s)")
         print(f"{'peer':<24}{'input':<13}{'us':>10}{'l2warm':>10}{'%ceil':>8}{'x lib':>8}"
               f"{'rel_err':>10}  notes")
         for r in results:
@@ -755,10 +841,12 @@ def main_gpu(args, shapes):
         "libmoejit_path": lib.path if lib else None,
         "copy_ceiling_gbps": ceiling,
         "empty_kernel_us": empty_us,
+        "drop_percent": args.drop,
         "empty_kernel_parity_split_us": empty_split,
         "method": "CUDA events around each run; median; a GPU sleep then a 256 MB fill between "
                   "runs (parity_split_us: median of the odd runs minus the even ones); "
-                  "l2_warm_us: the sleep only; minimal bytes = R*H*in + R*8 + T*H*out; "
+                  "l2_warm_us: the sleep only; minimal bytes = (R - dropped)*H*in + R*8 + "
+                  "T*H*out; "
                   "paired: the contenders in rounds (one flushed run each per round, a random "
                   "order every round), peer / libmoejit per round, median and its "
                   "distribution-free 95% interval; one output buffer for every contender",
@@ -813,6 +901,9 @@ def main():
                    help="skip the paired phase (libmoejit and the peers in interleaved rounds)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seed", type=int, default=20261130)
+    p.add_argument("--drop", type=parse_drop, default=0.0, metavar="P",
+                   help="drop P%% (0..90) of each shape's routing slots (-1 entries); libmoejit's "
+                        "token_major is left out; no record")
     p.add_argument("--check-binding", action="store_true",
                    help="only load the library and check the ctypes structs (no torch, no GPU)")
     args = p.parse_args()
@@ -838,6 +929,7 @@ def main():
         p.error(f"--max-tokens {args.max_tokens}: no shape has that few tokens")
     if args.quick and not args.reps:
         args.reps = 50
+    shapes = with_drops(shapes, args.drop)
     return main_gpu(args, shapes)
 
 
