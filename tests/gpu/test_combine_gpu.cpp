@@ -108,6 +108,9 @@ struct Case {
   // Gather map and token index: a fifth of the entries out of range in the ways the other cases do
   // not draw (odd_out_of_range), not only -1 and just past the end.
   bool odd_indices = false;
+  // Gather map over expert-sorted rows: the percentage of slots that are -1 (one more is out of
+  // range, also dropped). 87.5: a rank's partial combine under expert parallelism over 8 ranks.
+  int64_t drop_percent = 5;
 
   std::string name() const {
     std::ostringstream s;
@@ -117,7 +120,8 @@ struct Case {
       << " pads=" << expert_pad << "/" << out_pad << " offsets=" << expert_offset << "/"
       << out_offset << " random_routing=" << random_routing << " hot_token=" << hot_token
       << " hot_rows=" << hot_rows << " gather_rows=" << gather_rows
-      << " dependent=" << dependent_launch << " odd_indices=" << odd_indices;
+      << " dependent=" << dependent_launch << " odd_indices=" << odd_indices
+      << " drop_percent=" << drop_percent;
     return s.str();
   }
 };
@@ -219,9 +223,9 @@ Routing make_routing(const Case& c, Rng& rng) {
       for (int64_t k = 0; k < K; ++k) {
         int64_t row = perm[t * K + k];
         const int64_t roll = rng.below(100);
-        if (roll < 5)
+        if (roll < c.drop_percent)
           row = -1;  // dropped slot
-        else if (roll == 5)
+        else if (roll == c.drop_percent)
           row = r.rows + rng.below(1000);  // out of range: dropped too
         else if (c.odd_indices && roll < 25)
           row = odd_out_of_range(c.idx, r.rows, row, rng);
@@ -700,6 +704,41 @@ TEST_F(CombineGpu, WalksPastAHotTokensList) {
                                      {32, 100, 20, {20, 100, 128, 129}}},
                                     6800, true),
                     4);
+}
+
+// The gather map's mid-size calls with eight rows per token from 2^20 token x vector slots on take
+// eight 16-slot token groups per block (combine_plan.cpp, choose_geometry), below that two:
+// calls on either side of the line (T = 1170 / 1171 at H = 7168 in 16-byte vectors, 2047 / 2049 at
+// H = 4096; with fp32 in 4-element vectors T = 585 / 600 and 1023 / 1025) and at its end (T = 2339,
+// 2^21 slots), token counts that leave the last block partial, no slot -1 (one in a hundred out
+// of range), 5% and 88% -1 (most tokens with one row or none: the case the wider blocks are for)
+// and every slot -1, each dtype pair's vector width, both index types, the matrix's variations but
+// with aligned, unpadded buffers so that the vector width, and with it the geometry, is the one
+// named.
+TEST_F(CombineGpu, GatherMapMidSizeBlocksWithMostSlotsDropped) {
+  struct Types {
+    moejit_dtype in, out;
+    int64_t hidden, tokens[3];
+  };
+  const Types types[] = {
+      {MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, 7168, {1170, 1171, 2339}},
+      {MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_BFLOAT16, 4096, {2047, 2049, 4093}},
+      {MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_BFLOAT16, 7168, {585, 600, 1169}},
+      {MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_FLOAT32, 4096, {1023, 1025, 2047}},
+  };
+  std::vector<Case> cases;
+  uint64_t seed = 9100;
+  int n = 0;
+  for (const Types& t : types)
+    for (int64_t tokens : t.tokens)
+      for (int64_t drop : {0, 5, 88, 100}) {
+        Case c = vary(Case{MOEJIT_LAYOUT_GATHER_MAP, t.in, t.out,
+                           static_cast<moejit_index_type>(n++ % 2), t.hidden, tokens, 8, seed++});
+        c.expert_pad = c.out_pad = c.expert_offset = c.out_offset = 0;
+        c.drop_percent = drop;
+        cases.push_back(c);
+      }
+  expect_cases_pass(cases, worker_count());
 }
 
 // moejit.h: an index outside its range is dropped like -1, whatever its value. The other cases

@@ -108,7 +108,9 @@ TEST(KernelSpec, DecodeSizedCallsKeepTheBandwidthBlocksAndMidSizeCallsSpreadATok
   a.num_tokens = 2340;
   a.num_rows = 8 * 2340;
   const CombinePlan mid = plan_combine(&a);
-  EXPECT_EQ(mid.combine_grid_x, 2340u / static_cast<unsigned>(mid.spec.tpb));
+  const unsigned mid_tpb = static_cast<unsigned>(mid.spec.tpb);
+  EXPECT_EQ(mid_tpb, 8u);                                          // eight token groups per block
+  EXPECT_EQ(mid.combine_grid_x, (2340u + mid_tpb - 1) / mid_tpb);  // the last block partial
   EXPECT_EQ(mid.combine_grid_y, static_cast<unsigned>(mid.spec.chunks()));
   a.num_tokens = 2341;
   a.num_rows = 8 * 2341;
@@ -804,17 +806,28 @@ TEST(KernelSpec, EightRowsPerTokenTakeTheMidSizeGeometryUpToTwoToTheTwentyOneTok
     EXPECT_EQ(spec(layout, 7168, 8, 1), prefill);
     EXPECT_EQ(spec(layout, 7168, 8, 64), prefill);
     EXPECT_EQ(spec(layout, 7168, 4, 1), spec(layout, 7168, 4, kAnyTokens));
-    // Mid-size calls: 16x2, one module from T = 65 to 2^21 token slots.
+    // Mid-size calls: 16-slot token groups from T = 65 to 2^21 token slots, two per block; the
+    // gather map's eight per block from 2^20 token slots on (T = 1171 at 896 slots), where a
+    // call with most slots dropped had too little work per 32-thread block.
+    const bool gm = layout == MOEJIT_LAYOUT_GATHER_MAP;
     const KernelSpec mid = spec(layout, 7168, 8, 65);
     EXPECT_EQ(mid.tpt, 16);
     EXPECT_EQ(mid.tpb, 2);
     EXPECT_EQ(spec(layout, 7168, 8, 1024), mid);
-    EXPECT_EQ(spec(layout, 7168, 8, 2048), mid);  // 2048 x 896 slots <= 2^21
-    EXPECT_EQ(spec(layout, 7168, 8, 2340).tpt, 16);
+    EXPECT_EQ(spec(layout, 7168, 8, 1170), mid);  // 1170 x 896 slots < 2^20
+    const KernelSpec wide_mid = spec(layout, 7168, 8, 1171);
+    EXPECT_EQ(wide_mid.tpt, 16);
+    EXPECT_EQ(wide_mid.tpb, gm ? 8 : 2);
+    EXPECT_EQ(spec(layout, 7168, 8, 2048), wide_mid);  // 2048 x 896 slots <= 2^21
+    EXPECT_EQ(spec(layout, 7168, 8, 2340), wide_mid);
     EXPECT_EQ(spec(layout, 7168, 8, 2341).tpt, 128);  // past 2^21 token slots
-    EXPECT_EQ(spec(layout, 4096, 8, 4096).tpt, 16);   // 4096 x 512 = 2^21
-    EXPECT_EQ(spec(layout, 7168, 4, 1024).tpt, 128);  // fewer rows per token: bandwidth blocks
+    EXPECT_EQ(spec(layout, 4096, 8, 2047).tpb, 2);    // 2047 x 512 slots < 2^20
+    EXPECT_EQ(spec(layout, 4096, 8, 2048).tpb, gm ? 8 : 2);
+    EXPECT_EQ(spec(layout, 4096, 8, 4096).tpt, 16);  // 4096 x 512 = 2^21
+    EXPECT_EQ(spec(layout, 4096, 8, 4096).tpb, gm ? 8 : 2);
+    EXPECT_EQ(spec(layout, 7168, 4, 2048).tpt, 128);  // fewer rows per token: bandwidth blocks
     EXPECT_EQ(spec(layout, 7168, 16, 1024).tpt, 16);
+    EXPECT_EQ(spec(layout, 7168, 16, 2048).tpb, gm ? 8 : 2);
   }
   // The gather map's one-token kernel keeps 16x2 at K > 2, 128x1 at K <= 2.
   const KernelSpec one = one_token_map_spec(spec(MOEJIT_LAYOUT_GATHER_MAP, 7168, 8, 1));
