@@ -32,11 +32,10 @@ const char* kExamples[] = {"deepseek-v3.json", "mixtral-8x7b.json", "qwen3-30b-a
 const char* kNarrow = " --layout gather_map --index-type int32";
 
 // gather_map/int32 modules per example: the prefill module, the decode one where it differs (K = 2:
-// one slot per thread, not four) or the mid-size one (K = 8: 16x2 blocks), and the one-token
-// module; at K = 4 (gpt-oss-120b) decode and mid-size calls take the prefill module.
+// one slot per thread, not four) or the two mid-size ones (K = 8: 16x2 blocks, and 16x8 from 2^20
+// token x vector slots on), and the one-token module; at K = 4 (gpt-oss-120b) decode and mid-size
+// calls take the prefill module.
 size_t narrow_modules(const std::string& file) {
-  // gather_map/int32: prefill, one-token; mid-size at K >= 8 in two geometries (below and from
-  // 2^20 token slots); at K = 2 decode in its own.
   if (file == "gpt-oss-120b.json") return 2;
   return file == "mixtral-8x7b.json" ? 3 : 4;
 }
