@@ -119,9 +119,6 @@ constexpr int64_t kDecodeMaxTokens = 64;
 // Up to this many token slots (T * vectors per row) a larger call is mid-size: some geometries
 // that win at prefill lose there (choose_geometry).
 constexpr int64_t kMidSlotsMax = int64_t{1} << 21;
-// From this many token slots on, a mid-size gather-map call at K >= 8 puts eight token groups in a
-// block instead of two (choose_geometry).
-constexpr int64_t kWideMidSlotsMin = int64_t{1} << 20;
 
 // The gather map up to mid-size calls (T * vectors per row <= kMidSlotsMax) runs on the 2-D grid
 // (x the token groups, y the chunks: the blocks running together read different tokens' rows at
@@ -189,21 +186,22 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   if ((mid_k8 || token_index_decode) && slots > 32) {
     s->tpt = s->token_index() ? 64 : 16;
     s->tpb = s->token_index() ? 1 : 2;
-    // The gather map from 2^20 slots on (T >= 1171 at H = 7168 bf16, 2048 at 4096): eight groups,
-    // 128-thread blocks, a quarter of the blocks for the same work per thread. Where most slots
-    // are dropped (-1: capacity-factor routing, or a rank's partial combine under expert
-    // parallelism, 7 of 8 slots elsewhere at EP = 8) a 32-thread block has almost nothing to do:
-    // Nsight Compute had T4096 K8 H4096 at 87.5% dropped at 20% achieved occupancy (44% with every
-    // slot routed) and 24% of DRAM bandwidth, half a same-size copy's speed, the blocks ending
-    // faster than the SMs started new ones. On the H200 (tools/bench/NOTES.md, version 51;
-    // moejit-bench, medians of two to four runs), 16x8 against 16x2: at 87.5% dropped 27-31%
-    // faster at T1200-2048 H7168, T2048-4096 H4096, T4096 H3584, T4096-8192 H2048; with every
-    // slot routed level (-0.8% to +0.4%), and at 50% dropped (-0.2% to +0.2%). Below 2^20 slots
-    // it also won at 87.5% (7-27%) but cost up to 1.2% with every slot routed (T256 and T1024
-    // H7168: fewer, larger blocks leave a longer tail), so the two-group blocks stay there.
-    // Token-major has no dropped slots and keeps them everywhere. (In 128 threads the kernel takes
-    // the fixed layouts' launch bounds, eight blocks per SM: 56 registers at K = 8, no spill.)
-    if (s->layout == MOEJIT_LAYOUT_GATHER_MAP && num_tokens * slots >= kWideMidSlotsMin) s->tpb = 8;
+    // The gather map: eight groups, 128-thread blocks, a quarter of the blocks for the same work
+    // per thread. Where most slots are dropped (-1: capacity-factor routing, or a rank's partial
+    // combine under expert parallelism, 7 of 8 slots elsewhere at EP = 8) a 32-thread block has
+    // almost nothing to do: Nsight Compute had T4096 K8 H4096 at 87.5% dropped at 20% achieved
+    // occupancy (44% with every slot routed) and 24% of DRAM bandwidth, half a same-size copy's
+    // speed, the blocks ending faster than the SMs started new ones. On the H200
+    // (tools/bench/NOTES.md, version 51; moejit-bench, medians of two to four runs), 16x8 against
+    // 16x2 at 87.5% dropped: 27-31% faster from 2^20 token slots on (T1200-2048 H7168, T2048-4096
+    // H4096, T4096 H3584, T4096-8192 H2048), 7-27% below (T256, T1024 H7168, T512 H2048, T1024
+    // H4096). At T1024 H7168 that is 22.1 -> 16.1 us, where Triton's gather takes 15.9 (level
+    // with 16x8 in peers.py's paired rounds). With every slot routed level from 2^20 slots on
+    // (-0.8% to +0.4%) and 0.8-1.2% slower below (T256, T1024 H7168: fewer, larger blocks leave a
+    // longer tail), still 2.4-6.1% ahead of Triton there. Token-major has no dropped slots and
+    // keeps 16x2. (In 128 threads the kernel takes the fixed layouts' launch bounds, eight blocks
+    // per SM: 56 registers at K = 8, no spill.)
+    if (s->layout == MOEJIT_LAYOUT_GATHER_MAP) s->tpb = 8;
   }
   // Token index with short lists (<= 4 rows per token on average): two slots per thread, so
   // each block's routing round trip (count and list, then rows and gates) carries twice the rows.
@@ -531,14 +529,9 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
   auto add = [&](const KernelSpec& s) {
     if (std::find(specs.begin(), specs.end(), s) == specs.end()) specs.push_back(s);
   };
-  // Batch sizes with their own geometry: prefill (any large call), decode, mid-size (the token
-  // index's list path there, choose_geometry), and the gather map's larger mid-size calls (the
-  // first T past kWideMidSlotsMin slots; the same spec as mid-size elsewhere, added once).
-  const int64_t slots = spec_for_shape(layout, in_dtype, out_dtype, index_type, hidden,
-                                       rows_per_token, alignment_bytes, kAnyTokens)
-                            .slots();
-  const int64_t wide_mid_tokens = (kWideMidSlotsMin + slots - 1) / slots;
-  for (int64_t tokens : {kAnyTokens, int64_t{1}, kDecodeMaxTokens + 1, wide_mid_tokens}) {
+  // Batch sizes with their own geometry: prefill (any large call), decode, and mid-size (the
+  // token index's list path there, choose_geometry).
+  for (int64_t tokens : {kAnyTokens, int64_t{1}, kDecodeMaxTokens + 1}) {
     const KernelSpec s = spec_for_shape(layout, in_dtype, out_dtype, index_type, hidden,
                                         rows_per_token, alignment_bytes, tokens);
     add(s);

@@ -706,15 +706,15 @@ TEST_F(CombineGpu, WalksPastAHotTokensList) {
                     4);
 }
 
-// The gather map's mid-size calls with eight rows per token from 2^20 token x vector slots on take
-// eight 16-slot token groups per block (combine_plan.cpp, choose_geometry), below that two:
-// calls on either side of the line (T = 1170 / 1171 at H = 7168 in 16-byte vectors, 2047 / 2049 at
-// H = 4096; with fp32 in 4-element vectors T = 585 / 600 and 1023 / 1025) and at its end (T = 2339,
-// 2^21 slots), token counts that leave the last block partial, no slot -1 (one in a hundred out
-// of range), 5% and 88% -1 (most tokens with one row or none: the case the wider blocks are for)
-// and every slot -1, each dtype pair's vector width, both index types, the matrix's variations but
-// with aligned, unpadded buffers so that the vector width, and with it the geometry, is the one
-// named.
+// The gather map's mid-size calls with eight rows per token take eight 16-slot token groups per
+// 128-thread block (combine_plan.cpp, choose_geometry; token-major two per 32-thread block): calls
+// across the upper half of the mid-size range (T = 1170 / 1171 at H = 7168 in 16-byte vectors, 2047
+// / 2049 at H = 4096, 2^20 token x vector slots; with fp32 in 4-element vectors T = 585 / 600 and
+// 1023 / 1025) and at its end (T = 2339, 2^21 slots), token counts that leave the last block
+// partial, no slot -1 (one in a hundred out of range), 5% and 88% -1 (most tokens with one row or
+// none: the case the wider blocks are for) and every slot -1, each dtype pair's vector width, both
+// index types, the matrix's variations but with aligned, unpadded buffers so that the vector
+// width, and with it the geometry, is the one named.
 TEST_F(CombineGpu, GatherMapMidSizeBlocksWithMostSlotsDropped) {
   struct Types {
     moejit_dtype in, out;

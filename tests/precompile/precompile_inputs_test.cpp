@@ -238,17 +238,15 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
   std::vector<KernelSpec> specs;
   expand_shape(s, all_layouts(), all_index_types(), &specs);
   // token_major has no index: (1 + gather_map x 2) x {prefill and decode, mid-size geometry}, the
-  // gather map's larger mid-size calls (from 2^20 token slots: eight token groups per block) and
-  // its one-token module x 2 index types, plus token_index x 2 index types x (the list
+  // gather map's one-token module x 2 index types, plus token_index x 2 index types x (the list
   // path's two modules, prefill and decode / mid-size, + the single-launch module and its
   // small-call form (decode calls of up to 16 tokens) + the one-token module + the list helpers'
   // module): with 8 rows per token the single launch has one geometry for every size, and the list
   // path's mid-size calls share the decode geometry's module.
-  ASSERT_EQ(specs.size(), 22u);
+  ASSERT_EQ(specs.size(), 20u);
   for (moejit_layout l : all_layouts())
     for (moejit_index_type t : all_index_types())
-      for (int64_t tokens :
-           {kAnyTokens, int64_t{1}, int64_t{512}, int64_t{1171}, int64_t{2048}, int64_t{4096}}) {
+      for (int64_t tokens : {kAnyTokens, int64_t{1}, int64_t{512}, int64_t{2048}, int64_t{4096}}) {
         const KernelSpec want = spec_for_shape(l, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, t,
                                                7168, 8, 256, tokens);
         EXPECT_NE(std::find(specs.begin(), specs.end(), want), specs.end()) << want.describe();
@@ -274,7 +272,7 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
         }
       }
   expand_shape(s, all_layouts(), all_index_types(), &specs);  // no duplicates
-  EXPECT_EQ(specs.size(), 22u);
+  EXPECT_EQ(specs.size(), 20u);
 
   // Short rows (128-wide fp32: 32 threads per token) with two rows per token: the single launch
   // packs 16 tokens per 512-thread block beyond decode sizes and 4 per 128-thread block at
@@ -671,19 +669,18 @@ TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
   std::istringstream in(text.out);
   for (std::string l; std::getline(in, l);)
     if (std::regex_match(l, line)) ++lines;
-  EXPECT_EQ(lines, 44u) << text.out;  // 22 specs x 2 targets
+  EXPECT_EQ(lines, 40u) << text.out;  // 20 specs x 2 targets
 
   const test::ToolRun js =
       run("--dry-run --json --model-config '" + configs("qwen3-30b-a3b.json") +
           "' --arch sm_90 --layout gather_map,token_index --cache-dir '" + cache + "'");
   ASSERT_EQ(js.rc, 0) << js.err;
   const nlohmann::json j = nlohmann::json::parse(js.out);
-  // 2 index types x (gather_map x 3 geometries (prefill, mid-size, mid-size from 2^20 token
-  // slots) and its one-token module + token_index: two list modules (prefill; decode and
-  // mid-size, which share one with 8 rows per token) and one single-launch module with its
-  // small-call form, the one-token module, the list helpers).
-  EXPECT_EQ(j["total"], 20);
-  EXPECT_EQ(j["missing"], 20);
+  // 2 index types x (gather_map x 2 geometries and its one-token module + token_index: two list
+  // modules (prefill; decode and mid-size, which share one with 8 rows per token) and one
+  // single-launch module with its small-call form, the one-token module, the list helpers).
+  EXPECT_EQ(j["total"], 18);
+  EXPECT_EQ(j["missing"], 18);
   EXPECT_EQ(j["cached"], 0);
   // The keys are the runtime's own: recompute them through KernelStore::request_for.
   Settings settings;

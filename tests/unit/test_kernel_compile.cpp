@@ -309,8 +309,9 @@ TEST(KernelCompile, EveryVariantCompilesForSm80Sm89Sm90) {
 // batch's row loads one or two at a time. The gather map's four-slot blocks (K=2 at prefill)
 // promise ten, which keeps them at 48 registers (56 without it since the bf16 word unpack); with
 // 9-16 rows per token, all in one batch (kWideBatch), four (up to 128 registers). Every
-// other block keeps ptxas's own choice (the token index, the mid-size 16x2 blocks and the gather
-// map's one-token kernel are tuned without it). Read from the PTX, where the promise is the
+// other block keeps ptxas's own choice (the token index, token-major's mid-size 16x2 blocks and the
+// gather map's one-token kernel are tuned without it; the gather map's mid-size blocks are 16x8,
+// 128 threads, and promise eight). Read from the PTX, where the promise is the
 // .minnctapersm directive.
 TEST(KernelCompile, LaunchBoundsPromiseBlocksPerSmOnlyWhereMeasured) {
   MemoryStore memory;
@@ -331,8 +332,9 @@ TEST(KernelCompile, LaunchBoundsPromiseBlocksPerSmOnlyWhereMeasured) {
       {shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, 4096, 2, kAnyTokens), 10},
       {shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_FLOAT32, 4096, 2, kAnyTokens), 10},
       {shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, 5120, 1, kAnyTokens), 0},
-      {shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, 7168, 8, 1), 8},    // = prefill
-      {shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, 7168, 8, 512), 0},  // 16x2
+      {shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, 7168, 8, 1), 8},     // = prefill
+      {shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, 7168, 8, 512), 8},   // 16x8
+      {shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_BFLOAT16, 7168, 8, 512), 0},  // 16x2
       {one_token_map_spec(shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, 7168, 8, 1)), 0},
       {shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, 7168, 8, kAnyTokens), 0},
   };

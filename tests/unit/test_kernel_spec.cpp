@@ -118,17 +118,24 @@ TEST(KernelSpec, DecodeSizedCallsKeepTheBandwidthBlocksAndMidSizeCallsSpreadATok
   EXPECT_EQ(large.combine_grid_x, 2341u * static_cast<unsigned>(large.spec.chunks()));
   EXPECT_EQ(large.combine_grid_y, 1u);
   a.num_tokens = 3;
-  // Mid-size calls with eight rows per token: 16-slot token groups, two per 32-thread block.
+  // Mid-size calls with eight rows per token: 16-slot token groups, eight per 128-thread block for
+  // the gather map, two per 32-thread block for token-major.
   a.top_k = 8;
   a.num_tokens = 100;
   a.num_rows = 800;
   const CombinePlan plan = plan_combine(&a);
   EXPECT_EQ(plan.spec.tpt, 16);
-  EXPECT_EQ(plan.spec.tpb, 2);
+  EXPECT_EQ(plan.spec.tpb, 8);
   EXPECT_EQ(plan.spec.chunks(), 56);
-  EXPECT_EQ(plan.combine_grid_x, 50u);  // two tokens per 32-thread block (the 2-D grid)
+  EXPECT_EQ(plan.combine_grid_x, 13u);  // 100 tokens in blocks of eight (the 2-D grid)
   EXPECT_EQ(plan.combine_grid_y, 56u);  // 56 chunks
-  a.num_tokens = 64;                    // the last decode size
+  a.layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
+  const CombinePlan plan_tm = plan_combine(&a);
+  EXPECT_EQ(plan_tm.spec.tpt, 16);
+  EXPECT_EQ(plan_tm.spec.tpb, 2);
+  EXPECT_EQ(plan_tm.combine_grid_x, 50u * 56u);  // two tokens per block, chunks adjacent (1-D)
+  a.layout = MOEJIT_LAYOUT_GATHER_MAP;
+  a.num_tokens = 64;  // the last decode size
   a.num_rows = 512;
   EXPECT_EQ(plan_combine(&a).spec.tpt, 128);
   // The token index: one 64-thread group per block for the list path and the one-token kernel;
@@ -806,28 +813,24 @@ TEST(KernelSpec, EightRowsPerTokenTakeTheMidSizeGeometryUpToTwoToTheTwentyOneTok
     EXPECT_EQ(spec(layout, 7168, 8, 1), prefill);
     EXPECT_EQ(spec(layout, 7168, 8, 64), prefill);
     EXPECT_EQ(spec(layout, 7168, 4, 1), spec(layout, 7168, 4, kAnyTokens));
-    // Mid-size calls: 16-slot token groups from T = 65 to 2^21 token slots, two per block; the
-    // gather map's eight per block from 2^20 token slots on (T = 1171 at 896 slots), where a
-    // call with most slots dropped had too little work per 32-thread block.
-    const bool gm = layout == MOEJIT_LAYOUT_GATHER_MAP;
+    // Mid-size calls: 16-slot token groups, one module from T = 65 to 2^21 token slots; two per
+    // 32-thread block for token-major, eight per 128-thread block for the gather map (where most
+    // slots dropped left a 32-thread block too little work).
+    const int tpb = layout == MOEJIT_LAYOUT_GATHER_MAP ? 8 : 2;
     const KernelSpec mid = spec(layout, 7168, 8, 65);
     EXPECT_EQ(mid.tpt, 16);
-    EXPECT_EQ(mid.tpb, 2);
+    EXPECT_EQ(mid.tpb, tpb);
     EXPECT_EQ(spec(layout, 7168, 8, 1024), mid);
-    EXPECT_EQ(spec(layout, 7168, 8, 1170), mid);  // 1170 x 896 slots < 2^20
-    const KernelSpec wide_mid = spec(layout, 7168, 8, 1171);
-    EXPECT_EQ(wide_mid.tpt, 16);
-    EXPECT_EQ(wide_mid.tpb, gm ? 8 : 2);
-    EXPECT_EQ(spec(layout, 7168, 8, 2048), wide_mid);  // 2048 x 896 slots <= 2^21
-    EXPECT_EQ(spec(layout, 7168, 8, 2340), wide_mid);
+    EXPECT_EQ(spec(layout, 7168, 8, 2048), mid);  // 2048 x 896 slots <= 2^21
+    EXPECT_EQ(spec(layout, 7168, 8, 2340), mid);
     EXPECT_EQ(spec(layout, 7168, 8, 2341).tpt, 128);  // past 2^21 token slots
-    EXPECT_EQ(spec(layout, 4096, 8, 2047).tpb, 2);    // 2047 x 512 slots < 2^20
-    EXPECT_EQ(spec(layout, 4096, 8, 2048).tpb, gm ? 8 : 2);
+    EXPECT_EQ(spec(layout, 7168, 8, 2341).tpb, 1);
     EXPECT_EQ(spec(layout, 4096, 8, 4096).tpt, 16);  // 4096 x 512 = 2^21
-    EXPECT_EQ(spec(layout, 4096, 8, 4096).tpb, gm ? 8 : 2);
-    EXPECT_EQ(spec(layout, 7168, 4, 2048).tpt, 128);  // fewer rows per token: bandwidth blocks
+    EXPECT_EQ(spec(layout, 4096, 8, 4096).tpb, tpb);
+    EXPECT_EQ(spec(layout, 7168, 4, 1024).tpt, 128);  // fewer rows per token: bandwidth blocks
     EXPECT_EQ(spec(layout, 7168, 16, 1024).tpt, 16);
-    EXPECT_EQ(spec(layout, 7168, 16, 2048).tpb, gm ? 8 : 2);
+    EXPECT_EQ(spec(layout, 7168, 16, 1024).tpb, tpb);
+    EXPECT_EQ(spec(layout, 256, 8, 1024).tpb, 4);  // 32 slots: a block of 128-thread short rows
   }
   // The gather map's one-token kernel keeps 16x2 at K > 2, 128x1 at K <= 2.
   const KernelSpec one = one_token_map_spec(spec(MOEJIT_LAYOUT_GATHER_MAP, 7168, 8, 1));
