@@ -689,14 +689,15 @@ def main_gpu(args, shapes):
         out_ia = out_shared
         g_rows = gates_by_row.to(dt)[:, None]
 
-        def index_add():
-            if dropped:  # -1 rows into the spare output row, redirected in every call
+        if not dropped:
+            def index_add():
+                out_ia.zero_()
+                out_ia.index_add_(0, tidx64, (x_sorted * g_rows).to(odt))
+        else:
+            def index_add():  # -1 rows into the spare output row, redirected in every call
                 out_storage.zero_()
                 out_storage.index_add_(0, torch.where(tidx64 < 0, T, tidx64),
                                        (x_sorted * g_rows).to(odt))
-            else:
-                out_ia.zero_()
-                out_ia.index_add_(0, tidx64, (x_sorted * g_rows).to(odt))
         measure("torch_index_add", "token_index", index_add, lambda: out_ia, poison=out_ia)
 
         if triton is not None:
