@@ -1089,16 +1089,29 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
                 present[i], expert + (tok * TOP_K + j) * p.expert_stride, first_slot, v[i]);
           }
         }
-        // Fixed layouts add every row of the batch without a branch: an absent (dropped) row was
-        // loaded as zeros and gets weight 0 (its gate may be anything). Fewer instructions in the
-        // one-warp chain that bounds decode. The token index keeps the branch: many of its held
-        // slots are empty. (Branch-free adds in the single launch took 504 -> 445 instructions per
+        // Adds of a dropped or absent row: skipped (a branch, uniform across a token's threads)
+        // where a batch has at most four rows at one slot per thread, as the token index always
+        // did; otherwise branch-free (an absent row was loaded as zeros and gets weight 0, its
+        // gate may be anything). The branch changes no bit: fmaf(0, 0, s) is s for every s but
+        // -0.0, and a sum that starts at +0.0 never becomes -0.0. With most slots dropped the
+        // gather map is bound by instruction issue: under Nsight Compute on the H200 (T4096 K8
+        // H7168 bf16, 87.5% of slots dropped) the branch-free adds kept 36.4M instructions, as
+        // many as with every slot routed, at 72% of issue slots. Skipping them took that to 27.4M,
+        // but the branches' predicates outlive the loads: ptxas took 64 registers where it had
+        // 56 at K = 8 (48 -> 56 at K = 7, 47 -> 52 at K = 6, 40 -> 45 at K = 5; fewer blocks per
+        // SM), and 48-register K <= 2 forms with four slots spilled. On the H200, A B B A x 2
+        // against the branch-free adds (tools/bench/NOTES.md, version 52): K = 8 0.2-0.6% slower
+        // with every slot routed for 0.4-2.5% faster at 87.5% dropped, so it keeps them; K = 4
+        // (40 registers either way, 38 -> 32 at K = 3) 4.7% / 7.6% faster at 87.5% (H2880,
+        // H6144), and with every slot routed 2.6% faster at H2880 and level at H6144.
+        // (Branch-free adds in the token index's single launch took 504 -> 445 instructions per
         // warp at T = 1, but the compiler then reused load registers and interleaved loads with
         // adds: 5.64 -> 6.28 us on the H200.)
+        constexpr bool kBranchFreeAdds = !kTokenIndex && (UPT > 1 || kBatchRows > 4);
 #pragma unroll
         for (int i = 0; i < kBatchRows; ++i) {
           const float w = present[i] ? gate[b + i < kHeld ? b + i : 0] : 0.0f;
-          if (!kTokenIndex || present[i]) detail::add_row_slots<IN_DT, VEC, UPT>(w, v[i], sum);
+          if (kBranchFreeAdds || present[i]) detail::add_row_slots<IN_DT, VEC, UPT>(w, v[i], sum);
         }
       }
     }

@@ -1163,15 +1163,16 @@ TEST_F(DependentLaunchGpu, SeesThePreviousKernelsWrites) {
 }
 
 // A dropped gather-map slot (-1 or past num_rows) contributes nothing, whatever its gate holds:
-// the kernel adds a batch's rows without branches, so an absent row must get weight 0, not its
-// gate times zero (NaN * 0 is NaN). Decode (T=1, 16-thread groups) and prefill geometry; top_k 8
-// (one batch) and 12 (later rows too).
+// where the kernel adds a batch's rows without branches (top_k 5-16 at one slot per thread) an
+// absent row must get weight 0, not its gate times zero (NaN * 0 is NaN); where it skips them
+// (top_k <= 4) it must skip exactly the absent ones. T=1 and T=300; top_k 2 and 4 (skipped adds),
+// 8 (one batch, branch-free) and 12 (later rows too).
 TEST_F(CombineGpu, DroppedSlotsIgnoreNonFiniteGates) {
   const Pools& p = pools();
   moejit_runtime_t rt = memory_only_runtime();
   const int64_t H = 7168, R = 4096;
   for (const int64_t T : {int64_t{1}, int64_t{300}}) {
-    for (const int64_t K : {int64_t{8}, int64_t{12}}) {
+    for (const int64_t K : {int64_t{2}, int64_t{4}, int64_t{8}, int64_t{12}}) {
       SCOPED_TRACE("T=" + std::to_string(T) + " K=" + std::to_string(K));
       Rng rng(static_cast<uint64_t>(T * 131 + K));
       std::vector<int32_t> map(static_cast<size_t>(T * K));
