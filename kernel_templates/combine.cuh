@@ -1101,9 +1101,11 @@ __device__ __forceinline__ void combine_tokens(const CombineParams& p) {
         // 56 at K = 8 (48 -> 56 at K = 7, 47 -> 52 at K = 6, 40 -> 45 at K = 5; fewer blocks per
         // SM), and 48-register K <= 2 forms with four slots spilled. On the H200, A B B A x 2
         // against the branch-free adds (tools/bench/NOTES.md, version 52): K = 8 0.2-0.6% slower
-        // with every slot routed for 0.4-2.5% faster at 87.5% dropped, so it keeps them; K = 4
-        // (40 registers either way, 38 -> 32 at K = 3) 4.7% / 7.6% faster at 87.5% (H2880,
-        // H6144), and with every slot routed 2.6% faster at H2880 and level at H6144.
+        // with every slot routed for 0.4-2.5% faster at 87.5% dropped, so it keeps them. K = 4
+        // (40 registers either way; 38 -> 32 at K = 3), T4096, in two runs: 87.5% dropped 4.7% /
+        // 4.8% faster at H2880, 7.6% / 7.7% at H6144; every slot routed, in three runs, -2.6% /
+        // +1.1% / -0.6% at H2880 (that shape's spread between runs), +0.1% / +0.2% / 0.0% at
+        // H6144, +1.1% at T2048 H2880, -0.4% at T1024.
         // (Branch-free adds in the token index's single launch took 504 -> 445 instructions per
         // warp at T = 1, but the compiler then reused load registers and interleaved loads with
         // adds: 5.64 -> 6.28 us on the H200.)
