@@ -185,23 +185,23 @@ void choose_geometry(KernelSpec* s, int64_t num_tokens) {
   const bool token_index_decode = s->token_index() && decode && !scan_block;
   if ((mid_k8 || token_index_decode) && slots > 32) {
     s->tpt = s->token_index() ? 64 : 16;
-    s->tpb = s->token_index() ? 1 : 2;
-    // The gather map: eight groups, 128-thread blocks, a quarter of the blocks for the same work
-    // per thread. Where most slots are dropped (-1: capacity-factor routing, or a rank's partial
-    // combine under expert parallelism, 7 of 8 slots elsewhere at EP = 8) a 32-thread block has
-    // almost nothing to do: Nsight Compute had T4096 K8 H4096 at 87.5% dropped at 20% achieved
-    // occupancy (44% with every slot routed) and 24% of DRAM bandwidth, half a same-size copy's
-    // speed, the blocks ending faster than the SMs started new ones. On the H200
-    // (tools/bench/NOTES.md, version 51; moejit-bench, medians of two to four runs), 16x8 against
-    // 16x2 at 87.5% dropped: 27-31% faster from 2^20 token slots on (T1200-2048 H7168, T2048-4096
-    // H4096, T4096 H3584, T4096-8192 H2048), 7-27% below (T256, T1024 H7168, T512 H2048, T1024
-    // H4096). At T1024 H7168 that is 22.1 -> 16.1 us, where Triton's gather takes 15.9 (level
-    // with 16x8 in peers.py's paired rounds). With every slot routed level from 2^20 slots on
-    // (-0.8% to +0.4%) and 0.8-1.2% slower below (T256, T1024 H7168: fewer, larger blocks leave a
-    // longer tail), still 2.4-6.1% ahead of Triton there. Token-major has no dropped slots and
-    // keeps 16x2. (In 128 threads the kernel takes the fixed layouts' launch bounds, eight blocks
-    // per SM: 56 registers at K = 8, no spill.)
-    if (s->layout == MOEJIT_LAYOUT_GATHER_MAP) s->tpb = 8;
+    // Groups per block: one for the token index, two for token-major, eight for the gather map
+    // (128-thread blocks, a quarter of the blocks for the same work per thread). Where most slots
+    // are dropped (-1: capacity-factor routing, or a rank's partial combine under expert
+    // parallelism, 7 of 8 slots elsewhere at EP = 8) a 32-thread block has almost nothing to do:
+    // Nsight Compute had T4096 K8 H4096 at 87.5% dropped at 20% achieved occupancy (44% with every
+    // slot routed) and 24% of DRAM bandwidth, half a same-size copy's speed, the blocks ending
+    // faster than the SMs started new ones. On the H200 (tools/bench/NOTES.md, version 51;
+    // moejit-bench, medians of two to four runs), 16x8 against 16x2 at 87.5% dropped: 27-31% faster
+    // from 2^20 token slots on (T1200-2048 H7168, T2048-4096 H4096, T4096 H3584, T4096-8192 H2048),
+    // 7-27% below (T256, T1024 H7168, T512 H2048, T1024 H4096). At T1024 H7168 that is 22.1 -> 16.1
+    // us, where Triton's gather takes 15.9 (level with 16x8 in peers.py's paired rounds). With
+    // every slot routed level from 2^20 slots on (-0.8% to +0.4%) and 0.8-1.2% slower below
+    // (T256, T1024 H7168: fewer, larger blocks leave a longer tail), still 2.4-6.1% ahead of
+    // Triton there. Token-major has no dropped slots and keeps 16x2. (In 128 threads the kernel
+    // takes the fixed layouts' launch bounds, eight blocks per SM: 56 registers at K = 8, no
+    // spill.)
+    s->tpb = s->token_index() ? 1 : s->layout == MOEJIT_LAYOUT_GATHER_MAP ? 8 : 2;
   }
   // Token index with short lists (<= 4 rows per token on average): two slots per thread, so
   // each block's routing round trip (count and list, then rows and gates) carries twice the rows.
