@@ -34,7 +34,7 @@ extern "C" {
 /* ---- Versions ------------------------------------------------------------------------------- */
 
 #define MOEJIT_VERSION_MAJOR 0
-#define MOEJIT_VERSION_MINOR 2
+#define MOEJIT_VERSION_MINOR 3
 #define MOEJIT_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, comparable with moejit_version(). */
 #define MOEJIT_VERSION_NUMBER \

@@ -8,6 +8,8 @@ and the ctypes layer (moejit._capi) work without torch. The shared library is fo
 $MOEJIT_LIBRARY, then next to this package, then the system loader (see moejit._capi).
 """
 
+__version__ = "0.3.0"  # CMake's project version; the test release.version holds them equal
+
 from ._capi import LibraryNotFoundError, MoejitError
 
 

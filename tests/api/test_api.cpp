@@ -363,7 +363,7 @@ TEST(Api, LastErrorIsPerThread) {
 
 TEST(Api, Versions) {
   EXPECT_EQ(moejit_version(), MOEJIT_VERSION_NUMBER);
-  EXPECT_STREQ(moejit_version_string(), "0.2.0");
+  EXPECT_STREQ(moejit_version_string(), MOEJIT_PROJECT_VERSION);  // CMake's project version
 }
 
 TEST(Api, WorkspaceSize) {
