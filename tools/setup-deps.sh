@@ -9,6 +9,7 @@ command -v ninja >/dev/null || need+=(ninja-build)
 command -v g++ >/dev/null || need+=(g++)
 command -v pkg-config >/dev/null || need+=(pkg-config)
 command -v make >/dev/null || need+=(make)
+command -v abidiff >/dev/null || need+=(abigail-tools)  # tools/check-abi.sh: abidw, abidiff
 have_header spdlog/spdlog.h || need+=(libspdlog-dev)
 have_header xxhash.h || [ -e "$(dirname "$0")/../.deps/include/xxhash.h" ] || need+=(libxxhash-dev)
 have_header gtest/gtest.h || need+=(libgtest-dev)
