@@ -22,12 +22,21 @@ API = "src/api.cpp"
 
 
 def copy_tree(source, tree):
-    """The checkout's files (tracked and untracked, not ignored) as they are on disk."""
+    """The checkout's files (tracked and untracked, not ignored) as they are on disk; outside a git
+    checkout, every file but the build folders'."""
+    shutil.rmtree(tree, ignore_errors=True)
     listed = subprocess.run(
         ["git", "-C", str(source), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        check=True, capture_output=True).stdout.decode().split("\0")
-    shutil.rmtree(tree, ignore_errors=True)
-    for name in filter(None, listed):
+        capture_output=True)
+    if listed.returncode != 0:
+
+        def unwanted(folder, names):  # build folders (this test's scratch among them), .git
+            return [n for n in names if n in (".git", ".deps") or
+                    (Path(folder) / n / "CMakeCache.txt").exists()]
+
+        shutil.copytree(source, tree, ignore=unwanted, copy_function=shutil.copy)
+        listed.stdout = b""
+    for name in filter(None, listed.stdout.decode().split("\0")):
         if (source / name).is_file():
             (tree / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(source / name, tree / name)  # a new mtime: the build sees every change
