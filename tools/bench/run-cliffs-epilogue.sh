@@ -12,10 +12,10 @@
 #   epilogue  epilogue_peers.py -> epilogue.txt/json (issue 59's chains, their checks, the bytes
 #             and the time a fused call must reach)
 #
-#   tools/bench/run-cliffs-epilogue.sh "$OUT"                   # all: about 12 minutes on an H100
-#   tools/bench/run-cliffs-epilogue.sh "$OUT" skew awkward     # about 7 minutes
-#   tools/bench/run-cliffs-epilogue.sh "$OUT" epilogue         # about 5 minutes
-#   QUICK=1 tools/bench/run-cliffs-epilogue.sh "$OUT"          # a smoke run: one shape each
+#   tools/bench/run-cliffs-epilogue.sh "$OUT"                 # all (estimated 12 minutes, H100)
+#   tools/bench/run-cliffs-epilogue.sh "$OUT" skew awkward    # estimated 7 minutes
+#   tools/bench/run-cliffs-epilogue.sh "$OUT" epilogue        # estimated 5 minutes
+#   QUICK=1 tools/bench/run-cliffs-epilogue.sh "$OUT"         # a smoke run: fewer shapes and runs
 #
 # Exit status: 0 when every step passed; otherwise the first failing step's status (the later
 # steps still run). The summaries are printed last.
@@ -57,15 +57,15 @@ bench=build-gpu/tools/bench/moejit-bench
 export MOEJIT_LIBRARY="$PWD/build-gpu/libmoejit.so"
 
 if wants skew; then
-  step "moejit-bench --skew" "$out/skew.txt" 300 \
+  step "moejit-bench --skew" "$out/skew.txt" 200 \
     "$bench" --skew --no-l2-warm "${quick[@]}" --json "$out/skew.json"
-  step "peers.py --skew" "$out/peers-skew.txt" 420 \
+  step "peers.py --skew" "$out/peers-skew.txt" 240 \
     python3 tools/bench/peers.py --skew --no-l2-warm "${quick[@]}" --json "$out/peers-skew.json"
 fi
 if wants awkward; then
-  step "moejit-bench --awkward-h" "$out/awkward.txt" 300 \
+  step "moejit-bench --awkward-h" "$out/awkward.txt" 200 \
     "$bench" --awkward-h --no-l2-warm "${quick[@]}" --json "$out/awkward.json"
-  step "peers.py --awkward-h" "$out/peers-awkward.txt" 420 \
+  step "peers.py --awkward-h" "$out/peers-awkward.txt" 300 \
     python3 tools/bench/peers.py --awkward-h --no-l2-warm "${quick[@]}" \
     --json "$out/peers-awkward.json"
 fi
