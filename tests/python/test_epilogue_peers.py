@@ -3,6 +3,7 @@ and targets, the fused call's hook; and where torch is installed (CPU is enough)
 reference with HF's rounding points, the fp8 group quantization, the checks (they pass the torch
 chain and catch broken ones), and the Triton kernel under Triton's interpreter."""
 import importlib.util
+import os
 import pathlib
 import subprocess
 import sys
@@ -88,8 +89,10 @@ def test_the_fused_call_is_not_faked(ep):
 
 
 def test_without_torch_or_gpu_it_says_so_and_exits_1():
+    # No GPU visible even on a GPU machine: the test must not start a benchmark there.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     r = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True,
-                       timeout=120)
+                       timeout=120, env=env)
     assert r.returncode == 1, r.stderr
     assert "GPU" in r.stdout + r.stderr
 
