@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bench_data.h"
+#include "skew_routing.h"
 
 namespace moejit_bench {
 namespace {
@@ -430,6 +431,343 @@ TEST(BenchData, CheckTokensSpreadOverTheOutputWithBothEnds) {
   EXPECT_EQ(t.size(), 512u);
   EXPECT_EQ(t.front(), 0);
   EXPECT_EQ(t.back(), 4095);
+}
+
+// ---- --skew: the routings (skew_routing.h) and their check -----------------------------------
+
+RoutingSpec spec_of(Spread spread, int64_t hot_rows = 0, double drop = 0.0) {
+  RoutingSpec s;
+  s.spread = spread;
+  s.hot_rows = hot_rows;
+  s.drop_percent = drop;
+  return s;
+}
+
+std::vector<int64_t> sorted_counts(const Routing& r, int64_t tokens) {
+  std::vector<int64_t> c = rows_per_token(r.token_idx, tokens);
+  std::sort(c.rbegin(), c.rend());
+  return c;
+}
+
+int64_t total(const std::vector<int64_t>& counts) {
+  int64_t n = 0;
+  for (int64_t c : counts) n += c;
+  return n;
+}
+
+TEST(SkewRouting, RowsPerTokenFollowEachSpread) {
+  const int64_t T = 4096, K = 8, R = T * K;
+  const Routing uniform = make_routing(T, K, spec_of(Spread::kUniform), 3);
+  for (int64_t c : rows_per_token(uniform.token_idx, T)) ASSERT_EQ(c, K);
+
+  const Routing one = make_routing(T, K, spec_of(Spread::kHot, R), 3);
+  const std::vector<int64_t> one_count = rows_per_token(one.token_idx, T);
+  EXPECT_EQ(one_count[0], R);
+  EXPECT_EQ(total(one_count), R);
+
+  for (int64_t hot : {0, 64, 512, 4096, 16384}) {
+    const std::vector<int64_t> c =
+        rows_per_token(make_routing(T, K, spec_of(Spread::kHot, hot), 3).token_idx, T);
+    EXPECT_EQ(c[0], hot);
+    EXPECT_EQ(total(c), R);
+    // The rest spread at random over tokens 1..T-1: about (R - hot) / (T - 1) each, none piled up.
+    const double mean = static_cast<double>(R - hot) / (T - 1);
+    EXPECT_LT(*std::max_element(c.begin() + 1, c.end()), mean + 8 * std::sqrt(mean) + 2) << hot;
+  }
+
+  // 1% of the tokens (41 of 4096) hold exactly half the rows, about 400 each; the other 4055 about
+  // 4 each, so the 41 busiest tokens are the hot set.
+  const std::vector<int64_t> top =
+      sorted_counts(make_routing(T, K, spec_of(Spread::kTopPercent), 3), T);
+  int64_t busiest = 0;
+  for (int i = 0; i < 41; ++i) busiest += top[static_cast<size_t>(i)];
+  EXPECT_EQ(busiest, R / 2);
+  EXPECT_GT(top[40], 250);
+  EXPECT_LT(top[41], 30);
+  EXPECT_EQ(total(top), R);
+}
+
+// Zipf(1.2): P(rank r) = r^-1.2 / sum over r = 1..T of r^-1.2 (4.64 at T = 4096): the busiest
+// token gets about 21.5% of the rows, and counts fall as rank^-1.2.
+TEST(SkewRouting, ZipfFollowsItsLaw) {
+  const int64_t T = 4096, K = 8, R = T * K;
+  double norm = 0.0;
+  for (int64_t r = 1; r <= T; ++r) norm += std::pow(static_cast<double>(r), -1.2);
+  const std::vector<int64_t> c = sorted_counts(make_routing(T, K, spec_of(Spread::kZipf), 5), T);
+  EXPECT_EQ(total(c), R);
+  for (int rank = 1; rank <= 4; ++rank) {
+    const double p = std::pow(rank, -1.2) / norm, expected = p * R;
+    EXPECT_NEAR(static_cast<double>(c[static_cast<size_t>(rank - 1)]), expected,
+                5 * std::sqrt(expected * (1 - p)))
+        << "rank " << rank;
+  }
+  // Least-squares slope of log(count) over log(rank), ranks 1..32: -1.2.
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  const int n = 32;
+  for (int rank = 1; rank <= n; ++rank) {
+    const double x = std::log(rank),
+                 y = std::log(static_cast<double>(c[static_cast<size_t>(rank - 1)]));
+    sx += x;
+    sy += y;
+    sxx += x * x;
+    sxy += x * y;
+  }
+  EXPECT_NEAR((n * sxy - sx * sy) / (n * sxx - sx * sx), -1.2, 0.1);
+}
+
+TEST(SkewRouting, DropsExactlyTheAskedShareSpreadOverTheRows) {
+  const int64_t T = 4096, K = 8, R = T * K;
+  for (Spread spread : {Spread::kUniform, Spread::kHot, Spread::kTopPercent, Spread::kZipf}) {
+    const RoutingSpec spec = spec_of(spread, spread == Spread::kHot ? R : 0, 25.0);
+    const Routing r = make_routing(T, K, spec, 9);
+    const Routing kept = make_routing(T, K, spec_of(spec.spread, spec.hot_rows), 9);
+    EXPECT_EQ(r.dropped, R / 4);
+    EXPECT_EQ(std::count(r.token_idx.begin(), r.token_idx.end(), -1), R / 4);
+    // The rows left are those of drop 0 with the same seed (gates too), and each quarter of the
+    // rows loses about a quarter of its rows.
+    for (int64_t q = 0; q < 4; ++q) {
+      int64_t dropped = 0;
+      for (int64_t p = q * R / 4; p < (q + 1) * R / 4; ++p) {
+        const int32_t t = r.token_idx[static_cast<size_t>(p)];
+        if (t == -1)
+          ++dropped;
+        else
+          ASSERT_EQ(t, kept.token_idx[static_cast<size_t>(p)]);
+      }
+      EXPECT_NEAR(static_cast<double>(dropped), R / 16.0, 6 * std::sqrt(R / 16.0)) << q;
+    }
+    EXPECT_EQ(r.gates, kept.gates);
+  }
+  EXPECT_EQ(make_routing(100, 3, spec_of(Spread::kZipf, 0, 12.5), 1).dropped, 38);  // llround(37.5)
+}
+
+TEST(SkewRouting, FollowsTheSeedAndOnlyIt) {
+  for (Spread spread : {Spread::kUniform, Spread::kHot, Spread::kTopPercent, Spread::kZipf}) {
+    const RoutingSpec spec = spec_of(spread, spread == Spread::kHot ? 100 : 0, 25.0);
+    const Routing a = make_routing(512, 4, spec, 11), again = make_routing(512, 4, spec, 11),
+                  other = make_routing(512, 4, spec, 12);
+    EXPECT_EQ(a.token_idx, again.token_idx);
+    EXPECT_EQ(a.gates, again.gates);
+    EXPECT_EQ(routing_fingerprint(a), routing_fingerprint(again));
+    EXPECT_NE(a.token_idx, other.token_idx);
+    EXPECT_NE(routing_fingerprint(a), routing_fingerprint(other));
+    for (float g : a.gates) {
+      EXPECT_GE(g, 0.05f);
+      EXPECT_LT(g, 1.0f);
+    }
+  }
+}
+
+// tools/bench/skew_routing.py must give the very same routings: tests/python/test_skew_routing.py
+// pins the same fingerprints (seed 7; T = 64, K = 4 for every spread at drop 0 and 25%; T = 4096,
+// K = 8 at 25% for the spreads that draw).
+TEST(SkewRouting, FingerprintsMatchThePythonGenerator) {
+  struct Pinned {
+    int64_t tokens, top_k;
+    Spread spread;
+    int64_t hot_rows;
+    double drop;
+    uint64_t fingerprint;
+  };
+  const Pinned pinned[] = {
+      {64, 4, Spread::kUniform, 0, 0.0, 0x008afd6400eb0faeull},
+      {64, 4, Spread::kUniform, 0, 25.0, 0x96fa5e434472d316ull},
+      {64, 4, Spread::kHot, 256, 0.0, 0x393bdd0d0cd0bdbdull},
+      {64, 4, Spread::kHot, 256, 25.0, 0x13f7a7ea5f29181full},
+      {64, 4, Spread::kHot, 32, 0.0, 0x5896030a6a7ffa9aull},
+      {64, 4, Spread::kTopPercent, 0, 0.0, 0x9fe79594c8fa3a14ull},
+      {64, 4, Spread::kTopPercent, 0, 25.0, 0xbdbff3ca9d8305e1ull},
+      {64, 4, Spread::kZipf, 0, 0.0, 0x2f39af070d06800eull},
+      {64, 4, Spread::kZipf, 0, 25.0, 0x26201fedb26ce892ull},
+      {4096, 8, Spread::kHot, 64, 25.0, 0x6b24099a1f4729a5ull},
+      {4096, 8, Spread::kTopPercent, 0, 25.0, 0x29e1d0663b879724ull},
+      {4096, 8, Spread::kZipf, 0, 25.0, 0x55257a7c5df0d47eull},
+  };
+  for (const Pinned& p : pinned) {
+    const RoutingSpec spec = spec_of(p.spread, p.hot_rows, p.drop);
+    const uint64_t got = routing_fingerprint(make_routing(p.tokens, p.top_k, spec, 7));
+    char text[32];
+    std::snprintf(text, sizeof text, "0x%016llx", static_cast<unsigned long long>(got));
+    EXPECT_EQ(got, p.fingerprint) << "T" << p.tokens << " K" << p.top_k << " "
+                                  << spec.name(p.tokens * p.top_k) << " drop " << p.drop << ": "
+                                  << text;
+  }
+}
+
+TEST(SkewRouting, SpecsCoverIssue58sTable) {
+  // T4096 K8: token 0 with 0, 64, 512, 4096, 16384 rows and all 32768 ("one token").
+  const std::vector<RoutingSpec> specs = skew_specs(32768, 25.0);
+  std::vector<std::string> names;
+  for (const RoutingSpec& s : specs)
+    names.push_back(s.name(32768) + (s.drop_percent > 0 ? " drop" : ""));
+  EXPECT_EQ(names, (std::vector<std::string>{
+                       "uniform", "one token", "1% of tokens: half", "zipf 1.2", "token 0: 0 rows",
+                       "token 0: 64 rows", "token 0: 512 rows", "token 0: 4096 rows",
+                       "token 0: 16384 rows", "uniform drop", "one token drop",
+                       "1% of tokens: half drop", "zipf 1.2 drop"}));
+  // Without a drop rate, no second set; a small R leaves out the counts met twice (R/512 = 0).
+  EXPECT_EQ(skew_specs(32768, 0.0).size(), 9u);
+  EXPECT_EQ(skew_specs(256, 0.0).size(), 8u);  // 0, 0 (256/512), 4, 32, 128
+}
+
+TEST(SkewRouting, RefusesBadArguments) {
+  EXPECT_THROW(make_routing(0, 8, spec_of(Spread::kUniform), 1), std::invalid_argument);
+  EXPECT_THROW(make_routing(1 << 30, 8, spec_of(Spread::kUniform), 1), std::invalid_argument);
+  EXPECT_THROW(make_routing(4, 2, spec_of(Spread::kHot, 9), 1), std::invalid_argument);
+  EXPECT_THROW(make_routing(4, 2, spec_of(Spread::kHot, -1), 1), std::invalid_argument);
+  RoutingSpec bad_zipf = spec_of(Spread::kZipf);
+  bad_zipf.zipf_s = 0;
+  EXPECT_THROW(make_routing(4, 2, bad_zipf, 1), std::invalid_argument);
+  EXPECT_THROW(make_routing(4, 2, spec_of(Spread::kZipf, 0, 101), 1), std::invalid_argument);
+  // One token, T = 1: every row on it whatever the spread.
+  for (Spread spread : {Spread::kHot, Spread::kTopPercent, Spread::kZipf})
+    for (int32_t t : make_routing(1, 8, spec_of(spread), 1).token_idx) EXPECT_EQ(t, 0);
+}
+
+HostInputs skewed_inputs(const Shape& shape, const RoutingSpec& spec, uint64_t seed) {
+  Routing r = make_routing(shape.tokens, shape.top_k, spec, seed);
+  return make_token_index_inputs(shape, std::move(r.token_idx), std::move(r.gates), r.dropped,
+                                 spec.drop_percent, spec.name(shape.rows()), seed);
+}
+
+// The combine of token-index inputs by token_idx (rows of a token in ascending order), stored in
+// the output dtype; accumulate_bits as host_combine's; float_sum: accumulated in fp32 (a float),
+// as a correct kernel does.
+template <typename Hook>
+std::vector<uint8_t> host_combine_by_index(const HostInputs& in, Hook hook, int accumulate_bits = 0,
+                                           bool float_sum = false) {
+  const Shape& s = in.shape;
+  std::vector<double> acc(static_cast<size_t>(s.tokens * s.hidden), 0.0);
+  std::vector<float> acc32(acc.size(), 0.0f);
+  for (size_t row = 0; row < in.token_idx.size(); ++row) {
+    const int32_t t = in.token_idx[row];
+    if (t < 0) continue;
+    for (int64_t h = 0; h < s.hidden; ++h) {
+      const size_t o = static_cast<size_t>(t * s.hidden + h);
+      const double x = value(s.in_dtype, in.sorted,
+                             row * static_cast<size_t>(s.hidden) + static_cast<size_t>(h));
+      const double term = in.gates_by_row[row] * x;
+      if (float_sum)
+        acc32[o] += static_cast<float>(term);
+      else
+        acc[o] = accumulate_bits
+                     ? round_bits(acc[o] + round_bits(term, accumulate_bits), accumulate_bits)
+                     : acc[o] + term;
+    }
+  }
+  std::vector<uint8_t> out(acc.size() * static_cast<size_t>(dtype_bytes(s.out_dtype)));
+  for (int64_t t = 0; t < s.tokens; ++t)
+    for (int64_t h = 0; h < s.hidden; ++h) {
+      const size_t o = static_cast<size_t>(t * s.hidden + h);
+      store(s.out_dtype, hook(t, h, float_sum ? static_cast<double>(acc32[o]) : acc[o]), &out, o);
+    }
+  return out;
+}
+
+TEST(SkewCheck, TokenIndexInputsCarryOnlyTheirLayout) {
+  const Shape shape = make_shape(256, 4, 32, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16);
+  const HostInputs in = skewed_inputs(shape, spec_of(Spread::kZipf, 0, 25.0), 3);
+  EXPECT_TRUE(in.token_major.empty());
+  EXPECT_TRUE(in.gather_map.empty());
+  EXPECT_TRUE(in.gates.empty());
+  EXPECT_EQ(in.sorted.size(), 1024u * 32 * 2);
+  EXPECT_EQ(in.dropped_slots, 256);
+  EXPECT_EQ(in.routing, "zipf 1.2");
+  const std::vector<int64_t> c = rows_per_token(in.token_idx, 256);
+  EXPECT_EQ(in.max_rows_per_token, *std::max_element(c.begin(), c.end()));
+  EXPECT_GT(in.max_rows_per_token, 100);
+  // The same element stream as make_inputs: the sorted rows of the uniform routing are values
+  // that stream gives, magnitude in [1/16, 2).
+  for (size_t i = 0; i < 1024u * 32; ++i) {
+    const double v = std::fabs(value(MOEJIT_DTYPE_BFLOAT16, in.sorted, i));
+    ASSERT_GE(v, 1.0 / 16);
+    ASSERT_LT(v, 2.0);
+  }
+}
+
+TEST(SkewCheck, PassesRightResultsAndCatchesWrongOnes) {
+  for (moejit_dtype dt : {MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_BFLOAT16})
+    for (Spread spread : {Spread::kUniform, Spread::kHot, Spread::kTopPercent, Spread::kZipf})
+      for (double drop : {0.0, 25.0}) {
+        const Shape shape = make_shape(512, 4, 64, dt, dt);
+        const RoutingSpec spec = spec_of(spread, spread == Spread::kHot ? 1024 : 0, drop);
+        const HostInputs in = skewed_inputs(shape, spec, 21);
+        const std::string what =
+            std::string(dtype_text(dt)) + " " + spec.name(2048) + " drop " + std::to_string(drop);
+        const CheckResult ok = check_output(in, host_combine_by_index(in, kExact), all_tokens(in));
+        EXPECT_TRUE(ok.passed()) << what << ": rel_err " << ok.rel_err << " bound " << ok.bound
+                                 << " bad " << ok.bad_tokens;
+        EXPECT_NEAR(ok.rel_err, ok.rounding_err, 0.05 * ok.rounding_err + 1e-7) << what;
+        // The busiest token off by 3%: caught on that token.
+        const std::vector<int64_t> c = rows_per_token(in.token_idx, 512);
+        const int64_t busiest = std::max_element(c.begin(), c.end()) - c.begin();
+        const auto off = [&](int64_t t, int64_t, double v) { return t == busiest ? v * 1.03 : v; };
+        const CheckResult wrong = check_output(in, host_combine_by_index(in, off), all_tokens(in));
+        EXPECT_FALSE(wrong.passed()) << what;
+        EXPECT_EQ(wrong.first_bad_token, busiest) << what;
+        // A token without rows (every skewed spread leaves some) must be exactly 0.
+        if (spread != Spread::kUniform) {
+          const int64_t empty = std::find(c.begin(), c.end(), 0) - c.begin();
+          ASSERT_LT(empty, 512) << what;
+          const auto nonzero = [&](int64_t t, int64_t, double v) { return t == empty ? 1e-3 : v; };
+          const CheckResult leaked =
+              check_output(in, host_combine_by_index(in, nonzero), all_tokens(in));
+          EXPECT_EQ(leaked.bad_tokens, 1) << what;
+          EXPECT_EQ(leaked.first_bad_token, empty) << what;
+        }
+      }
+}
+
+// A dropped row added anyway, and one row of the hot token left out, fail: the reference follows
+// token_idx, not the slots.
+TEST(SkewCheck, CatchesADroppedRowAddedAndAMissingRow) {
+  const Shape shape = make_shape(512, 8, 64, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16);
+  const int64_t R = shape.rows();
+  const HostInputs in = skewed_inputs(shape, spec_of(Spread::kHot, R / 2, 25.0), 4);
+  size_t dropped_row = 0, hot_row = 0;
+  while (in.token_idx[dropped_row] != -1) ++dropped_row;
+  while (in.token_idx[hot_row] != 0) ++hot_row;
+  for (size_t row : {dropped_row, hot_row}) {
+    const int64_t token = row == hot_row ? 0 : 7;  // the dropped row lands on token 7
+    const double sign = row == hot_row ? -1.0 : 1.0;
+    const auto hook = [&](int64_t t, int64_t h, double v) {
+      if (t != token) return v;
+      return v + sign * in.gates_by_row[row] *
+                     value(MOEJIT_DTYPE_BFLOAT16, in.sorted, row * 64 + static_cast<size_t>(h));
+    };
+    const CheckResult c = check_output(in, host_combine_by_index(in, hook), all_tokens(in));
+    EXPECT_FALSE(c.passed()) << row;
+    EXPECT_EQ(c.bad_tokens, 1) << row;
+    EXPECT_EQ(c.first_bad_token, token) << row;
+  }
+}
+
+// One token with all 32768 rows in fp32: a correct kernel accumulating in fp32, in order, errs by
+// about 2^-24 * sqrt(R / 2) = 8e-6 relative, over the 1e-6 that covers K <= 64 rows; the bound
+// grows with the token's rows (sqrt(rows / 64)) so that it passes, while accumulating in bf16 or
+// fp16 still fails in their dtypes.
+TEST(SkewCheck, Fp32BoundGrowsWithTheRowsOfAToken) {
+  const Shape fp32 = make_shape(4096, 8, 16, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32);
+  const HostInputs in = skewed_inputs(fp32, spec_of(Spread::kHot, fp32.rows()), 2);
+  const CheckResult c =
+      check_output(in, host_combine_by_index(in, kExact, 0, true), all_tokens(in));
+  EXPECT_GT(c.rel_err, error_bound(c.rounding_err)) << "the fixed K bound would fail it";
+  EXPECT_TRUE(c.passed()) << c.rel_err << " " << c.bound;
+  EXPECT_EQ(c.bound, error_bound(c.rounding_err, 1.0, fp32.rows()));
+  for (moejit_dtype dt : {MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_FLOAT16}) {
+    const Shape half = make_shape(256, 8, 64, dt, dt);
+    const HostInputs h = skewed_inputs(half, spec_of(Spread::kZipf), 2);
+    const int bits = dt == MOEJIT_DTYPE_BFLOAT16 ? 8 : 11;
+    EXPECT_TRUE(check_output(h, host_combine_by_index(h, kExact, 0, true), all_tokens(h)).passed());
+    EXPECT_FALSE(check_output(h, host_combine_by_index(h, kExact, bits), all_tokens(h)).passed())
+        << dtype_text(dt);
+  }
+}
+
+TEST(SkewCheck, ErrorBoundIsUnchangedUpToSixtyFourRows) {
+  EXPECT_EQ(error_bound(1e-3, 2.0, 1), error_bound(1e-3, 2.0));
+  EXPECT_EQ(error_bound(1e-3, 2.0, 64), 1.25e-3 + 2e-6);
+  EXPECT_DOUBLE_EQ(error_bound(0.0, 1.0, 64 * 400), 20e-6);
 }
 
 }  // namespace

@@ -41,6 +41,7 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
 
 void DeviceBuffer::upload(const void* host, size_t bytes) {
   if (bytes > bytes_) throw CudaError("upload larger than the buffer");
+  if (bytes == 0) return;  // an empty input (token-index-only cases have no token-major rows)
   BENCH_CUDA(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice));
   // Complete on return: from pageable memory cudaMemcpy may return before its DMA ends, on the
   // legacy stream, which the benchmark's non-blocking stream does not wait for.
@@ -49,6 +50,7 @@ void DeviceBuffer::upload(const void* host, size_t bytes) {
 
 void DeviceBuffer::download(void* host, size_t bytes) const {
   if (bytes > bytes_) throw CudaError("download larger than the buffer");
+  if (bytes == 0) return;
   BENCH_CUDA(cudaMemcpy(host, ptr_, bytes, cudaMemcpyDeviceToHost));
 }
 

@@ -9,6 +9,8 @@
 #include <mutex>
 #include <numeric>
 #include <random>
+#include <stdexcept>
+#include <string>
 #include <thread>
 
 namespace moejit_bench {
@@ -35,15 +37,6 @@ void parallel_for(int64_t n, int64_t grain, Body body) {
   for (std::thread& t : threads) t.join();
 }
 
-// A counter-based generator: element i's bits depend only on (seed, i), so any thread can make
-// any element and the inputs do not depend on the thread count.
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 // Magnitude in [1/16, 2): one of five binades, random mantissa, random sign.
 uint32_t random_fp32(uint64_t h) {
   const uint32_t sign = static_cast<uint32_t>(h >> 63);
@@ -60,6 +53,10 @@ uint16_t random_fp16(uint64_t h) {
   const uint32_t exponent = 11u + static_cast<uint32_t>((h >> 32) % 5u);
   return static_cast<uint16_t>(sign << 15 | exponent << 10 | static_cast<uint32_t>(h & 0x3ffu));
 }
+
+// n elements of dtype, element i from the seed's data stream (make_inputs' token-major rows,
+// make_token_index_inputs' sorted ones).
+void fill_random_rows(moejit_dtype dt, int64_t n, uint64_t seed, uint8_t* out);
 
 double decode(moejit_dtype dtype, const uint8_t* base, int64_t index) {
   switch (dtype) {
@@ -90,7 +87,31 @@ double decode(moejit_dtype dtype, const uint8_t* base, int64_t index) {
   return std::nan("");
 }
 
+void fill_random_rows(moejit_dtype dt, int64_t n, uint64_t seed, uint8_t* out) {
+  const uint64_t data_seed = mix(seed ^ 0x5eedda7aull);
+  parallel_for(n, 1 << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint64_t h = mix(data_seed + static_cast<uint64_t>(i));
+      if (dt == MOEJIT_DTYPE_FLOAT32) {
+        const uint32_t bits = random_fp32(h);
+        std::memcpy(out + i * 4, &bits, 4);
+      } else {
+        const uint16_t bits = dt == MOEJIT_DTYPE_BFLOAT16 ? random_bf16(h) : random_fp16(h);
+        std::memcpy(out + i * 2, &bits, 2);
+      }
+    }
+  });
+}
+
 }  // namespace
+
+// Element i's bits depend only on (seed, i), so the inputs do not depend on the thread count.
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
 
 int dtype_bytes(moejit_dtype dtype) {
   return dtype == MOEJIT_DTYPE_FLOAT32 ? 4 : 2;
@@ -129,26 +150,14 @@ HostInputs make_inputs(const Shape& shape, uint64_t seed, double drop_percent) {
   HostInputs in;
   in.shape = shape;
   in.drop_percent = drop_percent;
+  in.max_rows_per_token = shape.top_k;
   const int64_t T = shape.tokens, K = shape.top_k, H = shape.hidden, R = shape.rows();
   const size_t row_bytes =
       static_cast<size_t>(H) * static_cast<size_t>(dtype_bytes(shape.in_dtype));
   in.token_major.resize(static_cast<size_t>(R) * row_bytes);
 
-  const uint64_t data_seed = mix(seed ^ 0x5eedda7aull);
+  fill_random_rows(shape.in_dtype, R * H, seed, in.token_major.data());
   uint8_t* tm = in.token_major.data();
-  const moejit_dtype dt = shape.in_dtype;
-  parallel_for(R * H, 1 << 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const uint64_t h = mix(data_seed + static_cast<uint64_t>(i));
-      if (dt == MOEJIT_DTYPE_FLOAT32) {
-        const uint32_t bits = random_fp32(h);
-        std::memcpy(tm + i * 4, &bits, 4);
-      } else {
-        const uint16_t bits = dt == MOEJIT_DTYPE_BFLOAT16 ? random_bf16(h) : random_fp16(h);
-        std::memcpy(tm + i * 2, &bits, 2);
-      }
-    }
-  });
 
   // Gates like a router's top-k softmax: positive, each token's sum 1. At K = 1 that would make
   // every gate exactly 1: a top-1 router's sigmoid score instead (Llama 4), not normalized.
@@ -210,6 +219,30 @@ HostInputs make_inputs(const Shape& shape, uint64_t seed, double drop_percent) {
   return in;
 }
 
+HostInputs make_token_index_inputs(const Shape& shape, std::vector<int32_t> token_idx,
+                                   std::vector<float> gates_by_row, int64_t dropped,
+                                   double drop_percent, const std::string& routing, uint64_t seed) {
+  const int64_t R = shape.rows();
+  if (static_cast<int64_t>(token_idx.size()) != R || static_cast<int64_t>(gates_by_row.size()) != R)
+    throw std::invalid_argument("make_token_index_inputs: token_idx and gates_by_row need " +
+                                std::to_string(R) + " entries");
+  HostInputs in;
+  in.shape = shape;
+  in.sorted.resize(static_cast<size_t>(R * shape.hidden) *
+                   static_cast<size_t>(dtype_bytes(shape.in_dtype)));
+  fill_random_rows(shape.in_dtype, R * shape.hidden, seed, in.sorted.data());
+  in.token_idx = std::move(token_idx);
+  in.gates_by_row = std::move(gates_by_row);
+  in.dropped_slots = dropped;
+  in.drop_percent = drop_percent;
+  in.routing = routing;
+  std::vector<int64_t> count(static_cast<size_t>(shape.tokens), 0);
+  for (int32_t t : in.token_idx)
+    if (t >= 0 && t < shape.tokens) ++count[static_cast<size_t>(t)];
+  in.max_rows_per_token = count.empty() ? 0 : *std::max_element(count.begin(), count.end());
+  return in;
+}
+
 int64_t dropped_slot_count(int64_t rows, double drop_percent) {
   return std::llround(static_cast<double>(rows) * drop_percent / 100.0);
 }
@@ -227,8 +260,9 @@ double round_to(moejit_dtype out_dtype, double value) {
   return std::nearbyint(value / quantum) * quantum;  // ties to even: the default rounding mode
 }
 
-double error_bound(double rounding, double norm) {
-  return 1.25 * rounding + 1e-6 * norm;
+double error_bound(double rounding, double norm, int64_t rows) {
+  const double terms = std::max(1.0, static_cast<double>(rows) / 64.0);
+  return 1.25 * rounding + 1e-6 * norm * std::sqrt(terms);
 }
 
 std::vector<int64_t> check_tokens(int64_t tokens, int64_t max_tokens) {
@@ -257,26 +291,56 @@ CheckResult check_output(const HostInputs& in, const std::vector<uint8_t>& out,
   });
   result.nonfinite = nonfinite.load();
 
+  // Each token's rows: (row of the values, gate). Fixed K: the token-major rows t*K + k whose slot
+  // was not dropped. Token index only: the sorted rows whose token_idx is t, in ascending order.
+  const bool by_token_idx = in.gather_map.empty();
+  std::vector<int64_t> first_row, rows_of;  // rows of token t: rows_of[first_row[t] ...]
+  if (by_token_idx) {
+    first_row.assign(static_cast<size_t>(s.tokens) + 1, 0);
+    for (int32_t t : in.token_idx)
+      if (t >= 0 && t < s.tokens) ++first_row[static_cast<size_t>(t) + 1];
+    std::partial_sum(first_row.begin(), first_row.end(), first_row.begin());
+    rows_of.resize(static_cast<size_t>(first_row.back()));
+    std::vector<int64_t> next(first_row.begin(), first_row.end() - 1);
+    for (size_t r = 0; r < in.token_idx.size(); ++r) {
+      const int32_t t = in.token_idx[r];
+      if (t >= 0 && t < s.tokens)
+        rows_of[static_cast<size_t>(next[static_cast<size_t>(t)]++)] = static_cast<int64_t>(r);
+    }
+  }
+
   // Squared norms over the checked tokens: error, rounding, reference. Each token is also held to
   // its own bound; bad tokens are counted and the first one named.
   struct Sums {
     double err2 = 0.0, round2 = 0.0, ref2 = 0.0;
-    int64_t bad = 0, first_bad = -1;
+    int64_t bad = 0, first_bad = -1, most_rows = 0;
   };
   std::mutex mutex;
   Sums total;
   parallel_for(static_cast<int64_t>(tokens.size()), 4, [&](int64_t begin, int64_t end) {
     Sums part;
     std::vector<double> ref(static_cast<size_t>(H));
+    const auto add_row = [&](const std::vector<uint8_t>& rows, int64_t row, double g) {
+      for (int64_t h = 0; h < H; ++h)
+        ref[static_cast<size_t>(h)] += g * decode(s.in_dtype, rows.data(), row * H + h);
+    };
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = tokens[static_cast<size_t>(i)];
       std::fill(ref.begin(), ref.end(), 0.0);
-      for (int64_t k = 0; k < K; ++k) {
-        if (in.gather_map[static_cast<size_t>(t * K + k)] < 0) continue;  // a dropped slot
-        const double g = in.gates[static_cast<size_t>(t * K + k)];
-        const int64_t row = t * K + k;
-        for (int64_t h = 0; h < H; ++h)
-          ref[static_cast<size_t>(h)] += g * decode(s.in_dtype, in.token_major.data(), row * H + h);
+      int64_t terms = 0;
+      if (by_token_idx) {
+        for (int64_t j = first_row[static_cast<size_t>(t)];
+             j < first_row[static_cast<size_t>(t) + 1]; ++j) {
+          const int64_t row = rows_of[static_cast<size_t>(j)];
+          add_row(in.sorted, row, in.gates_by_row[static_cast<size_t>(row)]);
+        }
+        terms = first_row[static_cast<size_t>(t) + 1] - first_row[static_cast<size_t>(t)];
+      } else {
+        for (int64_t k = 0; k < K; ++k) {
+          if (in.gather_map[static_cast<size_t>(t * K + k)] < 0) continue;  // a dropped slot
+          add_row(in.token_major, t * K + k, in.gates[static_cast<size_t>(t * K + k)]);
+        }
+        terms = K;
       }
       double e = 0.0, q = 0.0, r = 0.0;
       for (int64_t h = 0; h < H; ++h) {
@@ -289,17 +353,19 @@ CheckResult check_output(const HostInputs& in, const std::vector<uint8_t>& out,
       }
       // NaN compares false: a NaN error is a bad token. A token whose slots were all dropped has
       // reference 0 and so bound 0: only an output of exactly 0 (either sign) passes.
-      if (!(std::sqrt(e) <= error_bound(std::sqrt(q), std::sqrt(r)))) {
+      if (!(std::sqrt(e) <= error_bound(std::sqrt(q), std::sqrt(r), terms))) {
         if (part.bad++ == 0) part.first_bad = t;
       }
       part.err2 += e;
       part.round2 += q;
       part.ref2 += r;
+      part.most_rows = std::max(part.most_rows, terms);
     }
     std::lock_guard<std::mutex> lock(mutex);
     total.err2 += part.err2;
     total.round2 += part.round2;
     total.ref2 += part.ref2;
+    total.most_rows = std::max(total.most_rows, part.most_rows);
     if (part.bad > 0 && (total.first_bad < 0 || part.first_bad < total.first_bad))
       total.first_bad = part.first_bad;
     total.bad += part.bad;
@@ -307,7 +373,7 @@ CheckResult check_output(const HostInputs& in, const std::vector<uint8_t>& out,
   const double norm = total.ref2 > 0.0 ? std::sqrt(total.ref2) : 1.0;
   result.rel_err = std::sqrt(total.err2) / norm;
   result.rounding_err = std::sqrt(total.round2) / norm;
-  result.bound = error_bound(result.rounding_err);
+  result.bound = error_bound(result.rounding_err, 1.0, total.most_rows);
   result.bad_tokens = total.bad;
   result.first_bad_token = total.first_bad;
   return result;

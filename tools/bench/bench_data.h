@@ -35,6 +35,10 @@ struct Shape {
   std::string describe() const;  // "T4096 K8 H7168 bf16" (+ "->fp32" when the output differs)
 };
 
+// The counter-based generator every random input of the bench is drawn from (splitmix64's
+// finalizer): element i of a stream is mix(stream_seed + i), so any thread can make any element.
+uint64_t mix(uint64_t x);
+
 int dtype_bytes(moejit_dtype dtype);
 const char* dtype_text(moejit_dtype dtype);  // "fp32" | "fp16" | "bf16"
 bool parse_dtype(const std::string& text, moejit_dtype* dtype);
@@ -51,6 +55,10 @@ struct HostInputs {
   std::vector<int32_t> token_idx;   // [R] -> token of each row of `sorted`, -1 for a dropped one
   double drop_percent = 0.0;        // as asked of make_inputs
   int64_t dropped_slots = 0;        // how many map entries are -1
+  // make_token_index_inputs (moejit-bench --skew): the routing's name, and the most rows any token
+  // has. make_inputs: "" and K.
+  std::string routing;
+  int64_t max_rows_per_token = 0;
 };
 
 // Random inputs, never zero: every element has magnitude in [1/16, 2) and a random sign, drawn as
@@ -60,6 +68,15 @@ struct HostInputs {
 // same seed. Gates stay as they are, not renormalized over the slots left: most engines' capacity
 // dropping does not renormalize either.
 HostInputs make_inputs(const Shape& shape, uint64_t seed, double drop_percent = 0.0);
+
+// Inputs for the token-index layout alone, with any number of rows per token (moejit-bench
+// --skew): `sorted` holds R = T*K rows drawn like make_inputs' (same element stream), token_idx
+// and gates_by_row are the given routing's ([R]; -1 a dropped row, `dropped` of them), and there
+// are no token-major rows, no gather map and no per-slot gates: the token-major and gather-map
+// layouts cannot run them. check_output's reference then sums each token's rows by token_idx.
+HostInputs make_token_index_inputs(const Shape& shape, std::vector<int32_t> token_idx,
+                                   std::vector<float> gates_by_row, int64_t dropped,
+                                   double drop_percent, const std::string& routing, uint64_t seed);
 
 // How many of `rows` slots make_inputs drops at drop_percent: round(drop_percent% of rows).
 int64_t dropped_slot_count(int64_t rows, double drop_percent);
@@ -82,7 +99,11 @@ double round_to(moejit_dtype out_dtype, double value);
 // 1e-2 for bf16 and 1e-3 for fp16 once passed that).
 // With norm (the reference's), rounding is the rounding error's norm and the bound absolute: a
 // token's own bound without dividing by its norm.
-double error_bound(double rounding, double norm = 1.0);
+// rows: the most terms a sum has. fp32 accumulation in order errs by about 2^-24 * sqrt(rows / 2)
+// relative (random rounding errors), which 1e-6 covers up to K's limit of 64; a token with more
+// rows (--skew: up to all R) gets sqrt(rows / 64) times that, else a correct fp32 sum of 32768
+// rows fails the fp32 bound (relative error about 8e-6).
+double error_bound(double rounding, double norm = 1.0, int64_t rows = 1);
 
 struct CheckResult {
   double rel_err = 0.0;       // ||out - ref|| / ||ref|| over the checked tokens
@@ -100,7 +121,9 @@ struct CheckResult {
 // Compares out (T rows of H elements of out_dtype, as downloaded) against the float64 reference on
 // `tokens`, and scans all of out for NaN and Inf. Multithreaded. The reference leaves out dropped
 // slots (gather map -1): a token whose slots were all dropped has reference 0, its own bound is 0,
-// and any output but 0 makes it a bad token.
+// and any output but 0 makes it a bad token. Inputs without a gather map
+// (make_token_index_inputs) are summed by token_idx, each token's rows in ascending order, and
+// held to error_bound with the rows each token (and the busiest checked one, for rel_err) has.
 CheckResult check_output(const HostInputs& in, const std::vector<uint8_t>& out,
                          const std::vector<int64_t>& tokens);
 

@@ -334,6 +334,12 @@ bool parse_layout(const std::string& text, moejit_layout* layout) {
   return false;
 }
 
+CaseResult run_token_index_case(const HostInputs& in, const BenchSettings& settings,
+                                const Floors& floors, Timer& timer) {
+  const DeviceInputs d(in);
+  return run_layout(in, d, MOEJIT_LAYOUT_TOKEN_INDEX, settings, floors, timer);
+}
+
 std::vector<CaseResult> run_case(const Shape& shape, const std::vector<moejit_layout>& layouts,
                                  const BenchSettings& settings, const Floors& floors,
                                  Timer& timer) {

@@ -97,4 +97,9 @@ bool parse_layout(const std::string& text, moejit_layout* layout);
 std::vector<CaseResult> run_case(const Shape& shape, const std::vector<moejit_layout>& layouts,
                                  const BenchSettings& settings, const Floors& floors, Timer& timer);
 
+// Token-index inputs with any rows per token (make_token_index_inputs: moejit-bench --skew) in the
+// token-index layout, checked and timed like run_case's layouts (no same-size copy).
+CaseResult run_token_index_case(const HostInputs& in, const BenchSettings& settings,
+                                const Floors& floors, Timer& timer);
+
 }  // namespace moejit_bench

@@ -27,6 +27,7 @@
 #include "json_writer.h"
 #include "moejit/moejit.h"
 #include "nvrtc_compiler.h"
+#include "skew_bench.h"
 
 namespace moejit_bench {
 namespace {
@@ -41,6 +42,10 @@ struct Options {
   bool jit = false;
   bool jit_only = false;
   bool pipeline = false;  // decode steps in a CUDA graph, plain vs programmatic dependent launch
+  bool skew = false;      // --skew: skewed token_index routings (skew_bench.h)
+  std::vector<Shape> skew_shapes;  // from --skew-case; empty: default_skew_shapes()
+  bool awkward_h = false;          // --awkward-h: awkward_h_cases()
+  bool drop_given = false;         // --drop on the command line (--skew's second drop rate)
   std::vector<moejit_layout> layouts;
   // --drop without --layout: token-major left out of the default layouts (it cannot express a
   // dropped slot), and the run says so.
@@ -54,7 +59,8 @@ void usage(FILE* to) {
       to,
       "usage: moejit-bench [options]\n"
       "  --case T,K,H,dtype[,out_dtype]  run this shape (repeatable); dtype fp32|fp16|bf16.\n"
-      "                                  With --case only the given shapes run, unless --all;\n"
+      "                                  With --case, --skew or --awkward-h only those run,\n"
+      "                                  unless --all;\n"
       "                                  T 1..2^40, K 1..64, H 1..65536, buffers <= 64 GiB\n"
       "  --all                           with --case: also run the built-in shapes\n"
       "  --layout L[,L...]               token_major | gather_map | token_index (default all)\n"
@@ -78,6 +84,16 @@ void usage(FILE* to) {
       "  --pipeline                      also time decode-sized cases (T <= 64) as steps of a\n"
       "                                  CUDA graph after a producer kernel: plain launches vs\n"
       "                                  args.dependent_launch = 1\n"
+      "  --skew                          skewed token_index routings of the same T*K rows (one\n"
+      "                                  token with all; 1%% of tokens with half; Zipf(1.2);\n"
+      "                                  token 0 with R/512..R/2 rows, the rest at random), each\n"
+      "                                  divided by the uniform routing's time (K rows per\n"
+      "                                  token); with 0%% and 25%% of rows dropped (--drop P:\n"
+      "                                  P%% instead of 25%%)\n"
+      "  --skew-case T,K,H,dtype[,out]   a shape for --skew (repeatable; implies --skew; default\n"
+      "                                  T4096 K8 H7168 bf16 and T8192 K2 H4096 bf16)\n"
+      "  --awkward-h                     H 1000, 1001, 2880, 5000, 7000, 7169 at T6000 K8 in\n"
+      "                                  fp32, fp16 and bf16 (at least 64 MB moved each)\n"
       "  --json PATH                     write every figure as JSON\n"
       "Exit: 0 ok (or no GPU found), 1 CUDA/environment failure, 2 usage, 3 a check "
       "failed.\n");
@@ -117,6 +133,23 @@ std::vector<Shape> builtin_cases(bool quick, bool extra) {
     list.push_back(shape(4096, 4, 6144, bf16, "DBRX prefill"));
     list.push_back(shape(4096, 8, 3584, bf16, "Qwen2-57B prefill"));
   }
+  return list;
+}
+
+// Issue 58's awkward hidden sizes (not multiples of the vector tile) at every dtype, at T=6000 K=8
+// (its example): 108 MB moved at H=1000 in 16-bit dtypes, past the 64 MB its target asks for.
+std::vector<Shape> awkward_h_cases() {
+  std::vector<Shape> list;
+  for (int64_t h : {1000, 1001, 2880, 5000, 7000, 7169})
+    for (moejit_dtype dt : {MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_BFLOAT16}) {
+      Shape s;
+      s.tokens = 6000;
+      s.top_k = 8;
+      s.hidden = h;
+      s.in_dtype = s.out_dtype = dt;
+      s.label = "awkward H";
+      list.push_back(s);
+    }
   return list;
 }
 
@@ -199,13 +232,14 @@ constexpr int64_t kMaxWarmup = 100000;
 constexpr double kMaxCaseBytes = 64.0 * (1ull << 30);
 
 // Parses --case's value into *s; false after printing why.
-bool parse_case(const std::string& v, Shape* s) {
+// option: the option's name for the messages (--case, --skew-case).
+bool parse_case(const std::string& v, Shape* s, const char* option = "--case") {
   const std::vector<std::string> f = split(v, ',');
   if (f.size() != 4 && f.size() != 5) {
     std::fprintf(stderr,
-                 "moejit-bench: --case %s: expected T,K,H,dtype[,out_dtype] (dtype "
+                 "moejit-bench: %s %s: expected T,K,H,dtype[,out_dtype] (dtype "
                  "fp32|fp16|bf16)\n",
-                 v.c_str());
+                 option, v.c_str());
     return false;
   }
   struct Field {
@@ -218,14 +252,14 @@ bool parse_case(const std::string& v, Shape* s) {
                           {"H", MOEJIT_MAX_HIDDEN_DIM, &s->hidden}};
   for (size_t i = 0; i < 3; ++i)
     if (!parse_int(f[i], 1, fields[i].max, fields[i].value)) {
-      std::fprintf(stderr, "moejit-bench: --case %s: %s = '%s' must be an integer in 1..%lld\n",
+      std::fprintf(stderr, "moejit-bench: %s %s: %s = '%s' must be an integer in 1..%lld\n", option,
                    v.c_str(), fields[i].name, f[i].c_str(), static_cast<long long>(fields[i].max));
       return false;
     }
   for (size_t i = 3; i < f.size(); ++i) {
     moejit_dtype* dtype = i == 3 ? &s->in_dtype : &s->out_dtype;
     if (!parse_dtype(f[i], dtype)) {
-      std::fprintf(stderr, "moejit-bench: --case %s: %s = '%s' must be fp32, fp16 or bf16\n",
+      std::fprintf(stderr, "moejit-bench: %s %s: %s = '%s' must be fp32, fp16 or bf16\n", option,
                    v.c_str(), i == 3 ? "dtype" : "out_dtype", f[i].c_str());
       return false;
     }
@@ -235,17 +269,17 @@ bool parse_case(const std::string& v, Shape* s) {
   // INT32_MAX. T <= 2^40 and K <= 64: the product cannot overflow.
   if (s->rows() > INT32_MAX) {
     std::fprintf(stderr,
-                 "moejit-bench: --case %s: T*K = %lld rows; the bench's int32 routing allows at "
+                 "moejit-bench: %s %s: T*K = %lld rows; the bench's int32 routing allows at "
                  "most %d\n",
-                 v.c_str(), static_cast<long long>(s->rows()), INT32_MAX);
+                 option, v.c_str(), static_cast<long long>(s->rows()), INT32_MAX);
     return false;
   }
   const double bytes = case_host_bytes(*s);
   if (bytes > kMaxCaseBytes) {
     std::fprintf(stderr,
-                 "moejit-bench: --case %s: its buffers need about %.1f GiB of host memory (the "
+                 "moejit-bench: %s %s: its buffers need about %.1f GiB of host memory (the "
                  "rows twice, the routing, the output); at most %.0f GiB is allowed\n",
-                 v.c_str(), bytes / (1ull << 30), kMaxCaseBytes / (1ull << 30));
+                 option, v.c_str(), bytes / (1ull << 30), kMaxCaseBytes / (1ull << 30));
     return false;
   }
   return true;
@@ -300,6 +334,16 @@ bool parse(int argc, char** argv, Options* o) {
       o->jit = o->jit_only = true;
     } else if (a == "--pipeline") {
       o->pipeline = true;
+    } else if (a == "--skew") {
+      o->skew = true;
+    } else if (a == "--skew-case") {
+      if (!next(&v)) return false;
+      Shape s;
+      if (!parse_case(v, &s, "--skew-case")) return false;
+      o->skew_shapes.push_back(s);
+      o->skew = true;
+    } else if (a == "--awkward-h") {
+      o->awkward_h = true;
     } else if (a == "--json") {
       if (!next(&o->json_path)) return false;
       if (!json_path_writable(o->json_path)) {
@@ -325,6 +369,7 @@ bool parse(int argc, char** argv, Options* o) {
       if (a == "--seed") o->bench.seed = static_cast<uint64_t>(n);
     } else if (a == "--drop") {
       if (!next(&v)) return false;
+      o->drop_given = true;
       if (!parse_percent(v, kMaxDropPercent, &o->bench.drop_percent)) {
         std::fprintf(stderr,
                      "moejit-bench: --drop %s: expected a percentage in 0..%g (an integer or a "
@@ -358,10 +403,16 @@ bool parse(int argc, char** argv, Options* o) {
   if (o->layouts.empty())
     o->layouts = {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_LAYOUT_TOKEN_INDEX};
   if (o->quick && o->bench.reps == 0) o->bench.reps = 50;
-  if (o->cases.empty() || o->all) {
+  const bool chosen = !o->cases.empty() || o->skew || o->awkward_h;
+  if (o->awkward_h) {
+    const std::vector<Shape> awkward = awkward_h_cases();
+    o->cases.insert(o->cases.end(), awkward.begin(), awkward.end());
+  }
+  if (!chosen || o->all) {
     const std::vector<Shape> builtin = builtin_cases(o->quick, o->extra);
     o->cases.insert(o->cases.end(), builtin.begin(), builtin.end());
   }
+  if (o->skew && o->skew_shapes.empty()) o->skew_shapes = default_skew_shapes(o->quick);
   return true;
 }
 
@@ -492,7 +543,8 @@ void write_case_shape(JsonWriter& j, const Shape& shape, moejit_layout layout, d
 
 void write_json(const std::string& path, const std::string& device, const Floors& floors,
                 const std::vector<CaseResult>& results, const JitFigures* jit,
-                const std::string& error, const std::vector<PipelineResult>& pipeline = {}) {
+                const std::string& error, const std::vector<PipelineResult>& pipeline = {},
+                const std::vector<SkewResult>& skew = {}) {
   JsonWriter j;
   j.begin_object();
   j.member("tool", "moejit-bench");
@@ -606,6 +658,7 @@ void write_json(const std::string& path, const std::string& device, const Floors
     }
     j.end_array();
   }
+  if (!skew.empty()) write_skew_json(j, skew);
   moejit_stats stats;
   stats.struct_size = sizeof(stats);
   if (!error.empty() || moejit_runtime_get_stats(nullptr, &stats) != MOEJIT_SUCCESS) {
@@ -687,6 +740,7 @@ int run(const Options& o) {
 
   Floors floors;
   std::vector<CaseResult> results;
+  std::vector<SkewResult> skew;
   bool all_correct = true;
   if (!o.jit_only) {
     floors = measure_floors(timer, helpers);
@@ -702,6 +756,20 @@ int run(const Options& o) {
         std::fflush(stdout);
         all_correct = all_correct && r.error.empty() && r.correct;
         results.push_back(r);
+      }
+    }
+    if (o.skew) {
+      // The second drop rate: --drop's, else issue 58's 25%.
+      const double drop = o.drop_given ? o.bench.drop_percent : 25.0;
+      print_skew_header();
+      for (const Shape& shape : o.skew_shapes) {
+        const std::vector<SkewResult> part =
+            run_skew(shape, drop, o.bench, floors, timer, [&](const SkewResult& r) {
+              print_skew_result(r);
+              std::fflush(stdout);
+              all_correct = all_correct && r.run.error.empty() && r.run.correct;
+            });
+        skew.insert(skew.end(), part.begin(), part.end());
       }
     }
   }
@@ -730,8 +798,12 @@ int run(const Options& o) {
     print_header(o.bench.drop_percent);
     for (const CaseResult& r : results) print_result(r);
   }
+  if (!skew.empty()) {
+    print_skew_header();
+    for (const SkewResult& r : skew) print_skew_result(r);
+  }
   if (!o.json_path.empty())
-    write_json(o.json_path, device, floors, results, o.jit ? &jit : nullptr, "", pipeline);
+    write_json(o.json_path, device, floors, results, o.jit ? &jit : nullptr, "", pipeline, skew);
   if (!pipeline.empty()) print_pipeline(pipeline, o.bench.drop_percent);  // last, with the summary
   BENCH_CUDA(cudaStreamDestroy(stream));
   if (!all_correct) {

@@ -32,6 +32,14 @@ gather+sum and index_add_ redirect -1 to one spare row (a zero row after the exp
 discarded row after the output's) with torch.where in every call. Such a run is no record
 (merge_results.py refuses it).
 
+--skew (issue 58) runs moejit-bench --skew's routings of the same R = T*K rows (skew_routing.py
+gives the very same token_idx, row order, dropped rows and gates for a seed: one token with all
+rows, 1% of tokens with half, Zipf(1.2), token 0 with R/512..R/2 rows; at 0% and 25% dropped) with
+the contenders that take a token_idx: libmoejit's token_index, index_add_ and the Triton atomic
+scatter, paired against libmoejit; each time also over the same contender's on the uniform routing
+(K rows per token). --awkward-h adds moejit-bench --awkward-h's shapes (H = 1000, 1001, 2880,
+5000, 7000, 7169 at T6000 K8, every dtype) to the shapes run with every peer.
+
 Needs torch (and triton for the Triton peers); libmoejit.so from --lib or $MOEJIT_LIBRARY.
 `--check-binding` only loads the library and checks the ctypes structs (no torch, no GPU).
 """
@@ -52,6 +60,9 @@ import sys
 # by tests/python): one definition for the bindings and the benchmark.
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "python"))
 from moejit._capi import CombineArgs, Stats  # noqa: E402  (needs no torch)
+# moejit-bench --skew's routings, the same for a seed (tools/bench/skew_routing.py).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import skew_routing  # noqa: E402
 
 LAYOUTS = {"token_major": 0, "gather_map": 1, "token_index": 2}
 DTYPES = {"fp32": 0, "fp16": 1, "bf16": 2}
@@ -193,6 +204,20 @@ def builtin_shapes(quick, extra):
     return shapes
 
 
+def awkward_h_shapes():
+    """moejit-bench --awkward-h: issue 58's hidden sizes that are not multiples of the vector tile,
+    at T=6000 K=8 in every dtype (108 MB or more moved each)."""
+    return [_shape(6000, 8, h, dt, "awkward H")
+            for h in (1000, 1001, 2880, 5000, 7000, 7169) for dt in ("fp32", "fp16", "bf16")]
+
+
+def default_skew_shapes(quick):
+    """moejit-bench --skew's shapes without --skew-case (skew_bench.cpp, default_skew_shapes)."""
+    shapes = [_shape(4096, 8, 7168, "bf16", "DeepSeek-V3 prefill"),
+              _shape(8192, 2, 4096, "bf16", "Mixtral-8x7B prefill")]
+    return shapes[:1] if quick else shapes
+
+
 def parse_case(text):
     f = text.split(",")
     if len(f) not in (4, 5) or f[3] not in DTYPES or (len(f) == 5 and f[4] not in DTYPES):
@@ -261,11 +286,17 @@ def with_drops(shapes, drop_percent):
                  dropped_slots=dropped_slot_count(s["T"] * s["K"], drop_percent)) for s in shapes]
 
 
-def error_bound(rounding, norm=1.0):
+def error_bound(rounding, norm=1.0, rows=1):
     """moejit-bench's bound on an error (bench_data.h, error_bound), from what rounding the float64
     reference once to the output dtype costs: relative, or with the reference's norm absolute
-    (elementwise on tensors too). The library accumulates in fp32 and rounds once."""
-    return 1.25 * rounding + 1e-6 * norm
+    (elementwise on tensors too). The library accumulates in fp32 and rounds once. rows: the most
+    terms a sum has (a number, or a tensor of them per token): past 64, the fp32 part grows as
+    sqrt(rows / 64), as an in-order fp32 sum's error does."""
+    if hasattr(rows, "clamp"):
+        terms = (rows / 64.0).clamp(min=1.0).sqrt()
+    else:
+        terms = math.sqrt(max(1.0, rows / 64.0))
+    return 1.25 * rounding + 1e-6 * norm * terms
 
 
 def legacy_error_bound(out_dtype):
@@ -290,6 +321,102 @@ def libmoejit_failures(shapes):
     return failed
 
 
+def add_uniform_ratios(skew_cases):
+    """Each --skew result's time over the same contender's on the uniform routing (K rows per
+    token) of the same shape and drop rate ("vs_uniform"; None without that figure): issue 58's
+    target reads libmoejit's against 1.5."""
+    uniform = {}
+    for c in skew_cases:
+        if c["routing"] == "uniform":
+            key = (shape_text(c), c["drop_percent"])
+            uniform[key] = {r["name"]: r["us"] for r in c["peers"] if "us" in r}
+    for c in skew_cases:
+        base = uniform.get((shape_text(c), c["drop_percent"]), {})
+        for r in c["peers"]:
+            b = base.get(r["name"])
+            r["vs_uniform"] = r["us"] / b if "us" in r and b else None
+
+
+SKEW_COLUMNS = [("libmoejit_token_index", "libmoejit"), ("torch_index_add", "index_add_"),
+                ("triton_atomic_scatter", "Triton atomic")]
+
+
+def skew_summary_lines(skew_cases):
+    """The --skew summary: per routing, each contender's us and its ratio to its own uniform time
+    (x_unif), and the peers' time over libmoejit's (x lib)."""
+    head = f"{'shape':<22}{'routing':<22}{'drop':>5}{'max_rows':>9}"
+    for _, title in SKEW_COLUMNS:
+        head += f"{title + ' us':>18}{'x_unif':>7}" + ("" if title == "libmoejit" else
+                                                        f"{'x lib':>7}")
+    lines = ["", "Skewed token_index routing (--skew, moejit-bench's routings): us; x_unif = us / "
+             "the same contender's on the uniform routing (K rows per token) of the shape and "
+             "drop; x lib = peer us / libmoejit us", head]
+    for c in skew_cases:
+        by_name = {r["name"]: r for r in c["peers"]}
+        lib_us = by_name.get("libmoejit_token_index", {}).get("us")
+        line = (f"{shape_text(c):<22}{c['routing']:<22}{c['drop_percent']:>4g}%"
+                f"{c['max_rows_per_token']:>9}")
+        for name, title in SKEW_COLUMNS:
+            r = by_name.get(name, {})
+            us, unif = r.get("us"), r.get("vs_uniform")
+            line += f"{us:>18.2f}" if us else f"{'-' if not r.get('error') else 'FAILED':>18}"
+            line += f"{unif:>7.2f}" if unif else f"{'-':>7}"
+            if title != "libmoejit":
+                line += f"{us / lib_us:>7.2f}" if us and lib_us else f"{'-':>7}"
+        lines.append(line)
+    return lines
+
+
+def print_skew_summary(skew_cases):
+    print("\n".join(skew_summary_lines(skew_cases)))
+
+
+class Case:
+    """One input's float64 reference, the check every contender's output gets, and the results
+    of its contenders (torch tensors on any device: the tests run it on the CPU).
+    check(out) gives (relative error, NaN or Inf elements, tokens over their own bound)."""
+
+    def __init__(self, ref, odt, reps, token_rows=None):
+        import torch
+        # The bound, as moejit-bench's: from what one rounding of the reference to the output
+        # dtype costs, over the whole output and per token (a few wrong tokens barely move the
+        # whole); token_rows (rows per token, when they vary: --skew) widens the fp32 part for
+        # tokens of more than 64 rows (error_bound).
+        self.ref, self.reps = ref, reps
+        self.ref_norm = torch.linalg.vector_norm(ref).item()
+        rounding = ref.to(odt).double() - ref
+        most = 1 if token_rows is None else max(1, int(token_rows.max().item()))
+        self.rel_err_bound = error_bound(
+            torch.linalg.vector_norm(rounding).item() / (self.ref_norm or 1.0), 1.0, most)
+        token_norm = torch.linalg.vector_norm(ref, dim=1)
+        rows = 1 if token_rows is None else token_rows.double()
+        self.token_bound = error_bound(torch.linalg.vector_norm(rounding, dim=1), token_norm, rows)
+        self.results, self.timed = [], {}
+
+    def check(self, out):
+        import torch
+        nonfinite = int((~torch.isfinite(out)).sum().item())
+        diff = out.double() - self.ref
+        err = torch.linalg.vector_norm(diff).item() / (self.ref_norm or 1.0)
+        bad = int((~(torch.linalg.vector_norm(diff, dim=1) <= self.token_bound)).sum().item())
+        return err, nonfinite, bad
+
+
+def token_index_reference(torch, x_sorted, tidx64, gates_by_row, T):
+    """float64 sum of each token's rows by token_idx (-1 left out), chunked over rows to bound the
+    temporaries; and the rows each token has."""
+    R, H = x_sorted.shape
+    keep = tidx64 >= 0
+    ref = torch.zeros((T, H), dtype=torch.float64, device=x_sorted.device)
+    step = max(1, (1 << 27) // H)
+    for r0 in range(0, R, step):
+        r1 = min(R, r0 + step)
+        k = keep[r0:r1]
+        ref.index_add_(0, tidx64[r0:r1][k],
+                       x_sorted[r0:r1][k].double() * gates_by_row[r0:r1][k].double()[:, None])
+    return ref, torch.bincount(tidx64[keep], minlength=T)
+
+
 # ---- paired comparisons ----------------------------------------------------------------------
 # At decode sizes two blocks of runs of the same kernel (bench below) differ by 0.1-0.3 us, as much
 # as libmoejit and the Triton peer differ: every other flushed run takes 0.6-0.75 us longer, and a
@@ -302,6 +429,10 @@ PAIRS = [  # (libmoejit's entry, the peer it must beat): the issue's "never slow
     ("libmoejit_gather_map", "triton_gather_inv"),
     ("libmoejit_token_index", "triton_gather_inv"),
     ("libmoejit_token_index", "torch_index_add"),
+]
+SKEW_PAIRS = [  # --skew: only token_idx peers take a routing without K rows per token
+    ("libmoejit_token_index", "torch_index_add"),
+    ("libmoejit_token_index", "triton_atomic_scatter"),
 ]
 
 
@@ -454,7 +585,7 @@ if triton is not None:
 
 # ---- everything below needs torch and a GPU -------------------------------------------------
 
-def main_gpu(args, shapes):
+def main_gpu(args, shapes, skew_shapes=(), skew_drop=skew_routing.DEFAULT_SECOND_DROP):
     import torch
 
     if triton is None:
@@ -537,6 +668,126 @@ def main_gpu(args, shapes):
         cfg = min(series, key=lambda c: statistics.median(series[c]))
         return cfg, fns[cfg]
 
+    # ---- what every input's contenders share ---------------------------------------------------
+    def random_rows(rows, H, dt, gen):
+        """Magnitudes in [1/16, 2) with random signs: never zero, like moejit-bench."""
+        x = torch.rand((rows, H), generator=gen, device=device)
+        x.mul_(2 - 1 / 16).add_(1 / 16)
+        x = torch.where(torch.rand((rows, H), generator=gen, device=device) < 0.5, -x, x)
+        return x.to(dt)
+
+    def measure(case, name, layout, fn, out_of, config=None, poison=None):
+        """Checked run (poisoned output), then flushed and L2-warm timings, then a re-check."""
+        entry = {"name": name, "input": layout, "config": config}
+        try:
+            if poison is not None:
+                poison.fill_(float("nan"))
+            fn()
+            torch.cuda.synchronize()
+            err, nonfinite, bad = case.check(out_of())
+            entry["us"] = bench(fn, case.reps, args.warmup)
+            entry["parity_split_us"] = last["parity_split_us"]
+            if not args.no_l2_warm:
+                entry["l2_warm_us"] = bench(fn, case.reps, args.warmup, warm_l2=True)
+            err_after, nonfinite_after, bad_after = case.check(out_of())
+            entry.update(rel_err=err, rel_err_after=err_after, rel_err_bound=case.rel_err_bound,
+                         nonfinite_elements=nonfinite + nonfinite_after,
+                         tokens_over_bound=max(bad, bad_after))
+            case.timed[name] = fn
+        except Exception as e:  # one failing peer must not hide the others
+            entry["error"] = f"{type(e).__name__}: {e}"
+            torch.cuda.synchronize()
+        case.results.append(entry)
+
+    def measure_libmoejit(case, layout, T, K, R, H, x, g, idx, out, shape):
+        a = lib.args(layout, T, K, R, H, x.data_ptr(), shape["in_dtype"], g.data_ptr(),
+                     None if idx is None else idx.data_ptr(), out.data_ptr(), shape["out_dtype"])
+        ws_bytes = lib.workspace_size(a)
+        ws = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=device)
+        if ws_bytes:
+            a.workspace, a.workspace_bytes = ws.data_ptr(), ws_bytes
+        s = stream()
+        measure(case, f"libmoejit_{layout}", layout,
+                lambda a=a, ws=ws: lib.combine(a, s),  # ws kept alive by the lambda
+                lambda: out, poison=out)
+
+    def measure_index_add(case, out_storage, T, tidx64, x_sorted, g_rows, odt, dropped):
+        """torch index_add_: the scatter-add formulation, in the output dtype. With drops,
+        out_storage has a spare row after the T: the -1 rows go there, redirected in every call."""
+        out_ia = out_storage[:T]
+
+        if not dropped:
+            def index_add():
+                out_ia.zero_()
+                out_ia.index_add_(0, tidx64, (x_sorted * g_rows).to(odt))
+        else:
+            def index_add():
+                out_storage.zero_()
+                out_storage.index_add_(0, torch.where(tidx64 < 0, T, tidx64),
+                                       (x_sorted * g_rows).to(odt))
+        measure(case, "torch_index_add", "token_index", index_add, lambda: out_ia, poison=out_ia)
+
+    def measure_atomic_scatter(case, out_ta, R, H, x_sorted, tidx32, gates_by_row, odt, dropped):
+        """The original atomic scatter-add in Triton (zeroing the output is part of it)."""
+        scratch = {}
+
+        def make_atomic(cfg):
+            bh, nw = cfg
+            grid = (R, triton.cdiv(H, bh))
+            if "fp32" in scratch:  # this Triton lacks atomics in odt: fp32 buffer, then cast
+                acc = scratch["fp32"]
+
+                def fn():
+                    acc.zero_()
+                    atomic_kernel[grid](x_sorted, tidx32, gates_by_row, acc, H,
+                                        BLOCK_H=bh, HAS_DROPS=bool(dropped), num_warps=nw)
+                    out_ta.copy_(acc)
+                return fn
+
+            def fn():
+                out_ta.zero_()
+                atomic_kernel[grid](x_sorted, tidx32, gates_by_row, out_ta, H,
+                                    BLOCK_H=bh, HAS_DROPS=bool(dropped), num_warps=nw)
+            return fn
+        note = ""
+        try:
+            try:
+                make_atomic((1024, 4))()
+            except Exception as e:
+                if odt == torch.float32:
+                    raise
+                scratch["fp32"] = torch.empty(tuple(out_ta.shape), dtype=torch.float32,
+                                              device=device)
+                note = f" (fp32 atomics + cast: {type(e).__name__} on {odt} atomics)"
+            torch.cuda.synchronize()
+            cfg, fn = tune(make_atomic, configs(H, args.quick))
+            measure(case, "triton_atomic_scatter", "token_index", fn, lambda: out_ta,
+                    config=f"BLOCK_H={cfg[0]} num_warps={cfg[1]}{note}", poison=out_ta)
+        except Exception as e:
+            case.results.append({"name": "triton_atomic_scatter", "input": "token_index",
+                                 "error": f"{type(e).__name__}: {e}"})
+
+    def stream():
+        return torch.cuda.current_stream(device).cuda_stream
+
+    def default_reps(shape):
+        return args.reps or (200 if minimal_bytes(shape) < 64e6 else 100)
+
+    def finish(case, shape, pairs, seed):
+        """The paired phase, and each result's % of the ceiling and ratio to libmoejit taking the
+        same input: gather peers vs its gather_map, scatter peers (token_idx) vs its
+        token_index."""
+        paired, paired_raw = ([], None) if args.no_paired else run_pairs(
+            case.timed, case.reps, seed, pairs)
+        lib_us = {r["input"]: r["us"] for r in case.results
+                  if r["name"].startswith("libmoejit_") and "us" in r}
+        for r in case.results:
+            if "us" in r:
+                r["pct_ceiling"] = 100 * minimal_bytes(shape) / (r["us"] * 1e-6) / 1e9 / ceiling
+                base = lib_us.get(r["input"])
+                r["vs_libmoejit"] = r["us"] / base if base else None
+        return case.results, paired, paired_raw
+
     # ---- one shape ----------------------------------------------------------------------------
     def run_shape(shape):
         T, K, H = shape["T"], shape["K"], shape["H"]
@@ -545,11 +796,7 @@ def main_gpu(args, shapes):
         gen = torch.Generator(device=device)
         gen.manual_seed(args.seed + T * 1_000_003 + K * 1_009 + H)
 
-        # Magnitudes in [1/16, 2) with random signs: never zero, like moejit-bench.
-        x_tm = torch.rand((R, H), generator=gen, device=device)
-        x_tm.mul_(2 - 1 / 16).add_(1 / 16)
-        x_tm = torch.where(torch.rand((R, H), generator=gen, device=device) < 0.5, -x_tm, x_tm)
-        x_tm = x_tm.to(dt)
+        x_tm = random_rows(R, H, dt, gen)
         u = torch.rand((T, K), generator=gen, device=device) * 0.95 + 0.05
         # A top-k softmax's gates sum to 1; at K = 1 that would make every gate 1, so a top-1
         # router's sigmoid score instead (Llama 4), as moejit-bench does.
@@ -592,50 +839,7 @@ def main_gpu(args, shapes):
             xs = x_tm[t0 * K:t1 * K].double().view(t1 - t0, K, H)
             ref[t0:t1] = (xs * gates_ref[t0 * K:t1 * K].double().view(t1 - t0, K, 1)).sum(dim=1)
             del xs
-        ref_norm = torch.linalg.vector_norm(ref).item()
-        # The bound, as moejit-bench's: from what one rounding of the reference to the output dtype
-        # costs, over the whole output and per token (a few wrong tokens barely move the whole).
-        rounding = ref.to(odt).double() - ref
-        rel_err_bound = error_bound(torch.linalg.vector_norm(rounding).item() / ref_norm)
-        token_norm = torch.linalg.vector_norm(ref, dim=1)
-        token_bound = error_bound(torch.linalg.vector_norm(rounding, dim=1), token_norm)
-        del rounding
-
-        def check(out):
-            """(relative error, NaN or Inf elements, tokens over their own bound)"""
-            nonfinite = int((~torch.isfinite(out)).sum().item())
-            diff = out.double() - ref
-            err = torch.linalg.vector_norm(diff).item() / ref_norm
-            bad = int((~(torch.linalg.vector_norm(diff, dim=1) <= token_bound)).sum().item())
-            return err, nonfinite, bad
-
-        stream = torch.cuda.current_stream(device).cuda_stream
-        reps = args.reps or (200 if minimal_bytes(shape) < 64e6 else 100)
-        results = []
-        timed = {}  # name -> the function measured, for the paired phase
-
-        def measure(name, layout, fn, out_of, config=None, poison=None):
-            """Checked run (poisoned output), then flushed and L2-warm timings, then a re-check."""
-            entry = {"name": name, "input": layout, "config": config}
-            try:
-                if poison is not None:
-                    poison.fill_(float("nan"))
-                fn()
-                torch.cuda.synchronize()
-                err, nonfinite, bad = check(out_of())
-                entry["us"] = bench(fn, reps, args.warmup)
-                entry["parity_split_us"] = last["parity_split_us"]
-                if not args.no_l2_warm:
-                    entry["l2_warm_us"] = bench(fn, reps, args.warmup, warm_l2=True)
-                err_after, nonfinite_after, bad_after = check(out_of())
-                entry.update(rel_err=err, rel_err_after=err_after, rel_err_bound=rel_err_bound,
-                             nonfinite_elements=nonfinite + nonfinite_after,
-                             tokens_over_bound=max(bad, bad_after))
-                timed[name] = fn
-            except Exception as e:  # one failing peer must not hide the others
-                entry["error"] = f"{type(e).__name__}: {e}"
-                torch.cuda.synchronize()
-            results.append(entry)
+        case = Case(ref, odt, default_reps(shape))
 
         # One output buffer for every contender that takes one (libmoejit, the Triton kernels,
         # index_add_): where each wrote its own, two runs of the same kernel into two buffers
@@ -648,7 +852,6 @@ def main_gpu(args, shapes):
 
         # libmoejit, three layouts, on the same tensors.
         if lib is not None:
-            out_lib = out_shared
             layouts = {
                 "token_major": (x_tm, gates, None),
                 "gather_map": (x_sorted, gates, gmap32),
@@ -657,16 +860,7 @@ def main_gpu(args, shapes):
             if dropped:  # a token-major buffer has a row for every slot: no way to mark a drop
                 del layouts["token_major"]
             for layout, (x, g, idx) in layouts.items():
-                a = lib.args(layout, T, K, R, H, x.data_ptr(), shape["in_dtype"], g.data_ptr(),
-                             None if idx is None else idx.data_ptr(), out_lib.data_ptr(),
-                             shape["out_dtype"])
-                ws_bytes = lib.workspace_size(a)
-                ws = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=device)
-                if ws_bytes:
-                    a.workspace, a.workspace_bytes = ws.data_ptr(), ws_bytes
-                measure(f"libmoejit_{layout}", layout,
-                        lambda a=a, ws=ws: lib.combine(a, stream),  # ws kept alive by the lambda
-                        lambda: out_lib, poison=out_lib)
+                measure_libmoejit(case, layout, T, K, R, H, x, g, idx, out_shared, shape)
 
         # torch gather + sum: takes the inverse map, like the gather kernels.
         g_tkh = gates.to(dt).view(T, K, 1)
@@ -683,22 +877,10 @@ def main_gpu(args, shapes):
             def gather_sum():
                 rows = torch.where(gmap64 < 0, R, gmap64)
                 gs_out["out"] = (x_pad[rows].view(T, K, H) * g_tkh).sum(dim=1).to(odt)
-        measure("torch_gather_sum", "gather_map", gather_sum, lambda: gs_out["out"])
+        measure(case, "torch_gather_sum", "gather_map", gather_sum, lambda: gs_out["out"])
 
-        # torch index_add_: the scatter-add formulation, in the output dtype.
-        out_ia = out_shared
-        g_rows = gates_by_row.to(dt)[:, None]
-
-        if not dropped:
-            def index_add():
-                out_ia.zero_()
-                out_ia.index_add_(0, tidx64, (x_sorted * g_rows).to(odt))
-        else:
-            def index_add():  # -1 rows into the spare output row, redirected in every call
-                out_storage.zero_()
-                out_storage.index_add_(0, torch.where(tidx64 < 0, T, tidx64),
-                                       (x_sorted * g_rows).to(odt))
-        measure("torch_index_add", "token_index", index_add, lambda: out_ia, poison=out_ia)
+        measure_index_add(case, out_storage, T, tidx64, x_sorted, gates_by_row.to(dt)[:, None],
+                          odt, dropped)
 
         if triton is not None:
             out_tg = out_shared
@@ -711,71 +893,61 @@ def main_gpu(args, shapes):
                                                    num_warps=nw)
             try:
                 cfg, fn = tune(make_gather, configs(H, args.quick))
-                measure("triton_gather_inv", "gather_map", fn, lambda: out_tg,
+                measure(case, "triton_gather_inv", "gather_map", fn, lambda: out_tg,
                         config=f"BLOCK_H={cfg[0]} num_warps={cfg[1]}", poison=out_tg)
             except Exception as e:
-                results.append({"name": "triton_gather_inv", "input": "gather_map",
-                                "error": f"{type(e).__name__}: {e}"})
+                case.results.append({"name": "triton_gather_inv", "input": "gather_map",
+                                     "error": f"{type(e).__name__}: {e}"})
+            measure_atomic_scatter(case, out_shared, R, H, x_sorted, tidx32, gates_by_row, odt,
+                                   dropped)
 
-            out_ta = out_shared
-            scratch = {}
+        return finish(case, shape, PAIRS, args.seed + T * 1_000_003 + K * 1_009 + H)
 
-            def make_atomic(cfg):
-                bh, nw = cfg
-                grid = (R, triton.cdiv(H, bh))
-                if "fp32" in scratch:  # this Triton lacks atomics in odt: fp32 buffer, then cast
-                    acc = scratch["fp32"]
+    # ---- one skewed routing (--skew) ----------------------------------------------------------
+    def run_skew(shape, spec):
+        """The token-index contenders on moejit-bench --skew's routing `spec` of the shape
+        (skew_routing.py: the same token_idx, row order, drops and gates as moejit-bench for the
+        seed). Returns (the shape as printed, with the routing's name and drops; results; paired;
+        raw series)."""
+        T, K, H = shape["T"], shape["K"], shape["H"]
+        R = T * K
+        dt, odt = torch_dtype[shape["in_dtype"]], torch_dtype[shape["out_dtype"]]
+        token_list, gate_list, dropped = skew_routing.make_routing(
+            T, K, spec, args.seed)
+        tidx32 = torch.tensor(token_list, dtype=torch.int32, device=device)
+        tidx64 = tidx32.long()
+        gates_by_row = torch.tensor(gate_list, dtype=torch.float32, device=device)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(args.seed + T * 1_000_003 + K * 1_009 + H)
+        x_sorted = random_rows(R, H, dt, gen)
+        ref, token_rows = token_index_reference(torch, x_sorted, tidx64, gates_by_row, T)
+        routed = dict(shape, routing=spec.name(R), hot_rows=spec.hot_rows,
+                      drop_percent=spec.drop_percent, dropped_slots=dropped,
+                      max_rows_per_token=int(token_rows.max().item()),
+                      tokens_with_rows=int((token_rows > 0).sum().item()))
+        case = Case(ref, odt, default_reps(routed), token_rows)
 
-                    def fn():
-                        acc.zero_()
-                        atomic_kernel[grid](x_sorted, tidx32, gates_by_row, acc, H,
-                                            BLOCK_H=bh, HAS_DROPS=bool(dropped), num_warps=nw)
-                        out_ta.copy_(acc)
-                    return fn
-
-                def fn():
-                    out_ta.zero_()
-                    atomic_kernel[grid](x_sorted, tidx32, gates_by_row, out_ta, H,
-                                        BLOCK_H=bh, HAS_DROPS=bool(dropped), num_warps=nw)
-                return fn
-            note = ""
-            try:
-                try:
-                    make_atomic((1024, 4))()
-                except Exception as e:
-                    if odt == torch.float32:
-                        raise
-                    scratch["fp32"] = torch.empty((T, H), dtype=torch.float32, device=device)
-                    note = f" (fp32 atomics + cast: {type(e).__name__} on {odt} atomics)"
-                torch.cuda.synchronize()
-                cfg, fn = tune(make_atomic, configs(H, args.quick))
-                measure("triton_atomic_scatter", "token_index", fn, lambda: out_ta,
-                        config=f"BLOCK_H={cfg[0]} num_warps={cfg[1]}{note}", poison=out_ta)
-            except Exception as e:
-                results.append({"name": "triton_atomic_scatter", "input": "token_index",
-                                "error": f"{type(e).__name__}: {e}"})
-
-        paired, paired_raw = ([], None) if args.no_paired else run_pairs(
-            timed, reps, args.seed + T * 1_000_003 + K * 1_009 + H)
-
-        # Ratios against libmoejit taking the same input: gather peers vs its gather_map, scatter
-        # peers (token_idx) vs its token_index.
-        lib_us = {r["input"]: r["us"] for r in results
-                  if r["name"].startswith("libmoejit_") and "us" in r}
-        for r in results:
-            if "us" in r:
-                r["pct_ceiling"] = 100 * minimal_bytes(shape) / (r["us"] * 1e-6) / 1e9 / ceiling
-                base = lib_us.get(r["input"])
-                r["vs_libmoejit"] = r["us"] / base if base else None
-        return results, paired, paired_raw
+        out_storage = torch.empty((T + (1 if dropped else 0), H), dtype=odt, device=device)
+        out_shared = out_storage[:T]
+        if lib is not None:
+            measure_libmoejit(case, "token_index", T, K, R, H, x_sorted, gates_by_row, tidx32,
+                              out_shared, shape)
+        measure_index_add(case, out_storage, T, tidx64, x_sorted, gates_by_row.to(dt)[:, None],
+                          odt, dropped)
+        if triton is not None:
+            measure_atomic_scatter(case, out_shared, R, H, x_sorted, tidx32, gates_by_row, odt,
+                                   dropped)
+        results, paired, raw = finish(case, routed, SKEW_PAIRS,
+                                      args.seed + T * 1_000_003 + K * 1_009 + H)
+        return routed, results, paired, raw
 
     def interleaved(fns, rounds, warmup, rng):
         return time_interleaved(torch, fns, rounds, warmup, rng, flush, lead_cycles)
 
-    def run_pairs(timed, rounds, seed):
-        """PAIRS whose two sides both ran correctly, compared round by round; and the raw
-        series and orders (peers.json keeps them, the record does not)."""
-        pairs = [(a, b) for a, b in PAIRS if a in timed and b in timed]
+    def run_pairs(timed, rounds, seed, wanted=PAIRS):
+        """The pairs of `wanted` whose two sides both ran correctly, compared round by round; and
+        the raw series and orders (peers.json keeps them, the record does not)."""
+        pairs = [(a, b) for a, b in wanted if a in timed and b in timed]
         if not pairs:
             return [], None
         names = sorted({n for pair in pairs for n in pair})
@@ -861,6 +1033,23 @@ def main_gpu(args, shapes):
         report["shapes"].append(dict(shape, minimal_bytes=minimal_bytes(shape), peers=results,
                                      paired=paired, paired_raw=paired_raw))
         torch.cuda.empty_cache()
+    if skew_shapes:
+        report["skew_drop_percent"] = skew_drop
+        report["skew_cases"] = []
+        for shape in skew_shapes:
+            for spec in skew_routing.skew_specs(shape["T"] * shape["K"], skew_drop):
+                routed, results, paired, paired_raw = run_skew(shape, spec)
+                label = (f"{shape['label']}, routing: {routed['routing']}, most rows on a token "
+                         f"{routed['max_rows_per_token']}").lstrip(", ")
+                print_table(dict(routed, label=label), results)
+                print_pairs(paired)
+                sys.stdout.flush()
+                report["skew_cases"].append(dict(routed, minimal_bytes=minimal_bytes(routed),
+                                                 peers=results, paired=paired,
+                                                 paired_raw=paired_raw))
+                torch.cuda.empty_cache()
+        add_uniform_ratios(report["skew_cases"])
+        print_skew_summary(report["skew_cases"])
     if lib is not None:
         report["libmoejit_stats"] = lib.stats()
 
@@ -878,7 +1067,7 @@ def main_gpu(args, shapes):
             json.dump(finite(report), f, indent=2)
             f.write("\n")
         print(f"wrote {args.json}")
-    failed = libmoejit_failures(report["shapes"])
+    failed = libmoejit_failures(report["shapes"] + report.get("skew_cases", []))
     if failed:
         print(f"peers.py: libmoejit failed on {failed}")
         return 3
@@ -902,9 +1091,20 @@ def main():
                    help="skip the paired phase (libmoejit and the peers in interleaved rounds)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seed", type=int, default=20261130)
-    p.add_argument("--drop", type=parse_drop, default=0.0, metavar="P",
+    p.add_argument("--drop", type=parse_drop, default=None, metavar="P",
                    help="drop P%% (0..90) of each shape's routing slots (-1 entries); libmoejit's "
-                        "token_major is left out; no record")
+                        "token_major is left out; no record. With --skew: its second drop rate "
+                        "(default 25)")
+    p.add_argument("--skew", action="store_true",
+                   help="moejit-bench --skew's routings (the same ones for a seed) with the "
+                        "token_idx peers: libmoejit token_index, index_add_, Triton atomic scatter")
+    p.add_argument("--skew-case", action="append", type=parse_case, default=[],
+                   help="T,K,H,dtype[,out_dtype]: a shape for --skew (repeatable; implies --skew; "
+                        "default T4096 K8 H7168 bf16 and T8192 K2 H4096 bf16)")
+    p.add_argument("--awkward-h", action="store_true",
+                   help="H 1000, 1001, 2880, 5000, 7000, 7169 at T6000 K8 in fp32, fp16, bf16")
+    p.add_argument("--all", action="store_true",
+                   help="with --case, --skew or --awkward-h: also the built-in shapes")
     p.add_argument("--check-binding", action="store_true",
                    help="only load the library and check the ctypes structs (no torch, no GPU)")
     args = p.parse_args()
@@ -915,23 +1115,36 @@ def main():
             p.error("--check-binding needs --lib or MOEJIT_LIBRARY")
         check_binding(path)
         return 0
-    if args.case:
-        shapes = args.case
-    elif args.cases_from:
-        shapes = shapes_from_bench(args.cases_from)
-        if not shapes:
-            shapes = builtin_shapes(args.quick, not args.no_extra)
-    else:
-        shapes = builtin_shapes(args.quick, not args.no_extra)
+    shapes, skew_shapes = choose_shapes(args)
     if args.max_tokens < 0:
         p.error("--max-tokens: expected a positive number of tokens (0: every shape)")
     shapes = select_shapes(shapes, args.max_tokens)
-    if not shapes:
+    if not shapes and not skew_shapes:
         p.error(f"--max-tokens {args.max_tokens}: no shape has that few tokens")
     if args.quick and not args.reps:
         args.reps = 50
+    skew_drop = skew_routing.DEFAULT_SECOND_DROP if args.drop is None else args.drop
+    args.drop = args.drop or 0.0
     shapes = with_drops(shapes, args.drop)
-    return main_gpu(args, shapes)
+    return main_gpu(args, shapes, skew_shapes, skew_drop)
+
+
+def choose_shapes(args):
+    """(the shapes, the --skew shapes): --case, --cases-from, --awkward-h and --skew choose what
+    runs (the built-in shapes too with --all); without any of them, the built-in shapes."""
+    shapes = list(args.case)
+    if args.cases_from:
+        shapes += shapes_from_bench(args.cases_from)
+    if args.awkward_h:
+        shapes += awkward_h_shapes()
+    skew = bool(args.skew or args.skew_case)
+    chosen = bool(args.case or args.cases_from or args.awkward_h or skew)
+    if not shapes and args.cases_from and not (args.awkward_h or skew):
+        chosen = False  # a bench JSON without cases (a --jit-only run): the built-in shapes
+    if not chosen or args.all:
+        shapes += builtin_shapes(args.quick, not args.no_extra)
+    skew_shapes = (args.skew_case or default_skew_shapes(args.quick)) if skew else []
+    return shapes, skew_shapes
 
 
 if __name__ == "__main__":

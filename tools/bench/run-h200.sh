@@ -14,17 +14,8 @@ status=0
 note() { printf '\n### %s\n' "$*"; }
 step_failed() { echo "run-h200.sh: $1 failed with status $2 (log: $3)"; [ "$status" -ne 0 ] || status=$2; }
 
-configure=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DMOEJIT_BUILD_TESTS=OFF)
-# The H200 has xxHash's runtime but not xxhash.h: the lead carries the header in .deps/include.
-[ -d .deps/include ] && configure+=("-DXXHASH_INCLUDE_DIR=$PWD/.deps/include")
-
 note "build ($(nproc) cores) -> $out/build.log"
-if ! { cmake -B build-gpu "${configure[@]}" && cmake --build build-gpu --target moejit moejit-bench; } \
-    >"$out/build.log" 2>&1; then
-  tail -n 40 "$out/build.log"
-  echo "run-h200.sh: build failed (log: $out/build.log)"
-  exit 1
-fi
+tools/bench/build-gpu.sh "$out/build.log" || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw \
   --format=csv >"$out/gpu-state.csv" 2>&1 || true
 
