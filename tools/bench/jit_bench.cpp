@@ -64,10 +64,10 @@ std::vector<moejit::KernelSpec> cold_specs() {
                              MOEJIT_INDEX_INT32, 7168, 8, 256),
       mixtral_list,
       deepseek_single,
-      deepseek_single.with_small_scan(),
+      moejit::single_launch_for_rows(deepseek_single, 1),
       moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
                              MOEJIT_INDEX_INT32, 128, 2, 256),
-      mixtral_list.helpers_spec(),
+      moejit::list_helpers_spec(mixtral_list.index_bytes),
       moejit::one_token_index_spec(deepseek_decode_list),
   };
 }
@@ -277,12 +277,12 @@ void measure_cold_compiles(const moejit::Target& target, JitFigures* figures) {
       const auto start = Clock::now();
       if (together) {
         auto helpers = std::async(std::launch::async,
-                                  [&] { return store.obtain(list_spec.helpers_spec(), target); });
+                                  [&] { return store.obtain(moejit::list_helpers_spec(list_spec.index_bytes), target); });
         store.obtain(list_spec, target);
         helpers.get();
       } else {
         store.obtain(list_spec, target);
-        store.obtain(list_spec.helpers_spec(), target);
+        store.obtain(moejit::list_helpers_spec(list_spec.index_bytes), target);
       }
       (together ? concurrent : serial).push_back(ms_since(start));
     }
