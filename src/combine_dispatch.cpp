@@ -391,7 +391,7 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
   c.hidden = hidden;
   c.vec = choose_vec(in_dtype, out_dtype, hidden, alignment_bytes, hidden, alignment_bytes, hidden);
   c.top_k = rows_per_token;
-  const int64_t k = rows_per_token;
+  const int64_t k = std::max(rows_per_token, 0);  // 0: token-index calls without rows
   std::vector<KernelSpec> specs;
   auto add = [&](const KernelSpec& s) {
     if (std::find(specs.begin(), specs.end(), s) == specs.end()) specs.push_back(s);
@@ -418,9 +418,9 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
   std::vector<Range> ranges{{prefill_first, prefill}, {1, 1}, {2, kDecodeMaxTokens}};
   if (mid_last > kDecodeMaxTokens) ranges.push_back({kDecodeMaxTokens + 1, mid_last});
   for (const Range& r : ranges) {
-    take(r.last, r.last * k);                     // the most rows
-    take(r.first, r.first * (k - 1) + 1);         // the fewest
-    if (layout != MOEJIT_LAYOUT_TOKEN_INDEX || r.first == r.last) continue;
+    take(r.last, r.last * k);                                    // the most rows
+    take(r.first, k > 0 ? r.first * (k - 1) + 1 : 0);            // the fewest
+    if (layout != MOEJIT_LAYOUT_TOKEN_INDEX || r.first == r.last || k == 0) continue;
     const KernelSpec single =
         single_launch_spec(spec_for_shape(layout, in_dtype, out_dtype, index_type, hidden,
                                           rows_per_token, alignment_bytes, r.first),

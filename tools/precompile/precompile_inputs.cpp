@@ -374,7 +374,8 @@ void parse_manifest(const std::string& text, const std::string& path,
       if (!kv.emplace(word.substr(0, eq), word.substr(eq + 1)).second)
         throw InputError(where + ": key " + word.substr(0, eq) + " appears twice");
     }
-    if (kv.count("kind") || kv.count("H") || kv.count("tpt") || kv.count("vec") || kv.count("in")) {
+    if (kv.count("kind") || kv.count("H") || kv.count("tpt") || kv.count("vec") || kv.count("in") ||
+        kv.count("helpers")) {
       add_unique(exact_spec(kv, where), specs);
       continue;
     }
