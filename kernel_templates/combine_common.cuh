@@ -330,7 +330,7 @@ __device__ __forceinline__ void prefetch_l2_line(const void* first, long long by
 
 // Rows in flight per thread: enough independent 16-byte loads to cover memory latency without
 // spilling the loaded vectors.
-enum { kBatch = 8 };  // an enum, not a variable: see kScanBatch (combine_token_index.cuh)
+enum { kBatch = 8 };  // an enum, not a variable: see kScanBatch (token_index_rows.cuh)
 // Fixed layouts with kBatch < TOP_K <= kWideBatch, and the token index holding that many rows
 // (one slot per thread): every row in one batch, one round trip (combine_fixed.cuh,
 // combine_one_token.cuh); the fixed layouts under a launch bound of half the blocks.
@@ -389,8 +389,8 @@ __device__ __forceinline__ void add_row(const CombineParams& p, long long r, flo
 
 
 // Whether gather-map entry e names one of `rows` rows (negative entries do not, by the unsigned
-// compare). An int32 map is checked in 32 bits (num_rows < 2^31 for this layout; the 64-bit compare
-// cost 1-2%).
+// compare). An int32 map is checked in 32 bits (num_rows < 2^31 for this layout; a 64-bit
+// compare costs instructions in every thread).
 template <typename IdxT>
 __device__ __forceinline__ bool names_row(IdxT e, long long rows) {
   if constexpr (sizeof(IdxT) == 4)

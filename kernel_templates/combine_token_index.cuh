@@ -78,40 +78,32 @@ __device__ __forceinline__ void add_listed_token_rows(const CombineParams& p,
   }
 }
 
-// Combines token tok from the ordered scans' list (one token per block; ascending, in shared
-// memory): held in rounds of HELD entries, each round the held batch path, until the token's
-// count. The list is a window of LIST_CAP entries, listed again past its end: the small-call form
-// from the start (it scans in its first round: one copy of the scan in the module), the slab form
-// only past its first LIST_CAP rows (relist_slab_window).
+// The small-call form's rows of token tok (one token per block): its ascending list in shared
+// memory, held in rounds of HELD entries, each round the held batch path, until the token's count.
+// The list is a window of LIST_CAP entries, scanned for again past its end (the scan sits in the
+// rounds: one copy of it in the module).
 template <int IN_DT, typename IdxT, int HIDDEN, int VEC, int HELD, int TPT, int UPT, int LIST_CAP,
-          bool SMALL, typename S>
-__device__ __forceinline__ void add_ordered_token_rows(const CombineParams& p,
-                                                       const IdxT* __restrict__ indices,
-                                                       const S* __restrict__ expert, long long tok,
-                                                       int first_slot, int* list, int count,
-                                                       float (&sum)[UPT][VEC]) {
+          typename S>
+__device__ __forceinline__ void add_small_call_token_rows(const CombineParams& p,
+                                                          const S* __restrict__ expert,
+                                                          long long tok, int first_slot,
+                                                          float (&sum)[UPT][VEC]) {
   constexpr int kScanWindow = LIST_CAP / HELD * HELD;
   constexpr int kBatchRows = HeldBatch<HELD, UPT>::value;
   Pack<S, VEC> v[kBatchRows][UPT];  // the batch's rows in flight
   bool present[kBatchRows];
+  int count = HELD;
+  int* list = nullptr;
   int held_from = 0;    // list position of this round's first held row
   int window_from = 0;  // list position of `list`'s first entry
   do {
     int row[HELD];
     bool mapped[HELD];
     float gate[HELD];
-    if constexpr (SMALL) {
-      if (held_from == 0 || held_from - window_from == kScanWindow) {  // uniform
-        window_from = held_from;
-        __syncwarp();  // every lane has read the last window
-        count = scan_token_rows_ordered<IdxT, TPT, LIST_CAP, true>(p, tok, list, window_from);
-      }
-    } else {
-      if (held_from - window_from == kScanWindow) {  // uniform: past the list (rare)
-        window_from = held_from;
-        relist_slab_window<IdxT, TPT, LIST_CAP>(indices, static_cast<int>(p.num_rows), tok,
-                                                window_from, count, list);
-      }
+    if (held_from == 0 || held_from - window_from == kScanWindow) {  // uniform
+      window_from = held_from;
+      __syncwarp();  // every lane has read the last window
+      count = scan_token_rows_small<IdxT, TPT, LIST_CAP>(p, tok, list, window_from);
     }
     load_list_entries(list + (held_from - window_from), row);  // shared memory
     held_gates(p, count, held_from, row, gate);
@@ -153,23 +145,22 @@ __global__ void __launch_bounds__(TPT* TPB, 0) combine_lists(const CombineParams
 
 // ---- small calls: one launch ------------------------------------------------------------------
 // For calls with few rows, the list path's two extra launches (clear, assign) cost more than the
-// work: here every block scans all of token_idx for its own tokens' rows (FORM: kScanShared,
-// kScanOrdered, kScanSmall; combine_params.h), then combines them exactly as the list path does
-// (same ascending order, same slow paths: bitwise the same result). The grid is x by y.
+// work: here every block scans all of token_idx for its own tokens' rows, then combines them
+// exactly as the list path does (same ascending order, same slow paths: bitwise the same result).
+// SMALL: the small-call form (one token per block in whole warps, calls of at most TPT rows),
+// whose warps each read all of token_idx and list the rows in order. The grid is x by y.
 // The small-call form promises four blocks per SM (up to 128 registers): without it ptxas gave its
 // windowed scan loop too few registers and loaded a row's second slot only after adding its first
 // (two round trips per row). With it the loads are back to back at every small-form geometry and
 // nothing spills; its grids are small anyway.
 template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int HELD, int TPT, int TPB,
-          int UPT, int LIST_CAP, int FORM>
-__global__ void __launch_bounds__(TPT* TPB, FORM == kScanSmall ? 4 : 0)
-    combine_scan(const CombineParams p) {
+          int UPT, int LIST_CAP, bool SMALL>
+__global__ void __launch_bounds__(TPT* TPB, SMALL ? 4 : 0) combine_scan(const CombineParams p) {
   static_assert(LIST_CAP >= HELD && HELD >= 1, "a list, at least HELD long");
-  static_assert(FORM == kScanShared || (TPB == 1 && TPT % 32 == 0),
-                "the ordered scans are one token per block, in whole warps");
+  static_assert(!SMALL || (TPB == 1 && TPT % 32 == 0),
+                "the small-call form is one token per block, in whole warps");
   typedef typename detail::Elem<IN_DT>::storage S;
   typedef typename detail::Elem<OUT_DT>::storage OutS;
-  const IdxT* __restrict__ indices = static_cast<const IdxT*>(p.indices);
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
   const int sub = static_cast<int>(threadIdx.x) / TPT;
   const int lane = static_cast<int>(threadIdx.x) % TPT;
@@ -179,11 +170,16 @@ __global__ void __launch_bounds__(TPT* TPB, FORM == kScanSmall ? 4 : 0)
   const int first_slot = chunk * (TPT * UPT) + lane;
   // A dependent launch waits before any memory access (only hints before it).
   if (p.dependent_launch != 0) {
-    detail::prefetch_scan_routing<IdxT, TPT, TPB, FORM != kScanShared>(p);
+    detail::prefetch_scan_routing<IdxT, TPT, TPB, SMALL>(p);
     detail::wait_for_predecessor();
   }
   float sum[UPT][VEC];
-  if constexpr (FORM == kScanShared) {
+  if constexpr (SMALL) {
+    if (tok >= p.num_tokens) return;  // the whole block (one token); no barrier below
+    detail::clear_sums(sum);
+    detail::add_small_call_token_rows<IN_DT, IdxT, HIDDEN, VEC, HELD, TPT, UPT, LIST_CAP>(
+        p, expert, tok, first_slot, sum);
+  } else {
     __shared__ int s_count[TPB];
     __shared__ int s_rows[TPB][LIST_CAP];
     detail::scan_token_rows<IdxT, TPT * TPB, TPB, LIST_CAP>(p, group * TPB, s_count, s_rows);
@@ -191,21 +187,10 @@ __global__ void __launch_bounds__(TPT* TPB, FORM == kScanSmall ? 4 : 0)
     detail::clear_sums(sum);
     detail::add_listed_token_rows<IN_DT, IdxT, HIDDEN, VEC, HELD, TPT, UPT, LIST_CAP, false, true>(
         p, expert, tok, first_slot, s_rows[sub], s_count[sub], sum);
-  } else {
-    int count = HELD;
-    int* list = nullptr;
-    if constexpr (FORM == kScanOrdered)
-      count = detail::scan_token_rows_ordered<IdxT, TPT, LIST_CAP, false>(p, tok, list);
-    if (tok >= p.num_tokens) return;  // after the scan's barriers; none below
-    detail::clear_sums(sum);
-    detail::add_ordered_token_rows<IN_DT, IdxT, HIDDEN, VEC, HELD, TPT, UPT, LIST_CAP,
-                                   FORM == kScanSmall>(p, indices, expert, tok, first_slot, list,
-                                                       count, sum);
   }
   detail::store_row_slots<OUT_DT, VEC, HIDDEN, UPT, TPT>(
       static_cast<OutS*>(p.out) + tok * p.out_stride, first_slot, sum, p);
 }
-
 
 // ---- token-index layout: building the per-token row lists ------------------------------------
 // Two small steps before the combine: per-token lists of row ids in arrival order. The combine

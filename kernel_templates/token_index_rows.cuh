@@ -1,7 +1,8 @@
-// The token index's ways to find a token's rows: the single launch's scans of token_idx (shared
-// lists, ordered warp slabs, the small-call form), and the paths for a token with more rows than
-// it holds in registers (a skewed routing): its list added in order, and walks of token_idx past
-// its list. Used by combine_token_index.cuh; template parameters: see combine_common.cuh.
+// The token index's ways to find a token's rows: the single launch's scans of token_idx (lists in
+// shared memory, the small-call form's ordered warp lists), and the paths for a token with more
+// rows than it holds in registers (a skewed routing): its list added in order, and walks of
+// token_idx past its list. Used by combine_token_index.cuh; template parameters: see
+// combine_common.cuh.
 #ifndef MOEJIT_TOKEN_INDEX_ROWS_CUH_
 #define MOEJIT_TOKEN_INDEX_ROWS_CUH_
 
@@ -13,8 +14,8 @@ namespace detail {
 // More rows for one token than its list holds (a skewed routing): walk token_idx in row order
 // and add this token's rows, in the same ascending order as the listed path. Slow but bounded,
 // and bitwise identical to what a longer list would give. Token groups narrower than a warp (short
-// rows); whole warps walk 32 entries per step (add_rows_by_warp_walk), and the ordered scan lists
-// later windows instead (relist_slab_window).
+// rows); whole warps walk 32 entries per step (add_rows_by_warp_walk), and the small-call scan
+// lists later windows instead.
 template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT, typename IdxT>
 __device__ __forceinline__ void add_rows_by_walk(const CombineParams& p, long long tok,
                                                  int first_slot, float (&sum)[UPT][VEC]) {
@@ -98,7 +99,7 @@ __device__ __forceinline__ void add_listed_rows_in_order(const CombineParams& p,
 // kScanBatch independent loads in flight, so the scan costs rows / (BLOCK * kScanBatch) round
 // trips. Lists come out in atomic arrival order, like the workspace lists of the list path: the
 // combine sorts them. Rows past LIST_CAP are not listed but counted (the combine then walks
-// token_idx). Blocks of one token take scan_token_rows_ordered below (no atomics, no sort).
+// token_idx). Calls of at most a block's rows in one-token blocks take scan_token_rows_small.
 //
 // kScanBatch is an enum, not a constexpr variable: once no plain __global__ function was left in
 // the module, NVRTC emitted such variables as device symbols whose names carry a per-compile hash,
@@ -139,11 +140,11 @@ __device__ __forceinline__ unsigned lanes_below() {
   return below;
 }
 
-// One step of a warp's ordered list (scan_token_rows_ordered, relist_slab_window): the lanes
-// where `match` holds append their row r, in lane order, to a shared-memory list at shared
-// address `list`: the warp's earlier matches number `listed`, and the list starts at its match
-// number `skip` (both warp-uniform). Matches before or past the list are counted, not stored.
-// Returns how many lanes matched.
+// One step of a warp's ordered list (scan_token_rows_small): the lanes where `match` holds append
+// their row r, in lane order, to a shared-memory list at shared address `list`: the warp's
+// earlier matches number `listed`, and the list starts at its match number `skip` (both
+// warp-uniform). Matches before or past the list are counted, not stored. Returns how many lanes
+// matched.
 template <int LIST_CAP>
 __device__ __forceinline__ int list_matches(bool match, int r, int listed, int skip, unsigned below,
                                             unsigned list) {
@@ -155,88 +156,19 @@ __device__ __forceinline__ int list_matches(bool match, int r, int listed, int s
   return __popc(m);
 }
 
-// The OR of v over the warp (every lane active).
-__device__ __forceinline__ unsigned warp_or(unsigned v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  unsigned r;
-  asm("redux.sync.or.b32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
-  return r;
-#else
-#pragma unroll
-  for (int lanes = 16; lanes > 0; lanes /= 2) v |= __shfl_xor_sync(0xffffffffu, v, lanes);
-  return v;
-#endif
-}
-
-// The slab form's count of the block's token's rows in each warp's slab, from its first scan
-// (scan_token_rows_ordered), kept for later windows (relist_slab_window): one array per kernel.
-template <int WARPS>
-__device__ __forceinline__ int* slab_counts() {
-  __shared__ int s_found[WARPS];
-  return s_found;
-}
-
-// The slab form past its list (a token with more than LIST_CAP rows: four times the average):
-// lists the token's rows at positions [from, from + LIST_CAP) of its ascending list into `list`,
-// the block's merged list, which the held rounds then add like the first window. Each warp scans
-// its slab again; its rows follow those of the warps before it (slab_counts), so every match is
-// written straight to its position: no per-warp list, no merge. One load per 32 entries per step,
-// a warp's scan ending once past the window (a walk of token_idx costs one dependent load per
-// entry in every thread). Not inlined: inlined, it changed how ptxas scheduled the first scan's
-// batch (one load of eight after the compares: a second round trip per batch in every call).
-// Every thread of the block calls it (barriers).
+// Token index, single launch, the small-call form (one token per block in whole warps, calls with
+// at most BLOCK rows): the same search without atomics, a sort or a block barrier. Every warp
+// reads all of token_idx, 32 entries per load instruction; each match learns its rank among the
+// warp's matches from a ballot and writes its row id there, so the warp's list is in ascending
+// row order: the order the combine sums in. At decode the kernel is bound by one warp's
+// instruction chain, which this keeps short. The list is a window of LIST_CAP entries starting at
+// list position `from`; a token with more rows (a skewed routing) has the combine scan again for
+// each later window. A window, not a list for every row of the call: a block's larger shared
+// memory made a dependent launch after a producer that uses none start late.
+// Returns the token's row count; `list` then holds the window's rows.
 template <typename IdxT, int BLOCK, int LIST_CAP>
-__device__ __noinline__ void relist_slab_window(const IdxT* __restrict__ token_idx, int rows,
-                                                long long tok, int from, int count, int* list) {
-  enum { kWarps = BLOCK / 32 };
-  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const unsigned below = lanes_below();
-  const unsigned list_at = static_cast<unsigned>(__cvta_generic_to_shared(list));
-  const IdxT want = static_cast<IdxT>(tok);  // nameable: the token has rows
-  int at = -from;    // the window position of this warp's next row (negative: before the window)
-  int mine = count;  // this warp's rows
-  if constexpr (kWarps > 1) {
-    const int* found = slab_counts<kWarps>();
-#pragma unroll 1
-    for (int w = 0; w < warp; ++w) at += found[w];
-    mine = found[warp];
-  }
-  // The first scan's slabs (scan_token_rows_ordered).
-  const int slab = (rows + 32 * kWarps - 1) / (32 * kWarps) * 32;
-  const int begin = warp * slab, end = min(begin + slab, rows);
-  __syncthreads();      // every thread has read the previous window
-  if (at + mine > 0) {  // warp-uniform: some of this warp's rows are in or past the window
-#pragma unroll 1
-    for (int base = begin; base < end && at < LIST_CAP; base += 32) {
-      const int r = base + lane;
-      const bool match = r < end && __ldg(token_idx + r) == want;
-      at += list_matches<LIST_CAP>(match, r, at, 0, below, list_at);
-    }
-  }
-  __syncthreads();
-}
-
-// Token index, single launch, one token per block (whole warps: every decode-sized and wide-row
-// call): the same scan without atomics or a sort. A warp reads 32 entries of token_idx per load
-// instruction; each match learns its rank among the warp's matches from a ballot and writes its
-// row id there, so a warp's list is in ascending row order: the order the combine sums in. At
-// decode the kernel is bound by one warp's instruction chain, which this keeps short.
-// Two forms, each its own module (kTokenIndexSmallScan / kTokenIndexOrderedScan; the host picks by
-// the call's rows):
-//  - SMALL (calls with at most BLOCK rows): every warp reads all of token_idx, one load per 32
-//    entries, and keeps its own list: no block barrier, no merge, no unused loads of a full batch,
-//    and no walk of token_idx for long lists. The list is a window of LIST_CAP entries starting at
-//    list position `from`; a token with more rows (a skewed routing) has the combine scan again
-//    for each later window. A window, not a list for every row of the call: a block's larger
-//    shared memory made a dependent launch after a producer that uses none start late.
-//  - Otherwise warp w reads its own contiguous slab (kScanBatch loads in flight) and the warps'
-//    lists, one after another, are the token's rows in ascending order (merged in shared memory).
-// Returns the token's row count; `list` then holds its rows (in the slab form the first LIST_CAP
-// of them; more are counted, and the combine lists them a window at a time, relist_slab_window).
-// The host scans only calls with R <= 24 * BLOCK entries, so row ids fit an int.
-template <typename IdxT, int BLOCK, int LIST_CAP, bool SMALL>
-__device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, long long tok,
-                                                       int*& list, int from = 0) {
+__device__ __forceinline__ int scan_token_rows_small(const CombineParams& p, long long tok,
+                                                     int*& list, int from) {
   static_assert(BLOCK % 32 == 0, "whole warps");
   enum { kWarps = BLOCK / 32 };
   __shared__ __align__(16) int s_rows[kWarps][LIST_CAP];
@@ -246,7 +178,7 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
   // A token id no IdxT can hold (past 2^31 with int32 indices) has no rows.
   const IdxT want = static_cast<IdxT>(tok);
   const bool nameable = static_cast<long long>(want) == tok;
-  const int rows = static_cast<int>(p.num_rows);  // SMALL: <= BLOCK (the host)
+  const int rows = static_cast<int>(p.num_rows);  // <= BLOCK (the host)
   // The list's shared-memory address, once: a generic pointer here made the compiler rebuild the
   // address (CTA id included) for every store.
   const unsigned warp_rows = static_cast<unsigned>(__cvta_generic_to_shared(s_rows[warp]));
@@ -256,86 +188,22 @@ __device__ __forceinline__ int scan_token_rows_ordered(const CombineParams& p, l
   auto append = [&](bool match, int r) {
     found += list_matches<LIST_CAP>(match, r, found, from, below, warp_rows);
   };
-  if constexpr (SMALL) {
-    IdxT t[kWarps];
+  IdxT t[kWarps];
 #pragma unroll
-    for (int i = 0; i < kWarps; ++i) {
-      const int r = i * 32 + lane;
-      t[i] = r < rows ? __ldg(token_idx + r) : IdxT(-1);
-    }
-#pragma unroll
-    for (int i = 0; i < kWarps; ++i) append(nameable && t[i] == want, i * 32 + lane);
-    __syncwarp();
-    list = s_rows[warp];
-    return found;
-  } else {
-    // This warp's slab: whole 32-entry groups of token_idx (coalesced, aligned loads).
-    const int slab = (rows + 32 * kWarps - 1) / (32 * kWarps) * 32;
-    const int begin = warp * slab, end = min(begin + slab, rows);
-#pragma unroll 1
-    for (int base = begin; base < end; base += 32 * kScanBatch) {
-      IdxT t[kScanBatch];
-#pragma unroll
-      for (int i = 0; i < kScanBatch; ++i) {
-        const int r = base + i * 32 + lane;
-        t[i] = r < end ? __ldg(token_idx + r) : IdxT(-1);
-      }
-      // Bit i: this lane's entry i names the token. Only the batch's entries that some lane
-      // matched are appended, in ascending order: most batches of a mid-size call hold none of
-      // the token's rows, and one unrolled append per entry was most of the slab loop's code.
-      unsigned mine = 0;
-#pragma unroll
-      for (int i = 0; i < kScanBatch; ++i)
-        mine |= static_cast<unsigned>(nameable && t[i] == want) << i;
-#pragma unroll 1  // usually no iteration, or one: one copy of the append
-      for (unsigned any = warp_or(mine); any != 0; any &= any - 1) {
-        const int i = __ffs(static_cast<int>(any)) - 1;
-        append(((mine >> i) & 1u) != 0, base + i * 32 + lane);
-      }
-    }
-    if constexpr (kWarps == 1) {
-      __syncwarp();
-      list = s_rows[0];
-      return found;
-    } else {
-      int* s_found = slab_counts<kWarps>();
-      __shared__ __align__(16) int s_list[LIST_CAP];
-      if (lane == 0) s_found[warp] = found;
-      __syncthreads();
-      int start[kWarps], total = 0;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        start[w] = total;
-        total += s_found[w];
-      }
-      // One list for the combine (the held rows are read from it as vectors): the token's first
-      // LIST_CAP rows, all of which some warp listed. A list longer than the block (LIST_CAP 128
-      // in 64-thread blocks: more than 16 rows per token on average, rows of 33-64 vectors) takes
-      // a thread two entries.
-#pragma unroll
-      for (int i = 0; i < (LIST_CAP + BLOCK - 1) / BLOCK; ++i) {
-        const int k = static_cast<int>(threadIdx.x) + i * BLOCK;
-        if (k < total && k < LIST_CAP) {
-          int in_warp = 0, at = k;  // entry `at` of warp `in_warp`'s list
-#pragma unroll
-          for (int w = 1; w < kWarps; ++w)
-            if (k >= start[w]) {
-              in_warp = w;
-              at = k - start[w];
-            }
-          s_list[k] = s_rows[in_warp][at];
-        }
-      }
-      __syncthreads();
-      list = s_list;
-      return total;
-    }
+  for (int i = 0; i < kWarps; ++i) {
+    const int r = i * 32 + lane;
+    t[i] = r < rows ? __ldg(token_idx + r) : IdxT(-1);
   }
+#pragma unroll
+  for (int i = 0; i < kWarps; ++i) append(nameable && t[i] == want, i * 32 + lane);
+  __syncwarp();
+  list = s_rows[warp];
+  return found;
 }
 
-// N consecutive entries of an ordered scan's list (shared memory, 16-byte aligned) from `at`, a
-// multiple of N entries: as whole vectors. The compiler issued them so by itself only while the
-// list's start was fixed; the slab form's later windows (relist_slab_window) move it.
+// N consecutive entries of the small-call scan's list (shared memory, 16-byte aligned) from `at`,
+// a multiple of N entries: as whole vectors (later windows move the list's start, and the compiler
+// vectorizes only a fixed one).
 template <int N>
 __device__ __forceinline__ void load_list_entries(const int* at, int (&row)[N]) {
   constexpr int kPerLoad = N < 4 ? N : 4;
@@ -352,17 +220,16 @@ __device__ __forceinline__ void load_list_entries(const int* at, int (&row)[N]) 
 }
 
 // The single launch's routing prefetch before a dependent launch's wait (prefetch_slot_routing for
-// the fixed layouts), from the first block only (every block reads the same entries): the ordered
-// scans (one token per block) all of token_idx, one line per thread (24 * BLOCK entries at most,
-// so every line of an int32 index); the shared-list scan the block's first batch. The gates are
-// read by row, known only after the scan.
-template <typename IdxT, int TPT, int TPB, bool ORDERED>
+// the fixed layouts), from the first block only (every block reads the same entries): the
+// small-call form all of token_idx (at most a block's entries, one line per thread); the
+// shared-list scan the block's first batch. The gates are read by row, known only after the scan.
+template <typename IdxT, int TPT, int TPB, bool SMALL>
 __device__ __forceinline__ void prefetch_scan_routing(const CombineParams& p) {
   const IdxT* routing = static_cast<const IdxT*>(p.indices);
   const long long rows = p.num_rows;
   if (blockIdx.x != 0 || blockIdx.y != 0 || rows <= 0) return;
   const long long batch = static_cast<long long>(kScanBatch) * TPT * TPB;
-  const long long entries = ORDERED || rows < batch ? rows : batch;
+  const long long entries = SMALL || rows < batch ? rows : batch;
   prefetch_l2_line(routing, entries * static_cast<long long>(sizeof(IdxT)),
                    static_cast<int>(threadIdx.x));
 }

@@ -10,12 +10,10 @@
 //                                         not a dependent launch            (staged in shared memory: late as a dependent)
 //                kGatherMap               every other call                  one map load, then the rows
 //   token_index  kTokenIndexOneToken      T = 1, R <= 64                    rows load with token_idx: one round trip
-//                kTokenIndexSmallScan     single launch pays, ordered,      every warp reads all of token_idx: no slabs, no
-//                                         R <= the block's threads          merge, no walk, a smaller module
-//                kTokenIndexOrderedScan   single launch pays, one token     warps list rows in order: no atomics, no sort
-//                                         per block in whole warps
-//                kTokenIndexScan          single launch pays, several       one launch where the lists need three
-//                                         tokens per block (short rows)
+//                kTokenIndexSmallScan     single launch pays, one token     every warp reads all of token_idx and
+//                                         per block in whole warps,         lists rows in order: no atomics, no
+//                                         R <= the block's threads          sort, no barrier, a smaller module
+//                kTokenIndexScan          single launch pays (other calls)  one launch where the lists need three
 //                kTokenIndexLists         every other call                  list helpers (clear, assign), then the combine:
 //                                                                           token_idx read once, not once per block
 //   The single launch pays while each of its threads reads at most kScanMaxRowsPerThread entries of
@@ -236,13 +234,9 @@ void finish_spec(KernelSpec* s) {
 std::string check_spec(const KernelSpec& s) {
   if (s.kind == KernelKind::kTokenIndexListHelpers) return "";
   const bool ordered = s.tpb == 1 && s.tpt % 32 == 0;
-  if ((s.kind == KernelKind::kTokenIndexOrderedScan || s.kind == KernelKind::kTokenIndexSmallScan) &&
-      !ordered)
+  if (s.kind == KernelKind::kTokenIndexSmallScan && !ordered)
     return "tpb = " + std::to_string(s.tpb) + ", tpt = " + std::to_string(s.tpt) + ": kind " +
            kind_name(s.kind) + " is one token per block in whole warps (tpb=1, tpt a multiple of 32)";
-  if (s.kind == KernelKind::kTokenIndexScan && ordered)
-    return "tpb = 1, tpt = " + std::to_string(s.tpt) +
-           ": one token per block in whole warps is kind token_index_ordered_scan";
   if (s.kind == KernelKind::kTokenIndexScan &&
       static_cast<int64_t>(s.tpb) * s.list_cap * static_cast<int64_t>(sizeof(int)) > kScanListBytes)
     return "tpb = " + std::to_string(s.tpb) + " with cap = " + std::to_string(s.list_cap) +
@@ -292,18 +286,18 @@ KernelSpec single_launch_spec(const KernelSpec& list_spec, int64_t num_tokens) {
   KernelSpec s = list_spec;
   choose_geometry(&s, Path::kSingle, num_tokens);
   if (s.tpb > 1) s.held = std::min(s.held, kHeldInSharedBlocks);
-  // One token per block in whole warps lists rows in order (no atomics, no sort).
-  s.kind = s.tpb == 1 && s.tpt % 32 == 0 ? KernelKind::kTokenIndexOrderedScan
-                                         : KernelKind::kTokenIndexScan;
+  s.kind = KernelKind::kTokenIndexScan;
   finish_spec(&s);
   return s;
 }
 
 KernelSpec single_launch_for_rows(const KernelSpec& single, int64_t num_rows) {
-  if (single.kind != KernelKind::kTokenIndexOrderedScan || num_rows > single.block_threads())
-    return single;
-  // Its list is a window of the token's rows, listed again past its end: twice the expected
+  // One token per block in whole warps: each warp can read all of token_idx and list the token's
+  // rows in order. Its list is a window of them, listed again past its end: twice the expected
   // count, at least 8 (shared memory slows a dependent launch after a producer that uses none).
+  if (single.kind != KernelKind::kTokenIndexScan || single.tpb != 1 || single.tpt % 32 != 0 ||
+      num_rows > single.block_threads())
+    return single;
   KernelSpec s = single;
   s.kind = KernelKind::kTokenIndexSmallScan;
   s.list_cap = s.held <= 4 ? 8 : s.list_cap / 2;

@@ -66,10 +66,11 @@ KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dt
                           size_t alignment_bytes, int64_t num_tokens = kAnyTokens);
 
 // The token index's single launch for calls of num_tokens tokens whose list-path spec is
-// `list_spec`: kTokenIndexScan or kTokenIndexOrderedScan in its own geometry.
+// `list_spec`: kTokenIndexScan in its own geometry.
 KernelSpec single_launch_spec(const KernelSpec& list_spec, int64_t num_tokens);
 // The single launch a call with num_rows rows takes: `single`, or its small-call form
-// (kTokenIndexSmallScan) where `single` is ordered and the rows fit one block's threads.
+// (kTokenIndexSmallScan) where `single` has one token per block in whole warps and the rows fit
+// its threads.
 KernelSpec single_launch_for_rows(const KernelSpec& single, int64_t num_rows);
 // The gather map's one-token module for a one-token call whose decode spec is `decode`.
 KernelSpec one_token_map_spec(const KernelSpec& decode);

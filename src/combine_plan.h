@@ -30,10 +30,9 @@ struct CombinePlan {
   unsigned int combine_grid_y = 0;
   unsigned int clear_blocks = 0;  // token-index list helpers (0 for other layouts)
   unsigned int assign_blocks = 0;
-  // The token index's single launch (any of its three forms).
+  // The token index's single launch (either form).
   bool token_scan() const {
     return spec.kind == KernelKind::kTokenIndexScan ||
-           spec.kind == KernelKind::kTokenIndexOrderedScan ||
            spec.kind == KernelKind::kTokenIndexSmallScan;
   }
   // A one-token kernel (token index or gather map).

@@ -63,8 +63,6 @@ constexpr KindInfo kKinds[kKernelKinds] = {
      "combine_token_index.cuh"},
     {KernelKind::kTokenIndexScan, "token_index_scan", MOEJIT_LAYOUT_TOKEN_INDEX, "combine_scan",
      "combine_token_index.cuh"},
-    {KernelKind::kTokenIndexOrderedScan, "token_index_ordered_scan", MOEJIT_LAYOUT_TOKEN_INDEX,
-     "combine_scan", "combine_token_index.cuh"},
     {KernelKind::kTokenIndexSmallScan, "token_index_small_scan", MOEJIT_LAYOUT_TOKEN_INDEX,
      "combine_scan", "combine_token_index.cuh"},
     {KernelKind::kTokenIndexOneToken, "token_index_one_token", MOEJIT_LAYOUT_TOKEN_INDEX,
@@ -80,13 +78,6 @@ const KindInfo& info(KernelKind kind) {
 
 const char* index_name(int index_bytes) {
   return index_bytes == 8 ? "int64" : "int32";
-}
-
-// The scan form code of combine_scan (combine_params.h) for a scan kind.
-int scan_form(KernelKind kind) {
-  return kind == KernelKind::kTokenIndexSmallScan     ? kScanSmall
-         : kind == KernelKind::kTokenIndexOrderedScan ? kScanOrdered
-                                                      : kScanShared;
 }
 
 }  // namespace
@@ -130,9 +121,8 @@ std::vector<std::string> KernelSpec::name_expressions() const {
   if (kind == KernelKind::kTokenMajor || kind == KernelKind::kGatherMap ||
       kind == KernelKind::kTokenIndexLists)
     e << ", " << static_cast<int>(grid) << ", " << (cached_rows ? "true" : "false");
-  if (kind == KernelKind::kTokenIndexScan || kind == KernelKind::kTokenIndexOrderedScan ||
-      kind == KernelKind::kTokenIndexSmallScan)
-    e << ", " << scan_form(kind);
+  if (kind == KernelKind::kTokenIndexScan || kind == KernelKind::kTokenIndexSmallScan)
+    e << ", " << (kind == KernelKind::kTokenIndexSmallScan ? "true" : "false");
   e << ">";
   return {e.str()};
 }

@@ -20,13 +20,12 @@ enum class KernelKind : int {
   kGatherMap,              // combine_fixed: the map names each (token, slot)'s row
   kGatherMapOneToken,      // combine_one_token_map: one token, rows loaded with the map
   kTokenIndexLists,        // combine_lists, after the list helpers built per-token lists
-  kTokenIndexScan,         // combine_scan, several tokens per block: shared lists, sorted
-  kTokenIndexOrderedScan,  // combine_scan, one token per block: ordered warp slabs, merged
+  kTokenIndexScan,         // combine_scan: each block lists its tokens' rows in shared memory
   kTokenIndexSmallScan,    // combine_scan, calls of at most a block of rows: each warp scans all
   kTokenIndexOneToken,     // combine_one_token: one token, rows loaded with token_idx
   kTokenIndexListHelpers,  // token_index_clear + token_index_assign (launched before the lists)
 };
-constexpr int kKernelKinds = 9;
+constexpr int kKernelKinds = 8;
 
 // "token_major", "gather_map", "gather_map_one_token", "token_index_lists", ...: the kind's name
 // in describe() and the manifest.

@@ -72,8 +72,8 @@ std::vector<Case> matrix() {
             const KernelSpec single_decode = single_launch_spec(d, 1);
             cases.push_back({single_decode, archs[(n + 2) % 3]});
             // Its small-call form, where it lists rows in order (one token per block).
-            if (single_decode.kind == KernelKind::kTokenIndexOrderedScan)
-              cases.push_back({single_launch_for_rows(single_decode, 1), archs[(n + 1) % 3]});
+            const KernelSpec small_decode = single_launch_for_rows(single_decode, 1);
+            if (small_decode != single_decode) cases.push_back({small_decode, archs[(n + 1) % 3]});
             // And the one-token kernel in its own geometry (8-byte vectors with one or two rows
             // where a row fills 128 threads).
             cases.push_back({one_token_index_spec(d), archs[n % 3]});
@@ -107,8 +107,8 @@ std::vector<Case> matrix() {
         cases.push_back({s, archs[m++ % 3]});
         const KernelSpec single = single_launch_spec(s, tokens);
         cases.push_back({single, archs[m++ % 3]});
-        if (single.kind == KernelKind::kTokenIndexOrderedScan)
-          cases.push_back({single_launch_for_rows(single, 1), archs[m++ % 3]});
+        const KernelSpec small = single_launch_for_rows(single, 1);
+        if (small != single) cases.push_back({small, archs[m++ % 3]});
       }
     }
   // The token index's list helpers (one module per index type), for every arch.
@@ -394,7 +394,7 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
   };
   const KernelSpec decode_index = shape(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, 1);
   const KernelSpec single = single_launch_spec(decode_index, 1);
-  ASSERT_EQ(single.kind, KernelKind::kTokenIndexOrderedScan);
+  ASSERT_EQ(single_launch_for_rows(single, 1).kind, KernelKind::kTokenIndexSmallScan);
   KernelSpec decode_one = decode_index;  // the one-token kernel in the decode geometry
   decode_one.kind = KernelKind::kTokenIndexOneToken;
   decode_one.list_cap = 0;
@@ -406,7 +406,7 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
       shape(MOEJIT_LAYOUT_GATHER_MAP, 7168, 8, 1),           // decode geometry
       shape(MOEJIT_LAYOUT_GATHER_MAP, 4096, 2, kAnyTokens),  // prefill geometry
       shape(MOEJIT_LAYOUT_TOKEN_MAJOR, 7168, 8, 1),
-      single,                    // the slab form
+      single,                    // one token per block, lists in shared memory
       single_launch_for_rows(single, 1),  // the small-call form
       decode_one,
       one_token_index_spec(shape(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 2, 1)),  // 8-byte vectors

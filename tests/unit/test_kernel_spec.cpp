@@ -15,9 +15,10 @@ namespace moejit {
 namespace {
 
 // What a spec's kind says, in the words the tests use.
+// A single launch with one token per block in whole warps: the geometry that has a small-call form.
 bool ordered_scan(const KernelSpec& s) {
-  return s.kind == KernelKind::kTokenIndexOrderedScan ||
-         s.kind == KernelKind::kTokenIndexSmallScan;
+  return (s.kind == KernelKind::kTokenIndexScan || s.kind == KernelKind::kTokenIndexSmallScan) &&
+         s.tpb == 1 && s.tpt % 32 == 0;
 }
 bool small_scan(const KernelSpec& s) {
   return s.kind == KernelKind::kTokenIndexSmallScan;
@@ -165,7 +166,7 @@ TEST(KernelSpec, DecodeSizedCallsKeepTheBandwidthBlocksAndMidSizeCallsSpreadATok
   EXPECT_EQ(one_token_index_spec(ti_fp32).tpt, 64);  // in 16-byte vectors, the decode geometry
   EXPECT_EQ(single_launch_spec(ti, 3).name_expressions(),
             std::vector<std::string>{
-                "&moejit::combine_scan<2, 2, int, 7168, 8, 8, 128, 1, 1, 32, 1>"});
+                "&moejit::combine_scan<2, 2, int, 7168, 8, 8, 128, 1, 1, 32, false>"});
   // Rows narrower than 128 threads: the decode geometry as before.
   const KernelSpec ti_narrow =
       spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
@@ -322,9 +323,9 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_NE(scan, s);
   EXPECT_NE(scan.hash(), s.hash());
   expect_module(scan,
-                "kind=token_index_ordered_scan in=fp16 out=fp32 idx=int64 H=2048 vec=4 held=8 "
-                "tpt=128 tpb=1 upt=1 cap=32",
-                "&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 128, 1, 1, 32, 1>");
+                "kind=token_index_scan in=fp16 out=fp32 idx=int64 H=2048 vec=4 held=8 tpt=128 "
+                "tpb=1 upt=1 cap=32",
+                "&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 128, 1, 1, 32, false>");
   // Its small-call form (every warp reads all of token_idx; calls with at most 128 rows): a
   // module, spec and cache entry of its own, with half the list (it scans again past a window).
   ASSERT_TRUE(ordered_scan(scan));
@@ -334,7 +335,7 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   expect_module(small,
                 "kind=token_index_small_scan in=fp16 out=fp32 idx=int64 H=2048 vec=4 held=8 "
                 "tpt=128 tpb=1 upt=1 cap=16",
-                "&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 128, 1, 1, 16, 2>");
+                "&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 128, 1, 1, 16, true>");
   EXPECT_EQ(single_launch_for_rows(scan, 1), small);
   EXPECT_EQ(single_launch_for_rows(scan, 128), small);
   EXPECT_EQ(single_launch_for_rows(scan, 129), scan);
@@ -373,7 +374,7 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_EQ(tiny.name_expressions().size(), 1u);
   EXPECT_EQ(
       single_launch_spec(tiny, kAnyTokens).name_expressions(),
-      std::vector<std::string>{"&moejit::combine_scan<0, 0, int, 8, 4, 2, 4, 128, 1, 16, 0>"});
+      std::vector<std::string>{"&moejit::combine_scan<0, 0, int, 8, 4, 2, 4, 128, 1, 16, false>"});
   // Several tokens per block: not an ordered scan, so no small-call form.
   EXPECT_FALSE(ordered_scan(single_launch_spec(tiny, 64)));
   EXPECT_EQ(single_launch_for_rows(single_launch_spec(tiny, 64), 2), single_launch_spec(tiny, 64));
@@ -423,10 +424,10 @@ CombinePlan plan_token_index(int64_t hidden, int64_t tokens, int64_t rows, moeji
   return plan_combine(&a);
 }
 
-// The shapes of the GPU test CombineGpu.SlabScanListsAHotTokensRows take the single launch's slab
-// form (one token per block, more rows than the block has threads), with the list capacities that
-// test puts its hot token's row counts around.
-TEST(KernelSpec, SlabListTestShapesTakeTheSlabForm) {
+// The shapes of the GPU test CombineGpu.SlabScanListsAHotTokensRows take the single launch with
+// one token per block and more rows than the block has threads (its shared list, not the
+// small-call form), with the list capacities that test puts its hot token's row counts around.
+TEST(KernelSpec, SlabListTestShapesTakeTheOneTokenBlockScan) {
   struct Shape {
     int64_t hidden, tokens, top_k;
     int tpt, list_cap;
