@@ -104,7 +104,7 @@ struct alignas(sizeof(S) * N) Pack {
 //  - streaming (the default): the non-coherent path without allocating in L1;
 //  - CACHED: a plain ld.global, which allocates in L1: faster for whole 128-thread groups reading
 //    rows whose chunks are all full, slower elsewhere (the host decides: cached_rows in
-//    src/combine_dispatch.cpp; docs/performance.md#geometry). Of the flavours tried, only L1
+//    src/combine_dispatch.cpp; docs/performance.md#geometry-within-a-variant). Of the flavours tried, only L1
 //    allocation changes the speed.
 // One predicated instruction and no branch: with each row load of a batch in its own `if`, the
 // register allocator gave them one shared destination plus copies, and every load then waited for
@@ -510,7 +510,7 @@ __device__ __forceinline__ void add_held_rows(const CombineParams& p, const S* _
     // that starts at +0.0 never becomes -0.0. Where the branches pay: with most slots dropped the
     // gather map is bound by instruction issue and skipping saves issue slots, but the branches'
     // predicates outlive the loads and take registers, which at five or more rows cost more than
-    // they saved (docs/performance.md#geometry). The token index's single launch lost with
+    // they saved (docs/performance.md#geometry-within-a-variant). The token index's single launch lost with
     // branch-free adds (the compiler reused load registers and interleaved loads with adds).
     constexpr bool kBranchFreeAdds = LAYOUT != kLayoutTokenIndex && (UPT > 1 || BATCH_ROWS > 4);
 #pragma unroll

@@ -51,7 +51,7 @@ __device__ __forceinline__ void read_slot_routing(const CombineParams& p,
 // about 110 registers: four blocks, the same bytes in flight per SM. The gather map with four slots
 // per thread promises ten (it keeps 48 registers, no spill, loads back to back). Two slots per
 // thread already had their loads back to back; token-major with four slots spilled under a
-// promise, and smaller blocks keep ptxas's choice. Measured: docs/performance.md#geometry.
+// promise, and smaller blocks keep ptxas's choice. Measured: docs/performance.md#geometry-within-a-variant.
 template <int LAYOUT, int TOP_K, int TPT, int TPB, int UPT>
 struct FixedMinBlocks {
   enum {

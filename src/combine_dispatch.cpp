@@ -105,7 +105,7 @@ int held_rows(int64_t rows_per_token) {
 enum class Path { kFixed, kLists, kSingle };
 
 // Thread geometry (tpt, tpb, upt) for a spec whose shape and vector are set. The rules and why:
-// the table above; the figures: docs/performance.md#geometry.
+// the table above; the figures: docs/performance.md#geometry-within-a-variant.
 void choose_geometry(KernelSpec* s, Path path, int64_t num_tokens) {
   const int slots = s->slots();
   const bool ti = path != Path::kFixed, single = path == Path::kSingle;
