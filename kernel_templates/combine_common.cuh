@@ -104,8 +104,8 @@ struct alignas(sizeof(S) * N) Pack {
 //  - streaming (the default): the non-coherent path without allocating in L1;
 //  - CACHED: a plain ld.global, which allocates in L1: faster for whole 128-thread groups reading
 //    rows whose chunks are all full, slower elsewhere (the host decides: cached_rows in
-//    src/combine_dispatch.cpp; docs/performance.md#geometry-within-a-variant). Of the flavours tried, only L1
-//    allocation changes the speed.
+//    src/combine_dispatch.cpp; docs/performance.md#geometry-within-a-variant). Of the flavours
+//    tried, only L1 allocation changes the speed.
 // One predicated instruction and no branch: with each row load of a batch in its own `if`, the
 // register allocator gave them one shared destination plus copies, and every load then waited for
 // the one before it. With the destination an in-out operand, each load keeps its own registers
@@ -387,7 +387,6 @@ __device__ __forceinline__ void add_row(const CombineParams& p, long long r, flo
   add_row_slots<IN_DT, VEC, UPT>(w, v, sum);
 }
 
-
 // Whether gather-map entry e names one of `rows` rows (negative entries do not, by the unsigned
 // compare). An int32 map is checked in 32 bits (num_rows < 2^31 for this layout; a 64-bit
 // compare costs instructions in every thread).
@@ -398,7 +397,6 @@ __device__ __forceinline__ bool names_row(IdxT e, long long rows) {
   else
     return static_cast<unsigned long long>(e) < static_cast<unsigned long long>(rows);
 }
-
 
 // Sorts a few row ids ascending in registers (odd-even transposition: compile-time indices only,
 // so the array never leaves registers). The token-index lists arrive in atomic arrival order;
@@ -414,7 +412,6 @@ __device__ __forceinline__ void sort_rows(int (&r)[N]) {
       r[i + 1] = hi;
     }
 }
-
 
 // A dependent launch's routing prefetch (prefetch_l2), issued before the wait: what each kernel
 // reads first that the previous kernel is unlikely to have written. In an engine the routing (the
@@ -440,14 +437,24 @@ __device__ __forceinline__ void prefetch_slot_routing(const CombineParams& p, lo
   }
 }
 
-// This block's work item: its token group and its chunk of the row, from the grid the host
+// This thread's work item: its token (the block's token group and the thread's group in it), the
+// chunk of the row the block covers and the thread's lane in the group, from the grid the host
 // launched (GRID, combine_params.h). kGridFlatOrTokensByChunks reads which from gridDim.y, a
 // uniform branch, so that one module serves both grids; the host asks for it only where a row has
 // several chunks (with one the grids are the same blocks).
-template <int GRID, int HIDDEN, int VEC, int TPT, int UPT>
-__device__ __forceinline__ void work_item(long long& group, int& chunk) {
+struct WorkItem {
+  long long tok;
+  int chunk, lane;
+  int first_slot;  // the thread's first vector slot of the row: chunk * TPT * UPT + lane
+};
+template <int GRID, int HIDDEN, int VEC, int TPT, int TPB, int UPT>
+__device__ __forceinline__ WorkItem work_item() {
   constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;
   constexpr unsigned kChunks = (kSlots + TPT * UPT - 1) / (TPT * UPT);
+  const int sub = static_cast<int>(threadIdx.x) / TPT;
+  const int lane = static_cast<int>(threadIdx.x) % TPT;
+  long long group;
+  int chunk;
   if constexpr (GRID == kGridTokensByChunks) {
     group = blockIdx.x;
     chunk = static_cast<int>(blockIdx.y);
@@ -460,6 +467,7 @@ __device__ __forceinline__ void work_item(long long& group, int& chunk) {
       chunk = static_cast<int>(blockIdx.x % kChunks);
     }
   }
+  return WorkItem{group * TPB + sub, chunk, lane, chunk * (TPT * UPT) + lane};
 }
 
 // Adds a token's HELD rows, their routing already in registers, a batch of BATCH_ROWS at a time:
@@ -469,12 +477,10 @@ __device__ __forceinline__ void work_item(long long& group, int& chunk) {
 template <int LAYOUT, int IN_DT, int HIDDEN, int VEC, int TOP_K, int TPT, int UPT, int HELD,
           int BATCH_ROWS, bool CACHED, typename S>
 __device__ __forceinline__ void add_held_rows(const CombineParams& p, const S* __restrict__ expert,
-                                              long long tok, int first_slot,
-                                              const int (&row)[HELD], const bool (&mapped)[HELD],
-                                              const float (&gate)[HELD],
+                                              long long tok, int first_slot, const int (&row)[HELD],
+                                              const bool (&mapped)[HELD], const float (&gate)[HELD],
                                               Pack<S, VEC> (&v)[BATCH_ROWS][UPT],
-                                              bool (&present)[BATCH_ROWS],
-                                              float (&sum)[UPT][VEC]) {
+                                              bool (&present)[BATCH_ROWS], float (&sum)[UPT][VEC]) {
 #pragma unroll
   for (int b = 0; b < HELD; b += BATCH_ROWS) {
 #pragma unroll
@@ -510,8 +516,9 @@ __device__ __forceinline__ void add_held_rows(const CombineParams& p, const S* _
     // that starts at +0.0 never becomes -0.0. Where the branches pay: with most slots dropped the
     // gather map is bound by instruction issue and skipping saves issue slots, but the branches'
     // predicates outlive the loads and take registers, which at five or more rows cost more than
-    // they saved (docs/performance.md#geometry-within-a-variant). The token index's single launch lost with
-    // branch-free adds (the compiler reused load registers and interleaved loads with adds).
+    // they saved (docs/performance.md#geometry-within-a-variant). The token index's single launch
+    // lost with branch-free adds (the compiler reused load registers and interleaved loads with
+    // adds).
     constexpr bool kBranchFreeAdds = LAYOUT != kLayoutTokenIndex && (UPT > 1 || BATCH_ROWS > 4);
 #pragma unroll
     for (int i = 0; i < BATCH_ROWS; ++i) {

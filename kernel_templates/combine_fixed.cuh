@@ -51,12 +51,13 @@ __device__ __forceinline__ void read_slot_routing(const CombineParams& p,
 // about 110 registers: four blocks, the same bytes in flight per SM. The gather map with four slots
 // per thread promises ten (it keeps 48 registers, no spill, loads back to back). Two slots per
 // thread already had their loads back to back; token-major with four slots spilled under a
-// promise, and smaller blocks keep ptxas's choice. Measured: docs/performance.md#geometry-within-a-variant.
+// promise, and smaller blocks keep ptxas's choice. Measured:
+// docs/performance.md#geometry-within-a-variant.
 template <int LAYOUT, int TOP_K, int TPT, int TPB, int UPT>
 struct FixedMinBlocks {
   enum {
     value = TPT * TPB < 128 ? 0
-            : UPT == 1 ? (detail::WideBatch<TOP_K, UPT>::value ? 512 : 1024) / (TPT * TPB)
+            : UPT == 1      ? (detail::WideBatch<TOP_K, UPT>::value ? 512 : 1024) / (TPT * TPB)
             : UPT == 4 && LAYOUT == kLayoutGatherMap ? 1280 / (TPT * TPB)
                                                      : 0
   };
@@ -81,17 +82,13 @@ __global__ void __launch_bounds__(TPT* TPB, (FixedMinBlocks<LAYOUT, TOP_K, TPT, 
   constexpr int kHeld = TOP_K < kRowsPerBatch ? TOP_K : kRowsPerBatch;
   const IdxT* __restrict__ indices = static_cast<const IdxT*>(p.indices);
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
-  const int sub = static_cast<int>(threadIdx.x) / TPT;
-  const int lane = static_cast<int>(threadIdx.x) % TPT;
-  long long group;
-  int chunk;
-  detail::work_item<GRID, HIDDEN, VEC, TPT, UPT>(group, chunk);
-  const long long tok = group * TPB + sub;
-  const int first_slot = chunk * (TPT * UPT) + lane;
+  const detail::WorkItem item = detail::work_item<GRID, HIDDEN, VEC, TPT, TPB, UPT>();
+  const long long tok = item.tok;
+  const int first_slot = item.first_slot;
   // A dependent launch waits before any memory access (only hints before it): the routing, the
   // rows and (accumulating) out may be the previous kernel's output, and out may be its input.
   if (p.dependent_launch != 0) {
-    detail::prefetch_slot_routing<LAYOUT, IdxT, TOP_K>(p, tok, chunk, lane);
+    detail::prefetch_slot_routing<LAYOUT, IdxT, TOP_K>(p, tok, item.chunk, item.lane);
     detail::wait_for_predecessor();
   }
   if (tok >= p.num_tokens) return;  // no barrier below: idle token groups may leave

@@ -26,8 +26,8 @@ __global__ void __launch_bounds__(TPT* TPB) combine_one_token(const CombineParam
   typedef typename detail::Elem<OUT_DT>::storage OutS;
   // Up to kBatch rows per batch; with 12 or 16 rows per token held, all of them.
   constexpr int kMostPerBatch = detail::WideBatch<HELD, UPT>::value ? detail::kWideBatch
-                                : detail::kBatch / UPT > 0           ? detail::kBatch / UPT
-                                                                     : 1;
+                                : detail::kBatch / UPT > 0          ? detail::kBatch / UPT
+                                                                    : 1;
   constexpr int kRowsPerBatch = HELD < kMostPerBatch ? HELD : kMostPerBatch;
   const int sub = static_cast<int>(threadIdx.x) / TPT;
   const int lane = static_cast<int>(threadIdx.x) % TPT;

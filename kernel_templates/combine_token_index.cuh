@@ -18,7 +18,9 @@ namespace detail {
 template <int HELD, int UPT>
 struct HeldBatch {
   enum {
-    rows_per_batch = WideBatch<HELD, UPT>::value ? HELD : kBatch / UPT > 0 ? kBatch / UPT : 1,
+    rows_per_batch = WideBatch<HELD, UPT>::value ? HELD
+                     : kBatch / UPT > 0          ? kBatch / UPT
+                                                 : 1,
     value = rows_per_batch < HELD ? rows_per_batch : HELD
   };
 };
@@ -124,13 +126,9 @@ __global__ void __launch_bounds__(TPT* TPB, 0) combine_lists(const CombineParams
   typedef typename detail::Elem<IN_DT>::storage S;
   typedef typename detail::Elem<OUT_DT>::storage OutS;
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
-  const int sub = static_cast<int>(threadIdx.x) / TPT;
-  const int lane = static_cast<int>(threadIdx.x) % TPT;
-  long long group;
-  int chunk;
-  detail::work_item<GRID, HIDDEN, VEC, TPT, UPT>(group, chunk);
-  const long long tok = group * TPB + sub;
-  const int first_slot = chunk * (TPT * UPT) + lane;
+  const detail::WorkItem item = detail::work_item<GRID, HIDDEN, VEC, TPT, TPB, UPT>();
+  const long long tok = item.tok;
+  const int first_slot = item.first_slot;
   detail::wait_for_predecessor();   // token_index_assign's lists
   if (tok >= p.num_tokens) return;  // no barrier below: idle token groups may leave
   const int count = __ldg(p.token_counts + tok);
@@ -163,11 +161,10 @@ __global__ void __launch_bounds__(TPT* TPB, SMALL ? 4 : 0) combine_scan(const Co
   typedef typename detail::Elem<OUT_DT>::storage OutS;
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
   const int sub = static_cast<int>(threadIdx.x) / TPT;
-  const int lane = static_cast<int>(threadIdx.x) % TPT;
-  const long long group = blockIdx.x;
-  const int chunk = static_cast<int>(blockIdx.y);
-  const long long tok = group * TPB + sub;
-  const int first_slot = chunk * (TPT * UPT) + lane;
+  const detail::WorkItem item =
+      detail::work_item<kGridTokensByChunks, HIDDEN, VEC, TPT, TPB, UPT>();
+  const long long tok = item.tok;
+  const int first_slot = item.first_slot;
   // A dependent launch waits before any memory access (only hints before it).
   if (p.dependent_launch != 0) {
     detail::prefetch_scan_routing<IdxT, TPT, TPB, SMALL>(p);
@@ -182,7 +179,8 @@ __global__ void __launch_bounds__(TPT* TPB, SMALL ? 4 : 0) combine_scan(const Co
   } else {
     __shared__ int s_count[TPB];
     __shared__ int s_rows[TPB][LIST_CAP];
-    detail::scan_token_rows<IdxT, TPT * TPB, TPB, LIST_CAP>(p, group * TPB, s_count, s_rows);
+    const long long first_tok = tok - sub;  // the block's first token
+    detail::scan_token_rows<IdxT, TPT * TPB, TPB, LIST_CAP>(p, first_tok, s_count, s_rows);
     if (tok >= p.num_tokens) return;  // after the scan's barriers; none below
     detail::clear_sums(sum);
     detail::add_listed_token_rows<IN_DT, IdxT, HIDDEN, VEC, HELD, TPT, UPT, LIST_CAP, false, true>(
@@ -233,7 +231,6 @@ __global__ void token_index_assign(const CombineParams p) {
       p.token_rows[t * p.list_capacity + arrival] = static_cast<int>(r);
   }
 }
-
 
 }  // namespace moejit
 

@@ -209,7 +209,7 @@ void check_buffers(const moejit_combine_args& a, size_t workspace_bytes) {
 
   if (a.layout != MOEJIT_LAYOUT_TOKEN_INDEX) return;
   const size_t needed = workspace_bytes;
-if (a.workspace == nullptr || a.workspace_bytes < needed)
+  if (a.workspace == nullptr || a.workspace_bytes < needed)
     throw Error(MOEJIT_ERROR_WORKSPACE_TOO_SMALL,
                 "args->workspace = " + hex(a.workspace) +
                     " with workspace_bytes = " + std::to_string(a.workspace_bytes) +

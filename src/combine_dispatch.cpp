@@ -2,20 +2,26 @@
 // choose_kernel() below is the only place either is decided. The measured gain of each variant
 // and geometry rule, with the GPU: docs/performance.md#kernel-variants.
 //
-// Variants (T tokens, R rows, K slots per token; rows per token = R / T rounded up):
+// Variants (T tokens, R rows, K slots per token; rows per token = R / T rounded up), and why:
 //
-//   layout       variant                  chosen for                        why
-//   token_major  kTokenMajor              every call                        a token's rows are t*K..: nothing to find
-//   gather_map   kGatherMapOneToken       T = 1, R <= K, K * upt <= 8,      rows load with the map: one round trip
-//                                         not a dependent launch            (staged in shared memory: late as a dependent)
-//                kGatherMap               every other call                  one map load, then the rows
-//   token_index  kTokenIndexOneToken      T = 1, R <= 64                    rows load with token_idx: one round trip
-//                kTokenIndexSmallScan     single launch pays, one token     every warp reads all of token_idx and
-//                                         per block in whole warps,         lists rows in order: no atomics, no
-//                                         R <= the block's threads          sort, no barrier, a smaller module
-//                kTokenIndexScan          single launch pays (other calls)  one launch where the lists need three
-//                kTokenIndexLists         every other call                  list helpers (clear, assign), then the combine:
-//                                                                           token_idx read once, not once per block
+//   token_major  kTokenMajor           every call
+//                                      a token's rows are t*K..: nothing to find
+//   gather_map   kGatherMapOneToken    T = 1, R <= K, K * upt <= 8, not a dependent launch
+//                                      rows load with the map: one round trip, not two (they
+//                                      are staged in shared memory: late as a dependent)
+//                kGatherMap            every other call
+//                                      one map load, then the rows
+//   token_index  kTokenIndexOneToken   T = 1, R <= 64
+//                                      rows load with token_idx: one round trip, nothing to find
+//                kTokenIndexSmallScan  the single launch pays; one token per block in whole
+//                                      warps; R <= the block's threads
+//                                      every warp reads all of token_idx and lists the rows in
+//                                      order: no atomics, sort or barrier; a smaller module
+//                kTokenIndexScan       the single launch pays (other calls)
+//                                      one launch where the lists need three
+//                kTokenIndexLists      every other call
+//                                      list helpers (clear, assign), then the combine: token_idx
+//                                      is read once, not once per block
 //   The single launch pays while each of its threads reads at most kScanMaxRowsPerThread entries of
 //   token_idx and all its blocks together at most kScanMaxBytes (re-read from L2).
 //
@@ -43,8 +49,8 @@
 #include <climits>
 #include <string>
 
-#include "error.h"
 #include "combine_plan.h"
+#include "error.h"
 
 #include "../kernel_templates/combine_params.h"
 #include "combine_args.h"
@@ -189,12 +195,10 @@ KernelSpec make_spec(moejit_layout layout, moejit_dtype in_dtype, moejit_dtype o
 bool single_launch_pays(const KernelSpec& single, int64_t num_tokens, int64_t num_rows) {
   const double blocks =
       static_cast<double>((num_tokens + single.tpb - 1) / single.tpb) * single.chunks();
-  const int64_t rows_per_thread =
-      (num_rows + single.block_threads() - 1) / single.block_threads();
+  const int64_t rows_per_thread = (num_rows + single.block_threads() - 1) / single.block_threads();
   return rows_per_thread <= kScanMaxRowsPerThread &&
          blocks * static_cast<double>(num_rows) * single.index_bytes <= kScanMaxBytes;
 }
-
 
 }  // namespace
 
@@ -236,7 +240,8 @@ std::string check_spec(const KernelSpec& s) {
   const bool ordered = s.tpb == 1 && s.tpt % 32 == 0;
   if (s.kind == KernelKind::kTokenIndexSmallScan && !ordered)
     return "tpb = " + std::to_string(s.tpb) + ", tpt = " + std::to_string(s.tpt) + ": kind " +
-           kind_name(s.kind) + " is one token per block in whole warps (tpb=1, tpt a multiple of 32)";
+           kind_name(s.kind) +
+           " is one token per block in whole warps (tpb=1, tpt a multiple of 32)";
   if (s.kind == KernelKind::kTokenIndexScan &&
       static_cast<int64_t>(s.tpb) * s.list_cap * static_cast<int64_t>(sizeof(int)) > kScanListBytes)
     return "tpb = " + std::to_string(s.tpb) + " with cap = " + std::to_string(s.list_cap) +
@@ -355,10 +360,9 @@ KernelSpec choose_kernel(const CallShape& c) {
   const bool token_index = c.layout == MOEJIT_LAYOUT_TOKEN_INDEX;
   const int64_t rows_per_token =
       token_index ? (c.num_rows + c.num_tokens - 1) / c.num_tokens : c.top_k;
-  const KernelSpec base =
-      make_spec(c.layout, c.in_dtype, c.out_dtype, c.index_type, c.hidden,
-                static_cast<int>(std::min<int64_t>(rows_per_token, MOEJIT_MAX_TOP_K)), c.vec,
-                c.num_tokens);
+  const KernelSpec base = make_spec(
+      c.layout, c.in_dtype, c.out_dtype, c.index_type, c.hidden,
+      static_cast<int>(std::min<int64_t>(rows_per_token, MOEJIT_MAX_TOP_K)), c.vec, c.num_tokens);
   if (token_index) {
     if (c.num_tokens == 1 && c.num_rows <= kOneTokenMaxRows) return one_token_index_spec(base);
     const KernelSpec single = single_launch_spec(base, c.num_tokens);
@@ -412,8 +416,8 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
   std::vector<Range> ranges{{prefill_first, prefill}, {1, 1}, {2, kDecodeMaxTokens}};
   if (mid_last > kDecodeMaxTokens) ranges.push_back({kDecodeMaxTokens + 1, mid_last});
   for (const Range& r : ranges) {
-    take(r.last, r.last * k);                                    // the most rows
-    take(r.first, k > 0 ? r.first * (k - 1) + 1 : 0);            // the fewest
+    take(r.last, r.last * k);                          // the most rows
+    take(r.first, k > 0 ? r.first * (k - 1) + 1 : 0);  // the fewest
     if (layout != MOEJIT_LAYOUT_TOKEN_INDEX || r.first == r.last || k == 0) continue;
     const KernelSpec single =
         single_launch_spec(spec_for_shape(layout, in_dtype, out_dtype, index_type, hidden,
@@ -428,8 +432,9 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
 
 size_t combine_workspace_bytes(const moejit_combine_args* args) {
   const moejit_combine_args a = validated_shape(args);
-  return a.layout == MOEJIT_LAYOUT_TOKEN_INDEX ? token_index_workspace_bytes(a.num_tokens, a.num_rows)
-                                               : 0;
+  return a.layout == MOEJIT_LAYOUT_TOKEN_INDEX
+             ? token_index_workspace_bytes(a.num_tokens, a.num_rows)
+             : 0;
 }
 
 CombinePlan plan_combine(const moejit_combine_args* args) {
@@ -468,7 +473,7 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   p.scale = a.scale;
   p.accumulate = a.accumulate;
   p.dependent_launch = a.dependent_launch;  // the first kernel prefetches and waits only then
-  p.list_capacity = s.list_cap;              // of the module chosen (0: no list)
+  p.list_capacity = s.list_cap;             // of the module chosen (0: no list)
   if (token_index) {
     char* ws = static_cast<char*>(a.workspace);
     p.token_counts = reinterpret_cast<int*>(ws);
@@ -494,9 +499,8 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   // The gather map takes x by y up to mid-size calls: the blocks running together read
   // different tokens' rows at the same offset.
   const bool flat =
-      s.grid == Grid::kFlat ||
-      (s.grid == Grid::kFlatOrTokensByChunks &&
-       a.num_tokens * static_cast<int64_t>(s.slots()) > kMidSlotsMax);
+      s.grid == Grid::kFlat || (s.grid == Grid::kFlatOrTokensByChunks &&
+                                a.num_tokens * static_cast<int64_t>(s.slots()) > kMidSlotsMax);
   if (flat) {
     const int64_t blocks = groups * s.chunks();
     if (blocks > INT32_MAX)

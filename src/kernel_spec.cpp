@@ -96,7 +96,8 @@ int kind_layout(KernelKind kind) {
 }
 
 bool holds_rows(KernelKind kind) {
-  return kind_layout(kind) == MOEJIT_LAYOUT_TOKEN_INDEX && kind != KernelKind::kTokenIndexListHelpers;
+  return kind_layout(kind) == MOEJIT_LAYOUT_TOKEN_INDEX &&
+         kind != KernelKind::kTokenIndexListHelpers;
 }
 
 bool keeps_lists(KernelKind kind) {
@@ -280,8 +281,8 @@ KernelSpec parse_kernel_spec(const std::map<std::string, std::string>& fields) {
 bool KernelSpec::operator==(const KernelSpec& o) const {
   return kind == o.kind && in_dtype == o.in_dtype && out_dtype == o.out_dtype &&
          index_bytes == o.index_bytes && hidden == o.hidden && vec == o.vec && top_k == o.top_k &&
-         held == o.held && tpt == o.tpt && tpb == o.tpb && upt == o.upt &&
-         list_cap == o.list_cap && grid == o.grid && cached_rows == o.cached_rows;
+         held == o.held && tpt == o.tpt && tpb == o.tpb && upt == o.upt && list_cap == o.list_cap &&
+         grid == o.grid && cached_rows == o.cached_rows;
 }
 
 std::size_t KernelSpec::hash() const {

@@ -195,9 +195,9 @@ TEST_F(WarmedCache, BadInputsAndFailedCompilesLeaveTheCacheValid) {
   ASSERT_EQ(mkdir(broken.c_str(), 0700), 0);
   // Every template, the one every kernel family includes broken.
   for (const auto& [name, bytes] : load_templates("", "template_dir"))
-    test::write_file(broken + "/" + name,
-                     name == "combine_common.cuh" ? bytes + "\n#error deliberately broken template\n"
-                                                  : bytes);
+    test::write_file(broken + "/" + name, name == "combine_common.cuh"
+                                              ? bytes + "\n#error deliberately broken template\n"
+                                              : bytes);
   const test::ToolRun r =
       warm("qwen3-30b-a3b.json", false, "", "MOEJIT_TEMPLATE_DIR='" + broken + "' ");
   EXPECT_EQ(r.rc, 1) << r.err;

@@ -315,13 +315,13 @@ TEST(Manifest, ExactAndShapeLines) {
   const KernelSpec exact_one_token = one_token_index_spec(
       spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_BFLOAT16,
                      MOEJIT_INDEX_INT64, 2880, 4, 256, 1));
-  const KernelSpec exact_gather_one_token = one_token_map_spec(
-      spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_FLOAT32,
-                     MOEJIT_INDEX_INT64, 7168, 8, 256, 1));
+  const KernelSpec exact_gather_one_token =
+      one_token_map_spec(spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
+                                        MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 7168, 8, 256, 1));
   const KernelSpec exact_small = single_launch_for_rows(exact_scan, 1);
-  const KernelSpec exact_helpers = *companion_module(
-      spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
-                     MOEJIT_INDEX_INT32, 7168, 8, 256));
+  const KernelSpec exact_helpers =
+      *companion_module(spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
+                                       MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256));
   const std::string text = "# warm list\n\n" + exact.describe() +
                            "  # from a log\n"
                            "hidden=4096 topk=2 dtype=bf16 layout=gather_map index_type=int32\n"
@@ -348,9 +348,9 @@ TEST(Manifest, ExactAndShapeLines) {
   EXPECT_EQ(specs[1], gm[0]);
   EXPECT_EQ(specs[1], spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                      MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256));
-  const KernelSpec gm_decode = spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
-                                              MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2,
-                                              256, 1);
+  const KernelSpec gm_decode =
+      spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                     MOEJIT_INDEX_INT32, 4096, 2, 256, 1);
   EXPECT_EQ(specs[2], one_token_map_spec(gm_decode));
   EXPECT_EQ(specs[3], gm_decode);
   EXPECT_EQ(specs[4], spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32,
@@ -359,12 +359,12 @@ TEST(Manifest, ExactAndShapeLines) {
   EXPECT_EQ(spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
                            MOEJIT_INDEX_INT64, 2048, 4, 256, 1),
             specs[4]);
-  const KernelSpec ti_prefill = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
-                                               MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4,
-                                               256);
-  const KernelSpec ti_decode = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
-                                              MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4,
-                                              256, 1);
+  const KernelSpec ti_prefill =
+      spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
+                     MOEJIT_INDEX_INT64, 2048, 4, 256);
+  const KernelSpec ti_decode =
+      spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
+                     MOEJIT_INDEX_INT64, 2048, 4, 256, 1);
   EXPECT_EQ(specs[5], ti_prefill);
   EXPECT_EQ(specs[6], *companion_module(ti_prefill));
   EXPECT_EQ(specs[6].describe(), "kind=token_index_list_helpers idx=int64");
@@ -416,25 +416,28 @@ TEST(Manifest, ExactAndShapeLines) {
             std::string::npos);
   // Each kind has exactly its keys: a list cap on a fixed layout, or on the one-token kernel
   // (which keeps no list), does not belong; the fixed layouts' K is the token index's held.
-  EXPECT_NE(bad("kind=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=8 tpb=16 upt=1 "
-                "cap=16")
-                .find("\"cap\" does not belong: a gather_map line has exactly kind in out idx H vec "
-                      "K tpt tpb upt"),
-            std::string::npos);
+  EXPECT_NE(
+      bad("kind=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=8 tpb=16 upt=1 "
+          "cap=16")
+          .find("\"cap\" does not belong: a gather_map line has exactly kind in out idx H vec "
+                "K tpt tpb upt"),
+      std::string::npos);
   const std::string one_token = exact_one_token.describe();
   EXPECT_EQ(one_token.find("cap="), std::string::npos) << one_token;
   EXPECT_NE(bad(one_token + " cap=8").find("\"cap\" does not belong"), std::string::npos);
-  EXPECT_NE(bad(std::regex_replace(one_token, std::regex("held="), "K=")).find("\"held\" is missing"),
-            std::string::npos);
+  EXPECT_NE(
+      bad(std::regex_replace(one_token, std::regex("held="), "K=")).find("\"held\" is missing"),
+      std::string::npos);
   EXPECT_NE(bad(std::regex_replace(one_token, std::regex("held=4"), "held=3"))
                 .find("held = 3: the token_index kinds hold 1, 2, 4, 8, 12 or 16 rows per token"),
             std::string::npos);
-  EXPECT_NE(bad(std::regex_replace(std::regex_replace(one_token, std::regex("token_index_one_token"),
-                                                      "token_major_one_token"),
-                                   std::regex("int64"), "int32"))
-                .find("kind = \"token_major_one_token\": expected one of token_major, gather_map, "
-                      "gather_map_one_token"),
-            std::string::npos);
+  EXPECT_NE(
+      bad(std::regex_replace(std::regex_replace(one_token, std::regex("token_index_one_token"),
+                                                "token_major_one_token"),
+                             std::regex("int64"), "int32"))
+          .find("kind = \"token_major_one_token\": expected one of token_major, gather_map, "
+                "gather_map_one_token"),
+      std::string::npos);
   // A gather-map one-token module holds every row at once: K * upt at most 8.
   EXPECT_NE(bad(std::regex_replace(exact_gather_one_token.describe(), std::regex("K=8"), "K=9"))
                 .find("K * upt at most 8"),

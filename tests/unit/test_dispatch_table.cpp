@@ -11,12 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "aligned_call.h"
 #include "combine_plan.h"
 
 namespace moejit {
 namespace {
-
-constexpr uintptr_t kRegion = uintptr_t{1} << 46;  // buffers far apart: no overlap refused
 
 // Token counts at the table's boundaries for calls with k rows per token and rows of `slots`
 // vectors: no tokens, one, the decode range's ends, the first calls with more rows than each block
@@ -35,35 +34,8 @@ std::vector<int64_t> token_counts(int64_t k, int64_t slots) {
   return {t.begin(), t.end()};
 }
 
-moejit_combine_args call(moejit_layout layout, moejit_dtype in, moejit_dtype out,
-                         moejit_index_type index_type, int hidden, int k, int64_t tokens,
-                         int64_t rows, int dependent) {
-  moejit_combine_args a;
-  moejit_combine_args_init(&a);
-  a.layout = layout;
-  a.num_tokens = tokens;
-  a.top_k = layout == MOEJIT_LAYOUT_TOKEN_INDEX ? 0 : k;
-  a.num_rows = layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? 0 : rows;
-  a.hidden_dim = hidden;
-  a.expert_hidden = reinterpret_cast<void*>(1 * kRegion);  // 256-byte aligned, as precompile takes
-  a.expert_dtype = in;
-  a.out = reinterpret_cast<void*>(2 * kRegion);
-  a.out_dtype = out;
-  if (layout != MOEJIT_LAYOUT_TOKEN_MAJOR) {
-    a.indices = reinterpret_cast<void*>(3 * kRegion);
-    a.index_type = index_type;
-  }
-  a.dependent_launch = dependent;
-  if (layout == MOEJIT_LAYOUT_TOKEN_INDEX) {
-    a.workspace = reinterpret_cast<void*>(4 * kRegion);
-    a.workspace_bytes = combine_workspace_bytes(&a);
-  }
-  return a;
-}
-
 TEST(DispatchTable, ThePrecompileSetIsExactlyWhatTheRuntimeLoads) {
-  const moejit_dtype dtypes[] = {MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT16,
-                                 MOEJIT_DTYPE_BFLOAT16};
+  const moejit_dtype dtypes[] = {MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_BFLOAT16};
   std::vector<int> ks;
   for (int k = 1; k <= 16; ++k) ks.push_back(k);
   ks.push_back(64);
@@ -94,20 +66,21 @@ TEST(DispatchTable, ThePrecompileSetIsExactlyWhatTheRuntimeLoads) {
                 // Rows: token-major exactly T * K; the gather map as many as the map names, or
                 // fewer; the token index from the fewest to the most its rows per token round
                 // up to K from.
-                const std::vector<int64_t> rows_choices{tokens * k,
-                                                        tokens > 0 ? tokens * (k - 1) + 1 : 0};
+                std::vector<int64_t> rows_choices{tokens * k};
+                if (layout != MOEJIT_LAYOUT_TOKEN_MAJOR && tokens > 0)
+                  rows_choices.push_back(tokens * (k - 1) + 1);
                 for (const int64_t rows : rows_choices)
                   for (const int dependent : {0, 1}) {
                     if (dependent == 1 && tokens != 1) continue;  // it changes T = 1 calls only
-                    const moejit_combine_args a =
-                        call(layout, in, out, index_type, hidden, k, tokens, rows, dependent);
+                    const moejit_combine_args a = test::aligned_call(
+                        layout, in, out, index_type, hidden, k, tokens, rows, dependent);
                     const CombinePlan plan = plan_combine(&a);
                     ++plans;
                     if (plan.nothing_to_do) continue;
                     const std::string at =
                         std::string(layout_name(layout)) + " " + dtype_name(in) + "->" +
-                        dtype_name(out) + " idx" + std::to_string(index_type) + " H=" +
-                        std::to_string(hidden) + " K=" + std::to_string(k) +
+                        dtype_name(out) + " idx" + std::to_string(index_type) +
+                        " H=" + std::to_string(hidden) + " K=" + std::to_string(k) +
                         " T=" + std::to_string(tokens) + " R=" + std::to_string(rows) +
                         " dependent=" + std::to_string(dependent);
                     kinds_seen.insert(plan.spec.kind);

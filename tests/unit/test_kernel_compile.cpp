@@ -283,8 +283,7 @@ TEST(KernelCompile, EveryVariantCompilesForSm80Sm89Sm90) {
                             std::to_string(k.spill_store_bytes) + "/" +
                             std::to_string(k.spill_load_bytes) + " bytes spilled");
           if (!k.entry) continue;
-          const std::string kind =
-              template_name(k.function) + " (" + kind_name(c.spec.kind) + ")";
+          const std::string kind = template_name(k.function) + " (" + kind_name(c.spec.kind) + ")";
           std::lock_guard<std::mutex> lock(failures_mutex);
           most_registers[kind] = std::max(most_registers[kind], k.registers);
         }
@@ -345,8 +344,9 @@ TEST(KernelCompile, LaunchBoundsPromiseBlocksPerSmOnlyWhereMeasured) {
     const bool wide_batch = c.spec.top_k > 8 && c.spec.top_k <= 16;
     const int geometry_promise = !fixed_128        ? 0
                                  : c.spec.upt == 1 ? (wide_batch ? 4 : 8)
-                                 : c.spec.upt == 4 && c.spec.layout() == MOEJIT_LAYOUT_GATHER_MAP ? 10
-                                                                                                : 0;
+                                 : c.spec.upt == 4 && c.spec.layout() == MOEJIT_LAYOUT_GATHER_MAP
+                                     ? 10
+                                     : 0;
     EXPECT_EQ(geometry_promise, c.promise);
     const CompiledModule m = compile(memory.store.request_for(c.spec, Target{90, true}));
     const std::string directive = ".minnctapersm " + std::to_string(c.promise);
@@ -406,7 +406,7 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
       shape(MOEJIT_LAYOUT_GATHER_MAP, 7168, 8, 1),           // decode geometry
       shape(MOEJIT_LAYOUT_GATHER_MAP, 4096, 2, kAnyTokens),  // prefill geometry
       shape(MOEJIT_LAYOUT_TOKEN_MAJOR, 7168, 8, 1),
-      single,                    // one token per block, lists in shared memory
+      single,                             // one token per block, lists in shared memory
       single_launch_for_rows(single, 1),  // the small-call form
       decode_one,
       one_token_index_spec(shape(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 2, 1)),  // 8-byte vectors

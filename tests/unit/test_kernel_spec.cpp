@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "aligned_call.h"
 #include "combine_plan.h"
 #include "error.h"
 #include "kernel_spec.h"
@@ -292,10 +293,9 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   }
   EXPECT_EQ(s.vec, 4);  // fp32 output limits the vector to 16 bytes of output
   // Prefill: 512 slots in whole 128-thread chunks, the bandwidth blocks (rows through L1).
-  EXPECT_EQ(
-      s.name_expressions(),
-      std::vector<std::string>{
-          "&moejit::combine_lists<1, 0, long long, 2048, 4, 8, 128, 1, 1, 32, 1, true>"});
+  EXPECT_EQ(s.name_expressions(),
+            std::vector<std::string>{
+                "&moejit::combine_lists<1, 0, long long, 2048, 4, 8, 128, 1, 1, 32, 1, true>"});
   // The list helpers: one module per index type, whatever the shape.
   const KernelSpec h = list_helpers_spec(s.index_bytes);
   ASSERT_TRUE(companion_module(s).has_value());
@@ -307,9 +307,9 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_EQ(h.describe(), "kind=token_index_list_helpers idx=int64");
   EXPECT_NE(h, s);
   EXPECT_NE(h, single_launch_spec(s, kAnyTokens));
-  EXPECT_EQ(h, *companion_module(spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
-                                                MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 7168, 1,
-                                                256)));
+  EXPECT_EQ(
+      h, *companion_module(spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+                                          MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 7168, 1, 256)));
   EXPECT_FALSE(companion_module(h).has_value());
   EXPECT_NE(h.hash(), s.hash());
   // Only a list-path combine launches the helpers (ModuleCache loads them with it).
@@ -596,9 +596,9 @@ TEST(KernelSpec, OneTokenGatherMapCallsPlanTheirModule) {
   EXPECT_FALSE(plan_combine(&a).one_token());
   const auto warmed = specs_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                       MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 9, 256);
-  EXPECT_TRUE(
-      std::none_of(warmed.begin(), warmed.end(),
-                   [](const KernelSpec& s) { return s.kind == KernelKind::kGatherMapOneToken; }));
+  EXPECT_TRUE(std::none_of(warmed.begin(), warmed.end(), [](const KernelSpec& s) {
+    return s.kind == KernelKind::kGatherMapOneToken;
+  }));
 }
 
 // The single launch with one token per block has a small-call form (every warp reads all of
@@ -907,7 +907,6 @@ TEST(KernelSpec, EightRowsPerTokenTakeTheMidSizeGeometryUpToTwoToTheTwentyOneTok
 // otherwise a MOEJIT_CACHE_MODE=no-compile deployment fails on that call with NOT_CACHED. Aligned,
 // unpadded buffers, as precompile assumes.
 TEST(KernelSpec, EveryCallOfAWarmedShapePlansAWarmedModule) {
-  constexpr uintptr_t kRegion = uintptr_t{1} << 46;
   std::vector<int64_t> token_counts;
   for (int64_t t = 1; t <= 140; ++t) token_counts.push_back(t);
   for (const int64_t t : {255, 256, 257, 511, 512, 513, 1000, 2048, 4096, 16384, 65536, 262145})
@@ -938,26 +937,8 @@ TEST(KernelSpec, EveryCallOfAWarmedShapePlansAWarmedModule) {
                 rows_choices.push_back(tokens * (k - 1) + 1);
               for (const int64_t rows : rows_choices) {
                 for (const int dependent : {0, 1}) {
-                  moejit_combine_args a;
-                  moejit_combine_args_init(&a);
-                  a.layout = layout;
-                  a.num_tokens = tokens;
-                  a.top_k = layout == MOEJIT_LAYOUT_TOKEN_INDEX ? 0 : k;
-                  a.num_rows = rows;
-                  a.hidden_dim = hidden;
-                  a.expert_hidden = reinterpret_cast<void*>(1 * kRegion);
-                  a.expert_dtype = dt.first;
-                  a.out = reinterpret_cast<void*>(2 * kRegion);
-                  a.out_dtype = dt.second;
-                  if (layout != MOEJIT_LAYOUT_TOKEN_MAJOR) {
-                    a.indices = reinterpret_cast<void*>(3 * kRegion);
-                    a.index_type = index_type;
-                  }
-                  a.dependent_launch = dependent;
-                  if (layout == MOEJIT_LAYOUT_TOKEN_INDEX) {
-                    a.workspace = reinterpret_cast<void*>(4 * kRegion);
-                    a.workspace_bytes = combine_workspace_bytes(&a);
-                  }
+                  const moejit_combine_args a = test::aligned_call(
+                      layout, dt.first, dt.second, index_type, hidden, k, tokens, rows, dependent);
                   const KernelSpec planned = plan_combine(&a).spec;
                   ++plans;
                   ASSERT_NE(std::find(warmed.begin(), warmed.end(), planned), warmed.end())

@@ -276,8 +276,9 @@ void measure_cold_compiles(const moejit::Target& target, JitFigures* figures) {
       moejit::KernelStore store(settings_without_disk(), stats);
       const auto start = Clock::now();
       if (together) {
-        auto helpers = std::async(std::launch::async,
-                                  [&] { return store.obtain(moejit::list_helpers_spec(list_spec.index_bytes), target); });
+        auto helpers = std::async(std::launch::async, [&] {
+          return store.obtain(moejit::list_helpers_spec(list_spec.index_bytes), target);
+        });
         store.obtain(list_spec, target);
         helpers.get();
       } else {
