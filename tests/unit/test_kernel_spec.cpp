@@ -479,9 +479,10 @@ TEST(KernelSpec, WalkTestShapesTakeTheirGroups) {
 }
 
 // The single launch with several tokens per block keeps a row list per token in shared memory
-// (combine.cuh, scan_token_rows): at most 32 KB of lists per block, whatever the row length and
-// the rows per token (lists of 16 to 128 entries), at decode and larger sizes. 4-thread groups of
-// 128-entry lists in 512-thread blocks took 64 KB, over the 48 KB of static shared memory.
+// (token_index_rows.cuh, scan_token_rows): at most 32 KB of lists per block, whatever the row
+// length and the rows per token (lists of 16 to 128 entries), at decode and larger sizes. 4-thread
+// groups of 128-entry lists in 512-thread blocks took 64 KB, over the 48 KB of static shared
+// memory.
 TEST(KernelSpec, ShortRowScanListsFitSharedMemory) {
   int scans = 0;
   for (int64_t hidden : {1, 8, 16, 32, 64, 128, 256})
@@ -602,9 +603,9 @@ TEST(KernelSpec, OneTokenGatherMapCallsPlanTheirModule) {
 }
 
 // The single launch with one token per block has a small-call form (every warp reads all of
-// token_idx and lists a window of rows: no slab scan, no walk) for calls with at most one block's
-// threads in rows; the precompile tool warms it wherever a decode or mid-size call of the shape
-// takes it.
+// token_idx and lists a window of rows: no shared lists, no walk) for calls with at most one
+// block's threads in rows; the precompile tool warms it wherever a decode or mid-size call of the
+// shape takes it.
 TEST(KernelSpec, CallsWithAtMostABlockOfRowsTakeTheSmallScanForm) {
   auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
   a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;

@@ -47,9 +47,9 @@ moejit::Settings settings_without_disk() {
 
 // The specializations compiled cold, in this order. The first is the DeepSeek-V3 shape, the most
 // likely first call of a real process; then one module of each other kind: the token index's
-// list-path combine, its single-launch kernel for a decode-sized call (the slab form, then the
-// small-call form that calls of at most 128 rows take), a short fp32 row, the token index's list
-// helpers (compiled once per index type, whatever the shape) and its one-token kernel
+// list-path combine, its single-launch kernel for a decode-sized call (the shared-list scan, then
+// the small-call form that calls of at most 128 rows take), a short fp32 row, the token index's
+// list helpers (compiled once per index type, whatever the shape) and its one-token kernel
 // (single-sequence decode).
 std::vector<moejit::KernelSpec> cold_specs() {
   const moejit::KernelSpec mixtral_list =
