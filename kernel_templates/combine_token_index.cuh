@@ -80,28 +80,29 @@ __device__ __forceinline__ void add_listed_token_rows(const CombineParams& p,
   }
 }
 
-// The small-call form's rows of token tok (one token per block): its ascending list in shared
-// memory, held in rounds of HELD entries, each round the held batch path, until the token's count.
-// The list is a window of LIST_CAP entries, scanned for again past its end (the scan sits in the
-// rounds: one copy of it in the module).
-template <int IN_DT, typename IdxT, int HIDDEN, int VEC, int HELD, int TPT, int UPT, int LIST_CAP,
-          typename S>
-__device__ __forceinline__ void add_small_call_token_rows(const CombineParams& p,
-                                                          const S* __restrict__ expert,
-                                                          long long tok, int first_slot,
-                                                          float (&sum)[UPT][VEC]) {
+// The small-call form's combine of token tok (one token per block): its ascending list in shared
+// memory, held in rounds of HELD entries, each round the held batch path, until the token's count;
+// then the store. The list is a window of LIST_CAP entries, scanned for again past its end (the
+// scan sits in the rounds: one copy of it in the module).
+template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int HELD, int TPT, int UPT,
+          int LIST_CAP, typename S>
+__device__ __forceinline__ void combine_small_call_token(const CombineParams& p,
+                                                         const S* __restrict__ expert,
+                                                         long long tok, int first_slot) {
   constexpr int kScanWindow = LIST_CAP / HELD * HELD;
   constexpr int kBatchRows = HeldBatch<HELD, UPT>::value;
-  Pack<S, VEC> v[kBatchRows][UPT];  // the batch's rows in flight
-  bool present[kBatchRows];
   int count = HELD;
   int* list = nullptr;
+  float sum[UPT][VEC];
+  clear_sums(sum);
   int held_from = 0;    // list position of this round's first held row
   int window_from = 0;  // list position of `list`'s first entry
   do {
     int row[HELD];
     bool mapped[HELD];
     float gate[HELD];
+    Pack<S, VEC> v[kBatchRows][UPT];  // the batch's rows in flight
+    bool present[kBatchRows];
     if (held_from == 0 || held_from - window_from == kScanWindow) {  // uniform
       window_from = held_from;
       __syncwarp();  // every lane has read the last window
@@ -113,6 +114,8 @@ __device__ __forceinline__ void add_small_call_token_rows(const CombineParams& p
         p, expert, tok, first_slot, row, mapped, gate, v, present, sum);
     held_from += HELD;
   } while (held_from < count);
+  store_row_slots<OUT_DT, VEC, HIDDEN, UPT, TPT>(
+      static_cast<typename Elem<OUT_DT>::storage*>(p.out) + tok * p.out_stride, first_slot, sum, p);
 }
 
 }  // namespace detail
@@ -170,24 +173,23 @@ __global__ void __launch_bounds__(TPT* TPB, SMALL ? 4 : 0) combine_scan(const Co
     detail::prefetch_scan_routing<IdxT, TPT, TPB, SMALL>(p);
     detail::wait_for_predecessor();
   }
-  float sum[UPT][VEC];
   if constexpr (SMALL) {
     if (tok >= p.num_tokens) return;  // the whole block (one token); no barrier below
-    detail::clear_sums(sum);
-    detail::add_small_call_token_rows<IN_DT, IdxT, HIDDEN, VEC, HELD, TPT, UPT, LIST_CAP>(
-        p, expert, tok, first_slot, sum);
+    detail::combine_small_call_token<IN_DT, OUT_DT, IdxT, HIDDEN, VEC, HELD, TPT, UPT, LIST_CAP>(
+        p, expert, tok, first_slot);
   } else {
     __shared__ int s_count[TPB];
     __shared__ int s_rows[TPB][LIST_CAP];
     const long long first_tok = tok - sub;  // the block's first token
     detail::scan_token_rows<IdxT, TPT * TPB, TPB, LIST_CAP>(p, first_tok, s_count, s_rows);
     if (tok >= p.num_tokens) return;  // after the scan's barriers; none below
+    float sum[UPT][VEC];
     detail::clear_sums(sum);
     detail::add_listed_token_rows<IN_DT, IdxT, HIDDEN, VEC, HELD, TPT, UPT, LIST_CAP, false, true>(
         p, expert, tok, first_slot, s_rows[sub], s_count[sub], sum);
+    detail::store_row_slots<OUT_DT, VEC, HIDDEN, UPT, TPT>(
+        static_cast<OutS*>(p.out) + tok * p.out_stride, first_slot, sum, p);
   }
-  detail::store_row_slots<OUT_DT, VEC, HIDDEN, UPT, TPT>(
-      static_cast<OutS*>(p.out) + tok * p.out_stride, first_slot, sum, p);
 }
 
 // ---- token-index layout: building the per-token row lists ------------------------------------
