@@ -49,11 +49,9 @@
 #include <climits>
 #include <string>
 
+#include "combine_args.h"
 #include "combine_plan.h"
 #include "error.h"
-
-#include "../kernel_templates/combine_params.h"
-#include "combine_args.h"
 
 namespace moejit {
 namespace {
@@ -132,8 +130,8 @@ void choose_geometry(KernelSpec* s, Path path, int64_t num_tokens) {
   // blocks in flight. Not at decode sizes, where the 128-thread blocks measured faster.
   const bool mid_k8 = !ti && !decode && rows >= 8 && up_to_mid;
   // Token index at decode: one 64-thread group per block (fewer, larger blocks than 16x2), except
-  // the single launch where a row fills 128 threads: up to 128 rows every warp then reads all of
-  // token_idx with no barrier.
+  // the single launch where a row fills 128 threads: its small-call form then has every warp read
+  // up to 128 rows of token_idx with no barrier.
   const bool token_index_decode = ti && decode && !(single && slots >= kBlockThreads);
   if ((mid_k8 || token_index_decode) && slots > 32) {
     s->tpt = ti ? 64 : 16;
