@@ -1,5 +1,6 @@
-// Kernel parameter block shared by the host (src/combine_plan.cpp) and the device templates.
-// One definition on both sides, so the layout the host fills is the layout the kernel reads.
+// What the host and the device templates share: the kernel parameter block and the codes of the
+// template arguments the dispatcher chooses (src/combine_dispatch.cpp). One definition on both
+// sides, so the layout the host fills is the layout the kernel reads.
 // Plain C++ with no includes: NVRTC compiles it without any toolkit header on its search path.
 #ifndef MOEJIT_COMBINE_PARAMS_H_
 #define MOEJIT_COMBINE_PARAMS_H_
@@ -10,6 +11,13 @@ namespace moejit {
 enum { kLayoutTokenMajor = 0, kLayoutGatherMap = 1, kLayoutTokenIndex = 2 };
 // Element type codes, equal to the public moejit_dtype values.
 enum { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// Launch grid of a combine module (GRID): x the token groups and y a row's chunks; one dimension,
+// x = groups * chunks with a token's chunks adjacent; or either, the kernel reading gridDim.y.
+enum { kGridTokensByChunks = 0, kGridFlat = 1, kGridFlatOrTokensByChunks = 2 };
+// How the token index's single launch finds a token's rows (FORM of combine_scan): several tokens
+// per block in shared lists (sorted after), one token per block in ordered warp slabs, or, for
+// calls of at most one block's threads in rows, every warp reading all of token_idx.
+enum { kScanShared = 0, kScanOrdered = 1, kScanSmall = 2 };
 
 // 8-byte members first, then 4-byte ones: no padding surprises between compilers.
 struct CombineParams {

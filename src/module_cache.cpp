@@ -6,6 +6,7 @@
 #include <system_error>
 #include <unordered_set>
 
+#include "combine_dispatch.h"
 #include "driver.h"
 #include "error.h"
 #include "logging.h"
@@ -149,18 +150,19 @@ void ModuleCache::load(const KernelSpec& spec, CUcontext context, Entry& entry) 
   check_cuda(d.cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device),
              "cuDeviceGetAttribute(COMPUTE_CAPABILITY_MINOR)");
   const Target target = target_for_device(major * 10 + minor);
-  // A list-path combine needs the list helpers' module too: build it on another thread while this
-  // one builds the combine, so a first call that compiles both waits for the longer compile, not
-  // for their sum (NVRTC compiles concurrently; the store builds each module once, and the
+  // A module with a companion (the list path's helpers): build that on another thread while this
+  // one builds spec, so a first call that compiles both waits for the longer compile, not for
+  // their sum (NVRTC compiles concurrently; the store builds each module once, and the
   // helpers' get() below takes the result). Only the build moves: CUDA calls stay on this thread,
   // in its context. A failure there resurfaces from that get(). No thread to be had: that get()
   // builds it afterwards, as before.
+  const std::optional<KernelSpec> companion = companion_module(spec);
   std::future<void> helpers_ahead;
-  if (spec.needs_list_helpers()) {
+  if (companion) {
     try {
-      helpers_ahead = std::async(std::launch::async, [this, &spec, &target] {
+      helpers_ahead = std::async(std::launch::async, [this, &companion, &target] {
         try {
-          store_.obtain(spec.helpers_spec(), target);
+          store_.obtain(*companion, target);
         } catch (...) {
         }
       });
@@ -172,9 +174,9 @@ void ModuleCache::load(const KernelSpec& spec, CUcontext context, Entry& entry) 
   if (helpers_ahead.valid()) helpers_ahead.wait();
 
   LoadedKernels k;
-  // The list helpers first: a failure there leaves nothing of this entry loaded. Their entry is
+  // The companion first: a failure there leaves nothing of this entry loaded. Its entry is
   // another key (its own lock) and never needs this one, so the nested get cannot deadlock.
-  if (spec.needs_list_helpers()) k.helpers = &get(spec.helpers_spec());
+  if (companion) k.companion = &get(*companion);
   // The store validated the image (a disk entry is checked before it gets here): a truncated or
   // foreign binary never reaches cuModuleLoadData. If the driver still refuses the image of an
   // entry that came from the disk cache, it is a miss: forget it, rebuild, and try once more.

@@ -26,9 +26,9 @@ struct LoadedKernels {
   // The device (compute capability 9.0+) and driver can start a kernel of the token-index chain
   // while its predecessor drains (programmatic dependent launch, cuLaunchKernelEx).
   bool dependent_launch = false;
-  // A token-index list-path module: the list helpers' module (KernelSpec::helpers_spec()), loaded
-  // together with it, so a warm call finds both in one lookup. Null for every other module.
-  const LoadedKernels* helpers = nullptr;
+  // The module a call of this spec launches first (companion_module(): the token index's list
+  // helpers), loaded together with it, so a warm call finds both in one lookup. Null for most.
+  const LoadedKernels* companion = nullptr;
 };
 
 class ModuleCache {
@@ -38,8 +38,8 @@ class ModuleCache {
   ModuleCache(const ModuleCache&) = delete;
   ModuleCache& operator=(const ModuleCache&) = delete;
 
-  // The kernels of spec in the calling thread's current context (with, for a list-path spec, its
-  // helpers' module). Throws Error.
+  // The kernels of spec in the calling thread's current context (with its companion module, if
+  // it has one). Throws Error.
   const LoadedKernels& get(const KernelSpec& spec);
 
  private:

@@ -77,9 +77,9 @@ std::vector<std::string> compile_options(const Target& target) {
   std::vector<std::string> options = {"--std=c++17", "--gpu-architecture=" + target.name(),
                                       "-DNDEBUG"};
   // NVRTC 12.4+: leave out the runtime API's declarations (texture types, cudaMalloc & co.,
-  // device-side launch), which the templates never use (they include no toolkit header). The
-  // same cubin, bit for bit, 3-5 ms sooner per compile (2-5%; NVRTC 13.0, sm_90). Learned from
-  // the option's release note and the FLAMEGPU2 issue that tracked it (#1187).
+  // device-side launch), which the templates never use (they include no toolkit header): the same
+  // cubin, bit for bit, a little sooner per compile. Learned from the option's release note and
+  // the FLAMEGPU2 issue that tracked it (#1187).
   if (nvrtc_major_minor() >= std::make_pair(12, 4)) options.push_back("-minimal");
   // Without it, NVRTC looks for a quoted include that is not among the named headers in the
   // process's working directory: bytes that change the binary but are not in the cache key (an

@@ -199,14 +199,11 @@ typedef struct moejit_combine_args {
      before touching any memory: results are the same either way. Before the wait they only ask
      L2 to fetch the routing (gather map or token_idx, gates), a hint that is harmless even if
      that kernel writes them. This pays when that kernel lets its dependents start early
-     (griddepcontrol.launch_dependents, as PDL-aware kernels do): on the H200 a decode step of
-     such a producer and a combine in a CUDA graph took 0.27-0.44 us less, and 0.80-1.04 us less
-     with the routing evicted from L2 before the step, as expert GEMMs do (tools/bench/NOTES.md,
-     version 30). After a kernel that does not, nothing is gained, hence off by default (the
-     kernels then skip the wait, which costs 0.1-0.27 us at decode sizes). The call's kernels do
-     not let the caller's next kernel start early: a next kernel launched as a dependent is
-     scheduled when the call ends (an early trigger from the combine cost up to 0.43 us per
-     decode step; NOTES, version 30). */
+     (griddepcontrol.launch_dependents, as PDL-aware kernels do); after a kernel that does not,
+     nothing is gained and the wait has a small cost, hence off by default (the kernels then skip
+     the wait). The call's kernels do not let the caller's next kernel start early: a next kernel
+     launched as a dependent is scheduled when the call ends. Measured figures:
+     docs/performance.md. */
   int dependent_launch;
 } moejit_combine_args;
 

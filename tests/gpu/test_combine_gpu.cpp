@@ -547,8 +547,8 @@ TEST_F(CombineGpu, FullMatrixAgainstFloat64Reference) {
 }
 
 // More rows per token than one batch of eight: 9-16 in one batch of their own in the fixed layouts
-// (combine.cuh, kWideBatch), 17 and 64 as a batch of eight and then two at a time; the token index
-// holds eight and lists the rest. Decode, mid-size and prefill geometries, short rows and a
+// (combine_common.cuh, kWideBatch), 17 and 64 as a batch of eight and then two at a time; the token
+// index holds eight and lists the rest. Decode, mid-size and prefill geometries, short rows and a
 // partial tail vector, the dtype pairs and index types in turn, the matrix's variations, each
 // checked against the fp32 chain bit for bit.
 TEST_F(CombineGpu, TopKPastEightAgainstFloat64Reference) {
@@ -623,7 +623,7 @@ TEST_F(CombineGpu, TokenIndexWithAHotToken) {
   // Half of all rows go to token 0: T=64 x 8 rows puts ~256 rows on it against a 32-entry list.
   // T=4, 8 and 16 (32, 64 and 128 rows) take the single launch's small-call form, where every warp
   // reads all of token_idx and lists its token's rows a 16-entry window at a time, with ~20, ~40
-  // and ~70 rows on token 0; T=17 (136 rows) the slab form, past its 32-entry list.
+  // and ~70 rows on token 0; T=17 (136 rows) the one-token-per-block scan, past its 32-entry list.
   for (moejit_dtype in : {MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_FLOAT32})
     for (moejit_index_type idx : {MOEJIT_INDEX_INT32, MOEJIT_INDEX_INT64})
       for (int64_t tokens : {2, 4, 8, 16, 17, 64, 1000}) {
@@ -669,14 +669,13 @@ TEST_F(CombineGpu, SmallCallScanWindowsAHotTokensRows) {
                     4);
 }
 
-// The single launch's slab form (calls with more rows than a block has threads): token 0 gets
-// exactly n rows, on and around its list's capacity (16 at K = 2, 32 at K = 4 and 8: the merged
-// list of the warps' slabs, in one warp's slab or across several) and past it, where later
-// windows of the list are listed again (relist_slab_window): on and around the second window's
-// end, and up to every row of the call. Also a list longer than the block (128 entries, 64
-// threads: 40 rows per token on average, H = 512), merged two entries per thread.
-// KernelSpec.SlabListTestShapesTakeTheSlabForm checks that these shapes take that form with those
-// capacities, for 16-byte rows (other vector widths may change the geometry).
+// The single launch with one token per block and more rows than the block has threads (once the
+// slab form, now the shared-list scan): token 0 gets exactly n rows, on and around its list's
+// capacity (16 at K = 2, 32 at K = 4 and 8) and past it, where whole warps walk token_idx
+// (add_rows_by_warp_walk): up to every row of the call. Also a list longer than the block (128
+// entries, 64 threads: 40 rows per token on average, H = 512).
+// KernelSpec.SlabListTestShapesTakeTheOneTokenBlockScan checks that these shapes take that form
+// with those capacities, for 16-byte rows (other vector widths may change the geometry).
 TEST_F(CombineGpu, SlabScanListsAHotTokensRows) {
   expect_cases_pass(hot_token_cases({{7168, 17, 8, {16, 31, 32, 33, 136}},
                                      {7168, 64, 8, {17, 31, 32, 33, 48, 63, 64, 65, 300, 512}},
@@ -687,15 +686,15 @@ TEST_F(CombineGpu, SlabScanListsAHotTokensRows) {
                     4);
 }
 
-// Past a token's list outside the slab form: token 0 gets exactly n rows, on and around the list's
-// capacity (16 at K <= 2, 32 at K = 8) and past it, where the token's rows are found by walking
-// token_idx. Whole warps per token walk 32 entries per step (add_rows_by_warp_walk): the list path
-// in 128-thread groups loading rows through L1 (T8200 H2048, K = 1) and in 64-thread groups
-// (T1000 H2880, K = 8), and the single launch with 32-thread groups, 16 tokens per block (T1536
-// H256, K = 2). Groups narrower than a warp walk one entry per thread and step (add_rows_by_walk):
-// the single launch with 8-thread groups (T1536 H64) and with 4-thread groups and 128-entry lists
-// (T100 H32, 20 rows per token on average: 64 tokens per block, so that the lists fit shared
-// memory). KernelSpec.WalkTestShapesTakeTheirGroups checks those geometries.
+// Past a token's list in the other geometries: token 0 gets exactly n rows, on and around the
+// list's capacity (16 at K <= 2, 32 at K = 8) and past it, where the token's rows are found by
+// walking token_idx. Whole warps per token walk 32 entries per step (add_rows_by_warp_walk): the
+// list path in 128-thread groups loading rows through L1 (T8200 H2048, K = 1) and in 64-thread
+// groups (T1000 H2880, K = 8), and the single launch with 32-thread groups, 16 tokens per block
+// (T1536 H256, K = 2). Groups narrower than a warp walk one entry per thread and step
+// (add_rows_by_walk): the single launch with 8-thread groups (T1536 H64) and with 4-thread groups
+// and 128-entry lists (T100 H32, 20 rows per token on average: 64 tokens per block, so that the
+// lists fit shared memory). KernelSpec.WalkTestShapesTakeTheirGroups checks those geometries.
 TEST_F(CombineGpu, WalksPastAHotTokensList) {
   expect_cases_pass(hot_token_cases({{2048, 8200, 1, {16, 17, 100}},
                                      {2880, 1000, 8, {32, 33, 300}},
@@ -707,14 +706,14 @@ TEST_F(CombineGpu, WalksPastAHotTokensList) {
 }
 
 // The gather map's mid-size calls with eight rows per token take eight 16-slot token groups per
-// 128-thread block (combine_plan.cpp, choose_geometry; token-major two per 32-thread block): calls
-// across the upper half of the mid-size range (T = 1170 / 1171 at H = 7168 in 16-byte vectors, 2047
-// / 2049 at H = 4096, 2^20 token x vector slots; with fp32 in 4-element vectors T = 585 / 600 and
-// 1023 / 1025) and at its end (T = 2339, 2^21 slots), token counts that leave the last block
-// partial, no slot -1 (one in a hundred out of range), 5% and 88% -1 (most tokens with one row or
-// none: the case the wider blocks are for) and every slot -1, each dtype pair's vector width, both
-// index types, the matrix's variations but with aligned, unpadded buffers so that the vector
-// width, and with it the geometry, is the one named.
+// 128-thread block (combine_dispatch.cpp, choose_geometry; token-major two per 32-thread block):
+// calls across the upper half of the mid-size range (T = 1170 / 1171 at H = 7168 in 16-byte
+// vectors, 2047 / 2049 at H = 4096, 2^20 token x vector slots; with fp32 in 4-element vectors T =
+// 585 / 600 and 1023 / 1025) and at its end (T = 2339, 2^21 slots), token counts that leave the
+// last block partial, no slot -1 (one in a hundred out of range), 5% and 88% -1 (most tokens with
+// one row or none: the case the wider blocks are for) and every slot -1, each dtype pair's vector
+// width, both index types, the matrix's variations but with aligned, unpadded buffers so that the
+// vector width, and with it the geometry, is the one named.
 TEST_F(CombineGpu, GatherMapMidSizeBlocksWithMostSlotsDropped) {
   struct Types {
     moejit_dtype in, out;
@@ -749,7 +748,8 @@ TEST_F(CombineGpu, GatherMapMidSizeBlocksWithMostSlotsDropped) {
 // few rows), its fixed kernel at decode (K = 8), with four slots per thread (K = 2 at prefill), on
 // the mid-size 2-D grid (K = 8), with 9-16 rows in one batch (K = 12) and later rows two at a time
 // (K = 17); the token index's one-token kernel (T = 1, 8 rows), the single launch's small-call form
-// (T = 1 with 100 rows, T = 16 with K = 8) and slab form (T = 1 with 300 rows, T = 64 with K = 8),
+// (T = 1 with 100 rows, T = 16 with K = 8) and one-token blocks past it (T = 1 with 300 rows,
+// T = 64 with K = 8),
 // its atomic scan of short rows (T = 1536, H = 64: 8-thread groups), and the list path with one row
 // held (T = 8200, K = 1) and with eight (T = 4096, K = 8), balanced and random.
 TEST_F(CombineGpu, OutOfRangeIndicesOfEveryKindAreDropped) {
@@ -1387,7 +1387,7 @@ TEST_F(CombineGpu, OneTokenSkipsDroppedRowsWhateverTheyHold) {
   moejit_runtime_t rt = memory_only_runtime();
   const int64_t H = 7168;
   // Up to 64 rows: the one-token kernel (8-byte vectors in 128-thread blocks up to 2 rows:
-  // one_token_index_spec); 65-128 the single launch's small-call form; 129 its slab form.
+  // one_token_index_spec); 65-128 the single launch's small-call form; 129 its shared-list scan.
   for (const int64_t R : {int64_t{1}, int64_t{2}, int64_t{5}, int64_t{8}, int64_t{13}, int64_t{64},
                           int64_t{65}, int64_t{128}, int64_t{129}}) {
     SCOPED_TRACE("R=" + std::to_string(R));

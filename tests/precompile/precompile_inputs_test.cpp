@@ -239,10 +239,10 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
   expand_shape(s, all_layouts(), all_index_types(), &specs);
   // token_major has no index: (1 + gather_map x 2) x {prefill and decode, mid-size geometry}, the
   // gather map's one-token module x 2 index types, plus token_index x 2 index types x (the list
-  // path's two modules, prefill and decode / mid-size, + the single-launch module and its
-  // small-call form (decode calls of up to 16 tokens) + the one-token module + the list helpers'
-  // module): with 8 rows per token the single launch has one geometry for every size, and the list
-  // path's mid-size calls share the decode geometry's module.
+  // path's two modules, prefill and mid-size + the single-launch module and its small-call form
+  // (decode calls of up to 16 tokens) + the one-token module + the list helpers' module): with 8
+  // rows per token the single launch has one geometry for every size, and decode calls never take
+  // the list path (their single launch always pays), whose mid-size module they would share.
   ASSERT_EQ(specs.size(), 20u);
   for (moejit_layout l : all_layouts())
     for (moejit_index_type t : all_index_types())
@@ -250,7 +250,7 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
         const KernelSpec want = spec_for_shape(l, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, t,
                                                7168, 8, 256, tokens);
         EXPECT_NE(std::find(specs.begin(), specs.end(), want), specs.end()) << want.describe();
-        if (want.layout == MOEJIT_LAYOUT_GATHER_MAP && tokens == 1) {
+        if (want.layout() == MOEJIT_LAYOUT_GATHER_MAP && tokens == 1) {
           EXPECT_NE(std::find(specs.begin(), specs.end(), one_token_map_spec(want)), specs.end())
               << want.describe();
         }
@@ -258,14 +258,14 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
           EXPECT_NE(std::find(specs.begin(), specs.end(), single_launch_spec(want, tokens)),
                     specs.end())
               << want.describe();
-          EXPECT_NE(std::find(specs.begin(), specs.end(), want.helpers_spec()), specs.end())
+          EXPECT_NE(std::find(specs.begin(), specs.end(), *companion_module(want)), specs.end())
               << want.describe();
           if (tokens == 1) {
             EXPECT_NE(std::find(specs.begin(), specs.end(), one_token_index_spec(want)),
                       specs.end())
                 << want.describe();
             EXPECT_NE(std::find(specs.begin(), specs.end(),
-                                single_launch_spec(want, tokens).with_small_scan()),
+                                single_launch_for_rows(single_launch_spec(want, tokens), 1)),
                       specs.end())
                 << want.describe();
           }
@@ -287,7 +287,7 @@ TEST(Expand, MatchesWhatMoeCombineRequests) {
   ASSERT_EQ(short_rows.size(), 5u);
   int single_launch_blocks = 0;
   for (const KernelSpec& k : short_rows)
-    if (k.scan) {
+    if (k.kind == KernelKind::kTokenIndexScan) {
       EXPECT_EQ(k.tpt, 32) << k.describe();
       single_launch_blocks |= k.tpb == 16 ? 1 : k.tpb == 4 ? 2 : 4;
     }
@@ -312,67 +312,77 @@ TEST(Manifest, ExactAndShapeLines) {
       single_launch_spec(spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
                                         MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256, 1),
                          1);
-  const KernelSpec exact_one_token =
+  const KernelSpec exact_one_token = one_token_index_spec(
       spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_BFLOAT16,
-                     MOEJIT_INDEX_INT64, 2880, 4, 256, 1)
-          .with_one_token_kernel();
+                     MOEJIT_INDEX_INT64, 2880, 4, 256, 1));
   const KernelSpec exact_gather_one_token =
-      spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_FLOAT32,
-                     MOEJIT_INDEX_INT64, 7168, 8, 256, 1)
-          .with_one_token_kernel();
+      one_token_map_spec(spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
+                                        MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 7168, 8, 256, 1));
+  const KernelSpec exact_small = single_launch_for_rows(exact_scan, 1);
+  const KernelSpec exact_helpers =
+      *companion_module(spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
+                                       MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256));
   const std::string text = "# warm list\n\n" + exact.describe() +
                            "  # from a log\n"
                            "hidden=4096 topk=2 dtype=bf16 layout=gather_map index_type=int32\n"
                            "hidden=2048 topk=4 layout=token_major,token_index index_type=int64\n" +
-                           exact_scan.describe() + "\n" + exact_scan.helpers_spec().describe() +
-                           "\n" + exact_one_token.describe() + "\n" +
-                           exact_scan.with_small_scan().describe() + "\n" +
+                           exact_scan.describe() + "\n" + exact_helpers.describe() + "\n" +
+                           exact_one_token.describe() + "\n" + exact_small.describe() + "\n" +
                            exact_gather_one_token.describe() + "\n";
   ManifestDefaults d;
   d.dtype = MOEJIT_DTYPE_FLOAT32;
   std::vector<KernelSpec> specs;
   parse_manifest(text, "m.txt", d, &specs);
-  // Shape lines expand to every geometry: prefill, decode, then mid-size (each once: token-major
-  // at K=4 has one module for all three); for the token index each geometry's list-path module,
-  // then its single-launch module, and once the list helpers; the decode geometry's small-call
-  // single launch and one-token module; for the gather map the decode geometry's one-token module.
-  // (Four rows per token: two slots per thread past decode sizes, in 128-thread blocks past
-  // mid-size, so three list-path modules; mid-size calls have more than 128 rows, so no small-call
-  // form there.)
-  ASSERT_EQ(specs.size(), 18u);
+  // Shape lines expand to exactly what moe_combine() loads for the shape (specs_for_shape), in
+  // its order: the gather map at K=2 its prefill module (four slots per thread), the one-token
+  // module, the decode / mid-size module; token-major at K=4 one module for every size; the token
+  // index at four rows per token the prefill list path (two slots per thread in 128-thread
+  // blocks) with its helpers, the one-token module, the decode single launch and its small-call
+  // form, the mid-size list path (64-thread blocks) and the mid-size single launch (two slots per
+  // thread). Decode calls never take the list path here: their single launch always pays.
+  ASSERT_EQ(specs.size(), 17u);
   EXPECT_EQ(specs[0], exact);
+  const auto gm = specs_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
+                                  MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256);
+  ASSERT_EQ(gm.size(), 3u);
+  EXPECT_EQ(specs[1], gm[0]);
   EXPECT_EQ(specs[1], spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                      MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256));
-  EXPECT_EQ(specs[2], spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
-                                     MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256, 1));
-  EXPECT_EQ(specs[3], one_token_map_spec(specs[2]));
+  const KernelSpec gm_decode =
+      spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                     MOEJIT_INDEX_INT32, 4096, 2, 256, 1);
+  EXPECT_EQ(specs[2], one_token_map_spec(gm_decode));
+  EXPECT_EQ(specs[3], gm_decode);
   EXPECT_EQ(specs[4], spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32,
                                      MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256));
   // Token-major at K=4: decode calls take the prefill module (128-thread blocks), mid-size too.
   EXPECT_EQ(spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
                            MOEJIT_INDEX_INT64, 2048, 4, 256, 1),
             specs[4]);
-  EXPECT_EQ(specs[5], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
-                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256));
-  EXPECT_EQ(specs[6], single_launch_spec(specs[5], kAnyTokens));
-  EXPECT_EQ(specs[7], specs[5].helpers_spec());
-  EXPECT_EQ(specs[7].describe(), "layout=token_index idx=int64 helpers=1");
-  EXPECT_EQ(specs[8], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
-                                     MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 1));
-  EXPECT_EQ(specs[9], single_launch_spec(specs[8], 1));
-  EXPECT_EQ(specs[10], specs[9].with_small_scan());
-  EXPECT_EQ(specs[11], one_token_index_spec(specs[8]));
-  EXPECT_EQ(specs[12], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+  const KernelSpec ti_prefill =
+      spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
+                     MOEJIT_INDEX_INT64, 2048, 4, 256);
+  const KernelSpec ti_decode =
+      spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
+                     MOEJIT_INDEX_INT64, 2048, 4, 256, 1);
+  EXPECT_EQ(specs[5], ti_prefill);
+  EXPECT_EQ(specs[6], *companion_module(ti_prefill));
+  EXPECT_EQ(specs[6].describe(), "kind=token_index_list_helpers idx=int64");
+  EXPECT_EQ(specs[7], one_token_index_spec(ti_decode));
+  EXPECT_EQ(specs[8], single_launch_spec(ti_decode, 1));
+  EXPECT_EQ(specs[9], single_launch_for_rows(specs[8], 1));
+  EXPECT_EQ(specs[10], spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                       MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 4, 256, 65));
-  EXPECT_EQ(specs[12].tpt, 64);
-  EXPECT_EQ(specs[12].upt, 2);
+  EXPECT_EQ(specs[10].tpt, 64);
+  EXPECT_EQ(specs[10].upt, 2);
   EXPECT_EQ(specs[5].tpt, 128);
-  EXPECT_EQ(single_launch_spec(specs[12], 65), specs[6]);
-  EXPECT_EQ(specs[13], exact_scan);                    // an exact scan line round-trips
-  EXPECT_EQ(specs[14], exact_scan.helpers_spec());     // and a helpers line (int32)
-  EXPECT_EQ(specs[15], exact_one_token);               // and a one-token line
-  EXPECT_EQ(specs[16], exact_scan.with_small_scan());  // and a small-call single launch
-  EXPECT_EQ(specs[17], exact_gather_one_token);        // and a gather-map one-token line
+  EXPECT_EQ(specs[11], single_launch_spec(specs[10], 65));
+  EXPECT_EQ(single_launch_spec(ti_prefill, kAnyTokens), specs[11]);
+  EXPECT_EQ(specs[12], exact_scan);              // an exact scan line round-trips
+  EXPECT_EQ(specs[13], exact_helpers);           // and a helpers line (int32)
+  EXPECT_EQ(specs[14], exact_one_token);         // and a one-token line
+  EXPECT_EQ(specs[15], exact_small);             // and a small-call single launch
+  EXPECT_EQ(specs[16], exact_gather_one_token);  // and a gather-map one-token line
 
   auto bad = [&](const std::string& line) {
     return error_of([&] {
@@ -385,51 +395,52 @@ TEST(Manifest, ExactAndShapeLines) {
   EXPECT_NE(bad("topk=2 dtype=bf16").find("m.txt:2"), std::string::npos);
   EXPECT_NE(bad("hidden=4096 topk=2").find("no dtype"), std::string::npos);
   EXPECT_NE(bad("hidden=4096 topk=2 dtype=int8").find("unknown dtype"), std::string::npos);
-  EXPECT_NE(
-      bad("layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=3 K=2 tpt=8 tpb=16 upt=1 cap=0")
-          .find("vec = 3"),
-      std::string::npos);
-  EXPECT_NE(bad("layout=gather_map in=bf16 H=64").find("\"out\" is missing"), std::string::npos);
+  EXPECT_NE(bad("kind=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=3 K=2 tpt=8 tpb=16 upt=1")
+                .find("vec = 3"),
+            std::string::npos);
+  EXPECT_NE(bad("kind=gather_map in=bf16 H=64").find("\"out\" is missing"), std::string::npos);
   // Threads per token and tokens per block are bounded before their product is taken:
   // 65536 * 65536 would wrap a 32-bit int to 0, a "multiple of 32 at most 1024".
-  EXPECT_NE(bad("layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=65536 tpb=65536 "
-                "upt=1 cap=0")
+  EXPECT_NE(bad("kind=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=65536 tpb=65536 "
+                "upt=1")
                 .find("m.txt:2: tpt = 65536: expected 4..1024"),
             std::string::npos);
-  EXPECT_NE(bad("layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=32 tpb=65536 "
-                "upt=1 cap=0")
+  EXPECT_NE(bad("kind=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=32 tpb=65536 upt=1")
                 .find("m.txt:2: tpb = 65536: expected 1..1024"),
             std::string::npos);
-  EXPECT_NE(bad("layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=32 tpb=0 upt=1 "
-                "cap=0")
+  EXPECT_NE(bad("kind=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=32 tpb=0 upt=1")
                 .find("tpb = 0: expected 1..1024"),
             std::string::npos);
-  EXPECT_NE(bad("layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=64 tpb=32 upt=1 "
-                "cap=0")
+  EXPECT_NE(bad("kind=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=64 tpb=32 upt=1")
                 .find("tpt = 64: tpt >= 4, tpb >= 1, tpt * tpb a multiple of 32 and at most 1024"),
             std::string::npos);
+  // Each kind has exactly its keys: a list cap on a fixed layout, or on the one-token kernel
+  // (which keeps no list), does not belong; the fixed layouts' K is the token index's held.
   EXPECT_NE(
-      bad("layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=8 tpb=16 upt=1 cap=0 "
-          "scan=1")
-          .find("single-launch module"),
+      bad("kind=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=8 tpb=16 upt=1 "
+          "cap=16")
+          .find("\"cap\" does not belong: a gather_map line has exactly kind in out idx H vec "
+                "K tpt tpb upt"),
       std::string::npos);
   const std::string one_token = exact_one_token.describe();
-  EXPECT_NE(one_token.find(" cap=0 one_token=1"), std::string::npos) << one_token;
-  EXPECT_NE(bad(std::regex_replace(one_token, std::regex("cap=0"), "cap=8"))
-                .find("a one-token module keeps no list"),
+  EXPECT_EQ(one_token.find("cap="), std::string::npos) << one_token;
+  EXPECT_NE(bad(one_token + " cap=8").find("\"cap\" does not belong"), std::string::npos);
+  EXPECT_NE(
+      bad(std::regex_replace(one_token, std::regex("held="), "K=")).find("\"held\" is missing"),
+      std::string::npos);
+  EXPECT_NE(bad(std::regex_replace(one_token, std::regex("held=4"), "held=3"))
+                .find("held = 3: the token_index kinds hold 1, 2, 4, 8, 12 or 16 rows per token"),
             std::string::npos);
-  EXPECT_NE(bad(std::regex_replace(
-                    std::regex_replace(one_token, std::regex("token_index"), "token_major"),
-                    std::regex("int64"), "int32"))
-                .find("only the token_index and gather_map layouts have a one-token module"),
-            std::string::npos);
+  EXPECT_NE(
+      bad(std::regex_replace(std::regex_replace(one_token, std::regex("token_index_one_token"),
+                                                "token_major_one_token"),
+                             std::regex("int64"), "int32"))
+          .find("kind = \"token_major_one_token\": expected one of token_major, gather_map, "
+                "gather_map_one_token"),
+      std::string::npos);
   // A gather-map one-token module holds every row at once: K * upt at most 8.
   EXPECT_NE(bad(std::regex_replace(exact_gather_one_token.describe(), std::regex("K=8"), "K=9"))
                 .find("K * upt at most 8"),
-            std::string::npos);
-  EXPECT_NE(bad(one_token + " scan=1").find("or one_token=1"), std::string::npos);
-  EXPECT_NE(bad(std::regex_replace(one_token, std::regex("one_token=1"), "one_token=2"))
-                .find("one_token = 2"),
             std::string::npos);
   // List capacities: 8 (small-call forms) up to 128 (more than 16 rows per token on average).
   const KernelSpec wide = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
@@ -442,25 +453,25 @@ TEST(Manifest, ExactAndShapeLines) {
     EXPECT_EQ(s[0], wide);
   }
   EXPECT_NE(bad(std::regex_replace(wide.describe(), std::regex("cap=128"), "cap=256"))
-                .find("cap = 256: the token_index layout takes cap 8, 16, 32, 64 or 128"),
+                .find("cap = 256: the token_index lists take cap 8, 16, 32, 64 or 128"),
             std::string::npos);
-  // The small-call form: only with scan=1, 0 or 1, and only for one token per block.
-  const std::string small = exact_scan.with_small_scan().describe();
-  EXPECT_NE(small.find(" scan=1 small_scan=1"), std::string::npos) << small;
-  EXPECT_NE(bad(std::regex_replace(small, std::regex(" scan=1"), "")).find("with small_scan=1"),
-            std::string::npos);
-  EXPECT_NE(bad(std::regex_replace(small, std::regex("small_scan=1"), "small_scan=2"))
-                .find("small_scan = 2: expected 0 or 1"),
-            std::string::npos);
+  // The ordered scans (the small-call form too) are one token per block in whole warps; the
+  // shared-list scan is not.
+  const std::string small = exact_small.describe();
+  EXPECT_EQ(small.find("kind=token_index_small_scan "), 0u) << small;
   EXPECT_NE(bad(std::regex_replace(small, std::regex("tpb=1"), "tpb=2"))
-                .find("only a single-launch module with one token per block"),
+                .find("is one token per block in whole warps"),
+            std::string::npos);
+  EXPECT_NE(bad(std::regex_replace(exact_scan.describe(), std::regex("_scan"), "_ordered_scan"))
+                .find("kind = \"token_index_ordered_scan\": expected one of"),
             std::string::npos);
   EXPECT_NE(bad("hidden").find("expected key=value"), std::string::npos);
-  EXPECT_NE(bad("layout=gather_map idx=int32 helpers=1").find("only the token_index layout"),
+  // The format of earlier versions is refused with a pointer to the current one.
+  EXPECT_NE(bad("layout=token_index idx=int32 helpers=1").find("starts with kind="),
             std::string::npos);
-  EXPECT_NE(bad("layout=token_index idx=int32 helpers=1 H=64").find("a helpers line is exactly"),
+  EXPECT_NE(bad("kind=token_index_list_helpers idx=int32 H=64").find("\"H\" does not belong"),
             std::string::npos);
-  EXPECT_NE(bad("layout=token_index idx=int16 helpers=1").find("unknown index type"),
+  EXPECT_NE(bad("kind=token_index_list_helpers idx=int16").find("expected int32 or int64"),
             std::string::npos);
 }
 
@@ -562,8 +573,8 @@ TEST_F(Cli, BadInputsExitTwoWithAClearMessage) {
                    R"({"hidden_size": 4096, "top_k": 50, "torch_dtype": "bfloat16"})");
   test::write_file(scratch_ + "/shapes.txt", "hidden=64 topk=2\n");
   test::write_file(scratch_ + "/overflow.txt",
-                   "layout=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=65536 "
-                   "tpb=65536 upt=1 cap=0\n");
+                   "kind=gather_map in=bf16 out=bf16 idx=int32 H=64 vec=8 K=2 tpt=65536 "
+                   "tpb=65536 upt=1\n");
   struct Case {
     std::string args;
     std::vector<std::string> message;
@@ -664,7 +675,7 @@ TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
   const test::ToolRun text = run("-n --model-config '" + configs("deepseek-v3.json") +
                                  "' --arch sm_90,sm_80 --cache-dir '" + cache + "'");
   ASSERT_EQ(text.rc, 0) << text.err;
-  const std::regex line(R"((sm_90|sm_80)  layout=\w+ .* key=[0-9a-f]{32}  missing)");
+  const std::regex line(R"((sm_90|sm_80)  kind=\w+ .* key=[0-9a-f]{32}  missing)");
   size_t lines = 0;
   std::istringstream in(text.out);
   for (std::string l; std::getline(in, l);)
@@ -677,7 +688,7 @@ TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
   ASSERT_EQ(js.rc, 0) << js.err;
   const nlohmann::json j = nlohmann::json::parse(js.out);
   // 2 index types x (gather_map x 2 geometries and its one-token module + token_index: two list
-  // modules (prefill; decode and mid-size, which share one with 8 rows per token) and one
+  // modules (prefill; mid-size, the one decode calls would share with 8 rows per token) and one
   // single-launch module with its small-call form, the one-token module, the list helpers).
   EXPECT_EQ(j["total"], 18);
   EXPECT_EQ(j["missing"], 18);

@@ -298,7 +298,7 @@ TEST(CombineArgs, TheVectorSuitsEveryRowOfBothBuffers) {
 }
 
 // The gather map runs on the 2-D grid up to mid-size calls, T * vectors per row <= 2^21 included
-// (combine_plan.cpp, gather_map_two_dim_grid), on the 1-D grid past that.
+// (combine_dispatch.cpp, Grid::kFlatOrTokensByChunks), on the 1-D grid past that.
 TEST(CombineArgs, GatherMapTwoDimensionalGridUpToTwoToTheTwentyOneSlots) {
   moejit_combine_args a = gather_map(4096, 3, 4096);  // 512 slots of 8 bf16 per row: 2^21
   a.gates = nullptr;

@@ -56,6 +56,7 @@ std::vector<Case> matrix() {
           // narrower ones at run time), not only the widest.
           const int widths = max_vec(in, out) == 8 ? 4 : 3;
           s.vec = std::min(max_vec(in, out) >> (n % widths), std::max(1, hidden));
+          finish_spec(&s);
           cases.push_back({s, archs[n % 3]});
           if (layout == MOEJIT_LAYOUT_TOKEN_INDEX) {
             // The single-launch module as well, in a prefill geometry (one token per block for
@@ -71,8 +72,8 @@ std::vector<Case> matrix() {
             const KernelSpec single_decode = single_launch_spec(d, 1);
             cases.push_back({single_decode, archs[(n + 2) % 3]});
             // Its small-call form, where it lists rows in order (one token per block).
-            if (single_decode.ordered_scan())
-              cases.push_back({single_decode.with_small_scan(), archs[(n + 1) % 3]});
+            const KernelSpec small_decode = single_launch_for_rows(single_decode, 1);
+            if (small_decode != single_decode) cases.push_back({small_decode, archs[(n + 1) % 3]});
             // And the one-token kernel in its own geometry (8-byte vectors with one or two rows
             // where a row fills 128 threads).
             cases.push_back({one_token_index_spec(d), archs[n % 3]});
@@ -85,7 +86,9 @@ std::vector<Case> matrix() {
                                static_cast<moejit_dtype>(out), static_cast<moejit_index_type>(idx),
                                hidden, top_ks[n % 3], 256, 1);
             d.vec = s.vec;
-            cases.push_back({d.with_one_token_kernel(), archs[(n + 1) % 3]});
+            d.kind = KernelKind::kGatherMapOneToken;
+            finish_spec(&d);
+            cases.push_back({d, archs[(n + 1) % 3]});
           }
           ++n;
         }
@@ -104,16 +107,13 @@ std::vector<Case> matrix() {
         cases.push_back({s, archs[m++ % 3]});
         const KernelSpec single = single_launch_spec(s, tokens);
         cases.push_back({single, archs[m++ % 3]});
-        if (single.ordered_scan()) cases.push_back({single.with_small_scan(), archs[m++ % 3]});
+        const KernelSpec small = single_launch_for_rows(single, 1);
+        if (small != single) cases.push_back({small, archs[m++ % 3]});
       }
     }
   // The token index's list helpers (one module per index type), for every arch.
   for (int index_bytes : {4, 8})
-    for (int sm : archs) {
-      KernelSpec any;
-      any.index_bytes = index_bytes;
-      cases.push_back({any.helpers_spec(), sm});
-    }
+    for (int sm : archs) cases.push_back({list_helpers_spec(index_bytes), sm});
   // Every spec also for the other two archs where it is cheap: the H=7168 gather-map bf16 case.
   KernelSpec big = spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                   MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256);
@@ -136,8 +136,8 @@ TEST(KernelCompile, MatrixCoversEveryValue) {
   std::set<int> layouts, ins, outs, idx, hid, vec, arch;
   std::set<std::pair<int, int>> pairs;
   for (const Case& c : matrix()) {
-    if (c.spec.helpers) continue;  // no shape
-    layouts.insert(c.spec.layout);
+    if (c.spec.kind == KernelKind::kTokenIndexListHelpers) continue;  // no shape
+    layouts.insert(c.spec.layout());
     pairs.insert({c.spec.in_dtype, c.spec.out_dtype});
     idx.insert(c.spec.index_bytes);
     hid.insert(c.spec.hidden);
@@ -272,8 +272,8 @@ TEST(KernelCompile, EveryVariantCompilesForSm80Sm89Sm90) {
           throw Error(MOEJIT_ERROR_INTERNAL, "resource report for " + std::to_string(kernels) +
                                                  " of " + std::to_string(m.lowered_names.size()) +
                                                  " kernels:\n" + m.log);
-        // Every function, the called ones too (combine.cuh, relist_slab_window): no stack, no
-        // spill.
+        // Every function, the called ones too (a kernel may call a __noinline__ one): no stack,
+        // no spill.
         for (const KernelResources& k : report) {
           if ((k.entry && k.registers <= 0) || k.stack_bytes != 0 || k.spill_store_bytes != 0 ||
               k.spill_load_bytes != 0)
@@ -283,8 +283,7 @@ TEST(KernelCompile, EveryVariantCompilesForSm80Sm89Sm90) {
                             std::to_string(k.spill_store_bytes) + "/" +
                             std::to_string(k.spill_load_bytes) + " bytes spilled");
           if (!k.entry) continue;
-          const std::string kind = template_name(k.function) + " (" + layout_name(c.spec.layout) +
-                                   (c.spec.scan ? ", scan)" : ")");
+          const std::string kind = template_name(k.function) + " (" + kind_name(c.spec.kind) + ")";
           std::lock_guard<std::mutex> lock(failures_mutex);
           most_registers[kind] = std::max(most_registers[kind], k.registers);
         }
@@ -305,7 +304,7 @@ TEST(KernelCompile, EveryVariantCompilesForSm80Sm89Sm90) {
 }
 
 // The fixed layouts' 128-thread blocks with one slot per thread promise ptxas eight blocks per SM
-// (combine.cuh, CombineMinBlocks): without it ptxas fitted them into 32 registers by issuing a
+// (combine_fixed.cuh, FixedMinBlocks): without it ptxas fitted them into 32 registers by issuing a
 // batch's row loads one or two at a time. The gather map's four-slot blocks (K=2 at prefill)
 // promise ten, which keeps them at 48 registers (56 without it since the bf16 word unpack); with
 // 9-16 rows per token, all in one batch (kWideBatch), four (up to 128 registers). Every
@@ -345,8 +344,9 @@ TEST(KernelCompile, LaunchBoundsPromiseBlocksPerSmOnlyWhereMeasured) {
     const bool wide_batch = c.spec.top_k > 8 && c.spec.top_k <= 16;
     const int geometry_promise = !fixed_128        ? 0
                                  : c.spec.upt == 1 ? (wide_batch ? 4 : 8)
-                                 : c.spec.upt == 4 && c.spec.layout == MOEJIT_LAYOUT_GATHER_MAP ? 10
-                                                                                                : 0;
+                                 : c.spec.upt == 4 && c.spec.layout() == MOEJIT_LAYOUT_GATHER_MAP
+                                     ? 10
+                                     : 0;
     EXPECT_EQ(geometry_promise, c.promise);
     const CompiledModule m = compile(memory.store.request_for(c.spec, Target{90, true}));
     const std::string directive = ".minnctapersm " + std::to_string(c.promise);
@@ -360,11 +360,11 @@ TEST(KernelCompile, LaunchBoundsPromiseBlocksPerSmOnlyWhereMeasured) {
   }
 }
 
-// Programmatic dependent launch, as measured in version 30 (tools/bench/NOTES.md): a call's first
-// kernel asks L2 for its routing before it waits (prefetch.global.L2, then griddepcontrol.wait);
-// no combine kernel lets the caller's next kernel start early (griddepcontrol.launch_dependents
-// from a short kernel cost up to 0.43 us per decode step); the list helpers do trigger, since
-// their dependents are the chain's own next kernels. Read from the PTX.
+// Programmatic dependent launch (docs/performance.md#dependent-launch): a call's first kernel asks
+// L2 for its routing before it waits (prefetch.global.L2, then griddepcontrol.wait); no combine
+// kernel lets the caller's next kernel start early (griddepcontrol.launch_dependents from a short
+// kernel slowed the caller's next kernel); the list helpers do trigger, since their dependents are
+// the chain's own next kernels. Read from the PTX.
 TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone) {
   MemoryStore memory;
   auto ptx_for = [&](const KernelSpec& spec, int arch) {
@@ -374,7 +374,7 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
   // Nothing the previous kernel may have written is read before the wait: in each kernel that
   // waits, no load of any kind (ld.global, ld.global.nc) comes between its entry and the wait.
   // Only the code's shape keeps them there: the row loads' asm and __ldg are not volatile
-  // (combine.cuh, load_pack_if).
+  // (combine_common.cuh, load_pack_if).
   auto expect_no_load_before_the_wait = [](const std::string& code) {
     int waiting_kernels = 0;
     for (size_t entry = code.find(".entry"); entry != std::string::npos;
@@ -394,17 +394,24 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
   };
   const KernelSpec decode_index = shape(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, 1);
   const KernelSpec single = single_launch_spec(decode_index, 1);
-  ASSERT_TRUE(single.ordered_scan());
+  ASSERT_EQ(single_launch_for_rows(single, 1).kind, KernelKind::kTokenIndexSmallScan);
+  KernelSpec decode_one = decode_index;  // the one-token kernel in the decode geometry
+  decode_one.kind = KernelKind::kTokenIndexOneToken;
+  decode_one.list_cap = 0;
+  finish_spec(&decode_one);
+  KernelSpec map_one = shape(MOEJIT_LAYOUT_GATHER_MAP, 7168, 8, 1);
+  map_one.kind = KernelKind::kGatherMapOneToken;
+  finish_spec(&map_one);
   const KernelSpec first_kernels[] = {
       shape(MOEJIT_LAYOUT_GATHER_MAP, 7168, 8, 1),           // decode geometry
       shape(MOEJIT_LAYOUT_GATHER_MAP, 4096, 2, kAnyTokens),  // prefill geometry
       shape(MOEJIT_LAYOUT_TOKEN_MAJOR, 7168, 8, 1),
-      single,                    // the slab form
-      single.with_small_scan(),  // the small-call form
-      decode_index.with_one_token_kernel(),
+      single,                             // one token per block, lists in shared memory
+      single_launch_for_rows(single, 1),  // the small-call form
+      decode_one,
       one_token_index_spec(shape(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 2, 1)),  // 8-byte vectors
       one_token_index_spec(decode_index),                                  // 4-byte vectors
-      shape(MOEJIT_LAYOUT_GATHER_MAP, 7168, 8, 1).with_one_token_kernel(),
+      map_one,
       single_launch_spec(shape(MOEJIT_LAYOUT_TOKEN_INDEX, 128, 2, kAnyTokens), kAnyTokens),
   };
   for (const KernelSpec& spec : first_kernels) {
@@ -426,7 +433,7 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
   expect_no_load_before_the_wait(list_combine);
   EXPECT_EQ(list_combine.find("griddepcontrol.launch_dependents"), std::string::npos);
   // Its helpers let the chain's next kernel be scheduled early, each of them.
-  const std::string helpers = ptx(decode_index.helpers_spec());
+  const std::string helpers = ptx(list_helpers_spec(decode_index.index_bytes));
   size_t triggers = 0;
   for (size_t at = helpers.find("griddepcontrol.launch_dependents"); at != std::string::npos;
        at = helpers.find("griddepcontrol.launch_dependents", at + 1))

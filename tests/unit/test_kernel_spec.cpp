@@ -7,12 +7,29 @@
 #include <utility>
 #include <vector>
 
+#include "aligned_call.h"
 #include "combine_plan.h"
 #include "error.h"
 #include "kernel_spec.h"
 
 namespace moejit {
 namespace {
+
+// What a spec's kind says, in the words the tests use.
+// A single launch with one token per block in whole warps: the geometry that has a small-call form.
+bool ordered_scan(const KernelSpec& s) {
+  return (s.kind == KernelKind::kTokenIndexScan || s.kind == KernelKind::kTokenIndexSmallScan) &&
+         s.tpb == 1 && s.tpt % 32 == 0;
+}
+bool small_scan(const KernelSpec& s) {
+  return s.kind == KernelKind::kTokenIndexSmallScan;
+}
+bool needs_list_helpers(const KernelSpec& s) {
+  return companion_module(s).has_value();
+}
+bool one_dim_grid(const KernelSpec& s) {
+  return s.grid != Grid::kTokensByChunks;
+}
 
 // expert and out are fake addresses whose low bits set the alignment a test wants; each is moved
 // into a region of its own (far apart), since the library refuses buffers that overlap.
@@ -82,8 +99,8 @@ TEST(KernelSpec, FixedLayoutsUseOneDimensionWithATokensChunksAdjacent) {
 
 TEST(KernelSpec, DecodeSizedCallsKeepTheBandwidthBlocksAndMidSizeCallsSpreadATokenOut) {
   auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
-  // Decode sizes: the 128-thread blocks whatever the rows per token (version 38: faster than 16x2
-  // at K > 2 in interleaved rounds), one slot per thread (two at K=1, four at K=2, only past them).
+  // Decode sizes: the 128-thread blocks whatever the rows per token (faster than 16x2 at K > 2),
+  // one slot per thread (two at K=1, four at K=2, only past them).
   for (int k : {1, 2, 4, 8}) {
     a.top_k = k;
     a.num_rows = 3 * k;
@@ -144,7 +161,10 @@ TEST(KernelSpec, DecodeSizedCallsKeepTheBandwidthBlocksAndMidSizeCallsSpreadATok
                                        MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256, 3);
   EXPECT_EQ(ti.tpt, 64);
   EXPECT_EQ(ti.tpb, 1);
-  EXPECT_EQ(ti.with_one_token_kernel().tpt, 64);
+  const KernelSpec ti_fp32 =
+      spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
+                     MOEJIT_INDEX_INT32, 7168, 4, 256, 3);
+  EXPECT_EQ(one_token_index_spec(ti_fp32).tpt, 64);  // in 16-byte vectors, the decode geometry
   EXPECT_EQ(single_launch_spec(ti, 3).name_expressions(),
             std::vector<std::string>{
                 "&moejit::combine_scan<2, 2, int, 7168, 8, 8, 128, 1, 1, 32, false>"});
@@ -246,7 +266,8 @@ void expect_module(const KernelSpec& spec, const std::string& description,
 TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   const KernelSpec s = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT16,
                                       MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 2048, 8, 256);
-  EXPECT_EQ(s.top_k, 8);  // rows held in registers: 8 expected per token
+  EXPECT_EQ(s.held, 8);  // rows held in registers: 8 expected per token
+  EXPECT_EQ(s.top_k, 0);
   EXPECT_EQ(s.list_cap, 32);
   // Held rows: the expected count rounded up to 1, 2, 4, 8 or 16; the list holds at least 16 and
   // four times the expected count, up to 128 (random counts per token then stay within it). The
@@ -261,38 +282,40 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
     const KernelSpec t =
         spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
                        MOEJIT_INDEX_INT32, 4096, z.rows_per_token, 256);
-    EXPECT_EQ(t.top_k, z.held) << z.rows_per_token;
+    EXPECT_EQ(t.held, z.held) << z.rows_per_token;
     EXPECT_EQ(t.list_cap, z.cap) << z.rows_per_token;
     const KernelSpec single = single_launch_spec(t, 3);
     EXPECT_EQ(single.list_cap, z.cap) << z.rows_per_token;
-    ASSERT_TRUE(single.ordered_scan()) << z.rows_per_token;
-    EXPECT_EQ(single.with_small_scan().list_cap, z.small_cap) << z.rows_per_token;
-    EXPECT_EQ(single.with_small_scan().with_small_scan(), single.with_small_scan())
-        << z.rows_per_token;
+    ASSERT_TRUE(ordered_scan(single)) << z.rows_per_token;
+    const KernelSpec small = single_launch_for_rows(single, 1);
+    EXPECT_EQ(small.list_cap, z.small_cap) << z.rows_per_token;
+    EXPECT_EQ(single_launch_for_rows(small, 1), small) << z.rows_per_token;
   }
   EXPECT_EQ(s.vec, 4);  // fp32 output limits the vector to 16 bytes of output
   // Prefill: 512 slots in whole 128-thread chunks, the bandwidth blocks (rows through L1).
-  EXPECT_EQ(
-      s.name_expressions(),
-      std::vector<std::string>{"&moejit::combine<2, 1, 0, long long, 2048, 4, 8, 128, 1, 1, 32>"});
+  EXPECT_EQ(s.name_expressions(),
+            std::vector<std::string>{
+                "&moejit::combine_lists<1, 0, long long, 2048, 4, 8, 128, 1, 1, 32, 1, true>"});
   // The list helpers: one module per index type, whatever the shape.
-  const KernelSpec h = s.helpers_spec();
+  const KernelSpec h = list_helpers_spec(s.index_bytes);
+  ASSERT_TRUE(companion_module(s).has_value());
+  EXPECT_EQ(*companion_module(s), h);
   const auto names = h.name_expressions();
   ASSERT_EQ(names.size(), 2u);
   EXPECT_EQ(names[kClearKernel], "&moejit::token_index_clear<>");
   EXPECT_EQ(names[kAssignKernel], "&moejit::token_index_assign<long long>");
-  EXPECT_EQ(h.describe(), "layout=token_index idx=int64 helpers=1");
+  EXPECT_EQ(h.describe(), "kind=token_index_list_helpers idx=int64");
   EXPECT_NE(h, s);
   EXPECT_NE(h, single_launch_spec(s, kAnyTokens));
-  EXPECT_EQ(h, spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
-                              MOEJIT_INDEX_INT64, 7168, 1, 256)
-                   .helpers_spec());
-  EXPECT_EQ(h.helpers_spec(), h);
+  EXPECT_EQ(
+      h, *companion_module(spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
+                                          MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT64, 7168, 1, 256)));
+  EXPECT_FALSE(companion_module(h).has_value());
   EXPECT_NE(h.hash(), s.hash());
   // Only a list-path combine launches the helpers (ModuleCache loads them with it).
-  EXPECT_TRUE(s.needs_list_helpers());
-  EXPECT_FALSE(single_launch_spec(s, kAnyTokens).needs_list_helpers());
-  EXPECT_FALSE(h.needs_list_helpers());
+  EXPECT_TRUE(needs_list_helpers(s));
+  EXPECT_FALSE(needs_list_helpers(single_launch_spec(s, kAnyTokens)));
+  EXPECT_FALSE(needs_list_helpers(h));
   EXPECT_EQ(h.chunks(), 0);  // no geometry: no division by zero
   // The single-launch kernel is a module of its own, a spec of its own (and a cache entry), in
   // 128-thread blocks: each of them scans all of token_idx.
@@ -300,18 +323,18 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   EXPECT_NE(scan, s);
   EXPECT_NE(scan.hash(), s.hash());
   expect_module(scan,
-                "layout=token_index in=fp16 out=fp32 idx=int64 H=2048 vec=4 K=8 tpt=128 tpb=1 "
-                "upt=1 cap=32 scan=1",
+                "kind=token_index_scan in=fp16 out=fp32 idx=int64 H=2048 vec=4 held=8 tpt=128 "
+                "tpb=1 upt=1 cap=32",
                 "&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 128, 1, 1, 32, false>");
   // Its small-call form (every warp reads all of token_idx; calls with at most 128 rows): a
   // module, spec and cache entry of its own, with half the list (it scans again past a window).
-  ASSERT_TRUE(scan.ordered_scan());
-  const KernelSpec small = scan.with_small_scan();
+  ASSERT_TRUE(ordered_scan(scan));
+  const KernelSpec small = single_launch_for_rows(scan, 1);
   EXPECT_NE(small, scan);
   EXPECT_NE(small.hash(), scan.hash());
   expect_module(small,
-                "layout=token_index in=fp16 out=fp32 idx=int64 H=2048 vec=4 K=8 tpt=128 tpb=1 "
-                "upt=1 cap=16 scan=1 small_scan=1",
+                "kind=token_index_small_scan in=fp16 out=fp32 idx=int64 H=2048 vec=4 held=8 "
+                "tpt=128 tpb=1 upt=1 cap=16",
                 "&moejit::combine_scan<1, 0, long long, 2048, 4, 8, 128, 1, 1, 16, true>");
   EXPECT_EQ(single_launch_for_rows(scan, 1), small);
   EXPECT_EQ(single_launch_for_rows(scan, 128), small);
@@ -353,7 +376,7 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
       single_launch_spec(tiny, kAnyTokens).name_expressions(),
       std::vector<std::string>{"&moejit::combine_scan<0, 0, int, 8, 4, 2, 4, 128, 1, 16, false>"});
   // Several tokens per block: not an ordered scan, so no small-call form.
-  EXPECT_FALSE(single_launch_spec(tiny, 64).ordered_scan());
+  EXPECT_FALSE(ordered_scan(single_launch_spec(tiny, 64)));
   EXPECT_EQ(single_launch_for_rows(single_launch_spec(tiny, 64), 2), single_launch_spec(tiny, 64));
   EXPECT_EQ(single_launch_spec(tiny, 64).tpb, 32);
   EXPECT_EQ(single_launch_spec(tiny, 65).tpb, 128);
@@ -362,28 +385,30 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   for (int rows : {10, 16}) {
     const KernelSpec wide = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32,
                                            MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 8, rows, 256);
-    EXPECT_EQ(wide.top_k, rows <= 12 ? 12 : 16);
+    EXPECT_EQ(wide.held, rows <= 12 ? 12 : 16);
     EXPECT_GT(single_launch_spec(wide, 65).tpb, 1);
-    EXPECT_EQ(single_launch_spec(wide, 65).top_k, 8);
+    EXPECT_EQ(single_launch_spec(wide, 65).held, 8);
     const KernelSpec long_rows =
         spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
                        MOEJIT_INDEX_INT32, 4096, rows, 256);
     EXPECT_EQ(single_launch_spec(long_rows, 65).tpb, 1);
-    EXPECT_EQ(single_launch_spec(long_rows, 65).top_k, long_rows.top_k);
+    EXPECT_EQ(single_launch_spec(long_rows, 65).held, long_rows.held);
   }
   // The one-token kernel: a module of its own too, without a list, in the decode geometry.
-  const KernelSpec one = s_decode.with_one_token_kernel();
+  const KernelSpec one = one_token_index_spec(s_decode);  // 8-byte vectors: not narrowed
   EXPECT_NE(one, s_decode);
   EXPECT_NE(one, s);
   EXPECT_NE(one, scan);
   EXPECT_NE(one.hash(), s.hash());
   EXPECT_EQ(one.list_cap, 0);
-  EXPECT_FALSE(one.needs_list_helpers());
+  EXPECT_FALSE(needs_list_helpers(one));
   expect_module(one,
-                "layout=token_index in=fp16 out=fp32 idx=int64 H=2048 vec=4 K=8 tpt=64 tpb=1 "
-                "upt=1 cap=0 one_token=1",
+                "kind=token_index_one_token in=fp16 out=fp32 idx=int64 H=2048 vec=4 held=8 tpt=64 "
+                "tpb=1 upt=1",
                 "&moejit::combine_one_token<1, 0, long long, 2048, 4, 8, 64, 1, 1>");
-  EXPECT_NE(s.source().find("#include \"combine.cuh\""), std::string::npos);
+  // Each module's source includes its kernel family's template.
+  EXPECT_NE(s.source().find("#include \"combine_token_index.cuh\""), std::string::npos);
+  EXPECT_NE(one.source().find("#include \"combine_one_token.cuh\""), std::string::npos);
 }
 
 // The plan of a token-index call on 16-byte-aligned bf16 rows (VEC 8) with a workspace.
@@ -399,10 +424,10 @@ CombinePlan plan_token_index(int64_t hidden, int64_t tokens, int64_t rows, moeji
   return plan_combine(&a);
 }
 
-// The shapes of the GPU test CombineGpu.SlabScanListsAHotTokensRows take the single launch's slab
-// form (one token per block, more rows than the block has threads), with the list capacities that
-// test puts its hot token's row counts around.
-TEST(KernelSpec, SlabListTestShapesTakeTheSlabForm) {
+// The shapes of the GPU test CombineGpu.SlabScanListsAHotTokensRows take the single launch with
+// one token per block and more rows than the block has threads (its shared list, not the
+// small-call form), with the list capacities that test puts its hot token's row counts around.
+TEST(KernelSpec, SlabListTestShapesTakeTheOneTokenBlockScan) {
   struct Shape {
     int64_t hidden, tokens, top_k;
     int tpt, list_cap;
@@ -415,8 +440,8 @@ TEST(KernelSpec, SlabListTestShapesTakeTheSlabForm) {
                              std::to_string(sh.top_k) + " " + std::to_string(idx);
       const CombinePlan plan = plan_token_index(sh.hidden, sh.tokens, sh.tokens * sh.top_k, idx);
       EXPECT_TRUE(plan.token_scan()) << at;
-      EXPECT_TRUE(plan.spec.ordered_scan()) << at;
-      EXPECT_FALSE(plan.spec.small_scan) << at;
+      EXPECT_TRUE(ordered_scan(plan.spec)) << at;
+      EXPECT_FALSE(small_scan(plan.spec)) << at;
       EXPECT_GT(sh.tokens * sh.top_k, plan.spec.block_threads()) << at;
       EXPECT_EQ(plan.spec.tpt, sh.tpt) << at;
       EXPECT_EQ(plan.spec.list_cap, sh.list_cap) << at;
@@ -444,8 +469,8 @@ TEST(KernelSpec, WalkTestShapesTakeTheirGroups) {
           std::to_string(sh.hidden) + " " + std::to_string(sh.tokens) + " " + std::to_string(idx);
       const CombinePlan plan = plan_token_index(sh.hidden, sh.tokens, sh.tokens * sh.top_k, idx);
       EXPECT_EQ(plan.token_scan(), sh.scan) << at;
-      EXPECT_FALSE(plan.spec.ordered_scan()) << at;
-      EXPECT_EQ(plan.spec.needs_list_helpers(), !sh.scan) << at;
+      EXPECT_FALSE(ordered_scan(plan.spec)) << at;
+      EXPECT_EQ(needs_list_helpers(plan.spec), !sh.scan) << at;
       EXPECT_EQ(plan.spec.tpt, sh.tpt) << at;
       EXPECT_EQ(plan.spec.tpb, sh.tpb) << at;
       EXPECT_EQ(plan.spec.list_cap, sh.list_cap) << at;
@@ -454,9 +479,10 @@ TEST(KernelSpec, WalkTestShapesTakeTheirGroups) {
 }
 
 // The single launch with several tokens per block keeps a row list per token in shared memory
-// (combine.cuh, scan_token_rows): at most 32 KB of lists per block, whatever the row length and
-// the rows per token (lists of 16 to 128 entries), at decode and larger sizes. 4-thread groups of
-// 128-entry lists in 512-thread blocks took 64 KB, over the 48 KB of static shared memory.
+// (token_index_rows.cuh, scan_token_rows): at most 32 KB of lists per block, whatever the row
+// length and the rows per token (lists of 16 to 128 entries), at decode and larger sizes. 4-thread
+// groups of 128-entry lists in 512-thread blocks took 64 KB, over the 48 KB of static shared
+// memory.
 TEST(KernelSpec, ShortRowScanListsFitSharedMemory) {
   int scans = 0;
   for (int64_t hidden : {1, 8, 16, 32, 64, 128, 256})
@@ -539,6 +565,7 @@ TEST(KernelSpec, OneTokenGatherMapCallsPlanTheirModule) {
       EXPECT_FALSE(plan.token_scan()) << at;
       EXPECT_FALSE(plan.list_helpers()) << at;
       EXPECT_EQ(plan.spec.top_k, k) << at;
+      EXPECT_EQ(plan.spec.kind, KernelKind::kGatherMapOneToken) << at;
       EXPECT_EQ(plan.params.list_capacity, 0) << at;
       // Its own geometry (one_token_map_spec) on the fixed layouts' grid: at K <= 2 8-byte vectors
       // (1792 of them in 14 chunks of 128), at K > 2 16-byte ones (896 in 56 chunks of 16, two
@@ -548,7 +575,7 @@ TEST(KernelSpec, OneTokenGatherMapCallsPlanTheirModule) {
                                          std::string(k <= 2 ? "4, " : "8, ") + std::to_string(k) +
                                          (k <= 2 ? ", 128, 1, 1>" : ", 16, 2, 1>")})
           << at;
-      EXPECT_TRUE(plan.spec.one_dim_grid()) << at;
+      EXPECT_TRUE(one_dim_grid(plan.spec)) << at;
       EXPECT_EQ(plan.combine_grid_x, k <= 2 ? 14u : 56u) << at;
       EXPECT_EQ(plan.combine_grid_y, 1u) << at;
       const auto warmed =
@@ -570,14 +597,15 @@ TEST(KernelSpec, OneTokenGatherMapCallsPlanTheirModule) {
   EXPECT_FALSE(plan_combine(&a).one_token());
   const auto warmed = specs_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                       MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 9, 256);
-  EXPECT_TRUE(
-      std::none_of(warmed.begin(), warmed.end(), [](const KernelSpec& s) { return s.one_token; }));
+  EXPECT_TRUE(std::none_of(warmed.begin(), warmed.end(), [](const KernelSpec& s) {
+    return s.kind == KernelKind::kGatherMapOneToken;
+  }));
 }
 
 // The single launch with one token per block has a small-call form (every warp reads all of
-// token_idx and lists a window of rows: no slab scan, no walk) for calls with at most one block's
-// threads in rows; the precompile tool warms it wherever a decode or mid-size call of the shape
-// takes it.
+// token_idx and lists a window of rows: no shared lists, no walk) for calls with at most one
+// block's threads in rows; the precompile tool warms it wherever a decode or mid-size call of the
+// shape takes it.
 TEST(KernelSpec, CallsWithAtMostABlockOfRowsTakeTheSmallScanForm) {
   auto a = gather_args(reinterpret_cast<void*>(0x100000), reinterpret_cast<void*>(0x200000), 7168);
   a.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
@@ -598,9 +626,9 @@ TEST(KernelSpec, CallsWithAtMostABlockOfRowsTakeTheSmallScanForm) {
             std::to_string(hidden) + " " + std::to_string(tokens) + " " + std::to_string(rows);
         if (tokens <= 64 || hidden == 7168) {
           EXPECT_EQ(plan.spec.block_threads(), block) << at;
-          EXPECT_TRUE(plan.spec.ordered_scan()) << at;
+          EXPECT_TRUE(ordered_scan(plan.spec)) << at;
         }
-        EXPECT_EQ(plan.spec.small_scan, plan.spec.ordered_scan() && rows <= block) << at;
+        EXPECT_EQ(small_scan(plan.spec), ordered_scan(plan.spec) && rows <= block) << at;
       }
     }
     // Every decode and mid-size call with K rows per token: its module is among those warmed. K is
@@ -628,8 +656,8 @@ TEST(KernelSpec, CallsWithAtMostABlockOfRowsTakeTheSmallScanForm) {
   a.num_rows = 8;
   const CombinePlan tiny = plan_combine(&a);
   EXPECT_TRUE(tiny.token_scan());
-  EXPECT_FALSE(tiny.spec.ordered_scan());
-  EXPECT_FALSE(tiny.spec.small_scan);
+  EXPECT_FALSE(ordered_scan(tiny.spec));
+  EXPECT_FALSE(small_scan(tiny.spec));
 }
 
 TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
@@ -640,7 +668,7 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   // 3 tokens, 6 rows: one launch, whose module holds that kernel alone.
   const CombinePlan small = plan_combine(&a);
   EXPECT_TRUE(small.token_scan());
-  EXPECT_TRUE(small.spec.scan);
+  EXPECT_TRUE(ordered_scan(small.spec));
   EXPECT_EQ(small.spec.name_expressions().size(), 1u);
   EXPECT_NE(small.spec.name_expressions()[kCombineKernel].find("combine_scan<"), std::string::npos);
   EXPECT_FALSE(small.list_helpers());
@@ -652,11 +680,11 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   a.num_rows = 8000;
   const CombinePlan large = plan_combine(&a);
   EXPECT_FALSE(large.token_scan());
-  EXPECT_FALSE(large.spec.scan);
+  EXPECT_EQ(large.spec.kind, KernelKind::kTokenIndexLists);
   EXPECT_TRUE(large.list_helpers());
   EXPECT_EQ(large.params.list_capacity, 128);  // 200 rows per token: the workspace lists' stride
   EXPECT_EQ(large.spec.name_expressions().size(), 1u);
-  EXPECT_EQ(large.spec.helpers_spec().describe(), "layout=token_index idx=int32 helpers=1");
+  EXPECT_EQ(companion_module(large.spec)->describe(), "kind=token_index_list_helpers idx=int32");
   EXPECT_EQ(large.spec.tpt, 64);
   EXPECT_EQ(single_launch_spec(large.spec, 40).tpt, 128);
   EXPECT_EQ(small.spec.tpt, 128);
@@ -664,7 +692,7 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   // list path with more than one row per token: one 1-D grid, a token's 14 chunks adjacent.
   EXPECT_EQ(small.combine_grid_x, 3u);
   EXPECT_EQ(small.combine_grid_y, 7u);
-  EXPECT_TRUE(large.spec.one_dim_grid());
+  EXPECT_TRUE(one_dim_grid(large.spec));
   EXPECT_EQ(large.combine_grid_x, 40u * 14u);
   EXPECT_EQ(large.combine_grid_y, 1u);
   // Prefill geometry: 1536 tokens of 2 rows, 128-wide fp32 (32 threads per token): the single
@@ -697,7 +725,7 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   EXPECT_FALSE(one_row.token_scan());
   // One row per token held: the list path keeps x the token groups, y the chunks (640 vectors in
   // chunks of 64 threads x 2 slots).
-  EXPECT_FALSE(one_row.spec.one_dim_grid());
+  EXPECT_FALSE(one_dim_grid(one_row.spec));
   EXPECT_EQ(one_row.spec.tpt, 64);
   EXPECT_EQ(one_row.spec.upt, 2);
   EXPECT_EQ(one_row.combine_grid_x, 4096u);
@@ -738,36 +766,43 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
 TEST(KernelSpec, EqualityAndHashCoverEveryField) {
   const KernelSpec base = spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                          MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256);
-  int KernelSpec::*fields[] = {
-      &KernelSpec::layout, &KernelSpec::in_dtype, &KernelSpec::out_dtype, &KernelSpec::index_bytes,
-      &KernelSpec::hidden, &KernelSpec::vec,      &KernelSpec::top_k,     &KernelSpec::tpt,
-      &KernelSpec::tpb,    &KernelSpec::upt,      &KernelSpec::list_cap};
-  for (auto field : fields) {
-    KernelSpec other = base;
-    other.*field += field == &KernelSpec::index_bytes ? 4 : 1;  // 4 -> 8: int32 -> int64
-    EXPECT_NE(other, base);
-    EXPECT_NE(other.hash(), base.hash());
-    EXPECT_NE(other.describe(), base.describe());
-  }
-  // The flags that pick a module's kernel: a spec that differs in one of them alone (the gather
-  // map's one-token module has the fixed module's every int field) is another module.
-  bool KernelSpec::*flags[] = {&KernelSpec::scan, &KernelSpec::small_scan, &KernelSpec::one_token,
-                               &KernelSpec::helpers};
-  for (auto flag : flags) {
-    KernelSpec other = base;
-    other.*flag = true;
-    EXPECT_NE(other, base);
-    EXPECT_NE(base, other);
-    EXPECT_NE(other.hash(), base.hash());
-    EXPECT_NE(other.describe(), base.describe());
-    for (auto second : flags) {
-      if (second == flag) continue;
-      KernelSpec both = other;
-      both.*second = true;
-      EXPECT_NE(both, other);
-      EXPECT_NE(both.hash(), other.hash());
+  const KernelSpec lists = spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
+                                          MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 4096, 2, 256);
+  // Every field a kind's text form carries: the gather map's, then the token index's own.
+  const std::pair<const KernelSpec*, std::vector<int KernelSpec::*>> cases[] = {
+      {&base,
+       {&KernelSpec::in_dtype, &KernelSpec::out_dtype, &KernelSpec::index_bytes,
+        &KernelSpec::hidden, &KernelSpec::vec, &KernelSpec::top_k, &KernelSpec::tpt,
+        &KernelSpec::tpb, &KernelSpec::upt}},
+      {&lists, {&KernelSpec::held, &KernelSpec::list_cap}}};
+  for (const auto& [spec, fields] : cases)
+    for (auto field : fields) {
+      KernelSpec other = *spec;
+      other.*field += field == &KernelSpec::index_bytes ? 4 : 1;  // 4 -> 8: int32 -> int64
+      EXPECT_NE(other, *spec);
+      EXPECT_NE(other.hash(), spec->hash());
+      EXPECT_NE(other.describe(), spec->describe());
     }
+  // The kind picks the module's kernel: a spec that differs in it alone (the gather map's
+  // one-token module may have the fixed module's every other field) is another module.
+  for (int k = 0; k < kKernelKinds; ++k) {
+    KernelSpec other = base;
+    other.kind = static_cast<KernelKind>(k);
+    if (other.kind == base.kind) continue;
+    EXPECT_NE(other, base) << k;
+    EXPECT_NE(other.hash(), base.hash()) << k;
+    EXPECT_NE(other.describe(), base.describe()) << k;
   }
+  // The rules the kernel takes as template arguments are part of the spec (derived from the
+  // fields above, so they never differ alone in practice).
+  KernelSpec grid = base;
+  grid.grid = Grid::kTokensByChunks;
+  EXPECT_NE(grid, base);
+  EXPECT_NE(grid.hash(), base.hash());
+  KernelSpec cached = base;
+  cached.cached_rows = !base.cached_rows;
+  EXPECT_NE(cached, base);
+  EXPECT_NE(cached.hash(), base.hash());
 }
 
 TEST(KernelSpec, OneRowPerTokenTakesTwoSlotsPerThreadAtPrefill) {
@@ -834,7 +869,7 @@ TEST(KernelSpec, EightRowsPerTokenTakeTheMidSizeGeometryUpToTwoToTheTwentyOneTok
   }
   // The gather map's one-token kernel keeps 16x2 at K > 2, 128x1 at K <= 2.
   const KernelSpec one = one_token_map_spec(spec(MOEJIT_LAYOUT_GATHER_MAP, 7168, 8, 1));
-  EXPECT_TRUE(one.one_token);
+  EXPECT_EQ(one.kind, KernelKind::kGatherMapOneToken);
   EXPECT_EQ(one.tpt, 16);
   EXPECT_EQ(one.tpb, 2);
   EXPECT_EQ(one_token_map_spec(spec(MOEJIT_LAYOUT_GATHER_MAP, 7168, 2, 1)).tpt, 128);
@@ -873,7 +908,6 @@ TEST(KernelSpec, EightRowsPerTokenTakeTheMidSizeGeometryUpToTwoToTheTwentyOneTok
 // otherwise a MOEJIT_CACHE_MODE=no-compile deployment fails on that call with NOT_CACHED. Aligned,
 // unpadded buffers, as precompile assumes.
 TEST(KernelSpec, EveryCallOfAWarmedShapePlansAWarmedModule) {
-  constexpr uintptr_t kRegion = uintptr_t{1} << 46;
   std::vector<int64_t> token_counts;
   for (int64_t t = 1; t <= 140; ++t) token_counts.push_back(t);
   for (const int64_t t : {255, 256, 257, 511, 512, 513, 1000, 2048, 4096, 16384, 65536, 262145})
@@ -904,33 +938,15 @@ TEST(KernelSpec, EveryCallOfAWarmedShapePlansAWarmedModule) {
                 rows_choices.push_back(tokens * (k - 1) + 1);
               for (const int64_t rows : rows_choices) {
                 for (const int dependent : {0, 1}) {
-                  moejit_combine_args a;
-                  moejit_combine_args_init(&a);
-                  a.layout = layout;
-                  a.num_tokens = tokens;
-                  a.top_k = layout == MOEJIT_LAYOUT_TOKEN_INDEX ? 0 : k;
-                  a.num_rows = rows;
-                  a.hidden_dim = hidden;
-                  a.expert_hidden = reinterpret_cast<void*>(1 * kRegion);
-                  a.expert_dtype = dt.first;
-                  a.out = reinterpret_cast<void*>(2 * kRegion);
-                  a.out_dtype = dt.second;
-                  if (layout != MOEJIT_LAYOUT_TOKEN_MAJOR) {
-                    a.indices = reinterpret_cast<void*>(3 * kRegion);
-                    a.index_type = index_type;
-                  }
-                  a.dependent_launch = dependent;
-                  if (layout == MOEJIT_LAYOUT_TOKEN_INDEX) {
-                    a.workspace = reinterpret_cast<void*>(4 * kRegion);
-                    a.workspace_bytes = combine_workspace_bytes(&a);
-                  }
+                  const moejit_combine_args a = test::aligned_call(
+                      layout, dt.first, dt.second, index_type, hidden, k, tokens, rows, dependent);
                   const KernelSpec planned = plan_combine(&a).spec;
                   ++plans;
                   ASSERT_NE(std::find(warmed.begin(), warmed.end(), planned), warmed.end())
                       << planned.describe() << " is not warmed for T = " << tokens
                       << ", R = " << rows << ", K = " << k << ", dependent_launch = " << dependent;
-                  if (planned.needs_list_helpers()) {
-                    ASSERT_NE(std::find(warmed.begin(), warmed.end(), planned.helpers_spec()),
+                  if (needs_list_helpers(planned)) {
+                    ASSERT_NE(std::find(warmed.begin(), warmed.end(), *companion_module(planned)),
                               warmed.end())
                         << "the list helpers of " << planned.describe();
                   }

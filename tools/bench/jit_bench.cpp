@@ -47,9 +47,9 @@ moejit::Settings settings_without_disk() {
 
 // The specializations compiled cold, in this order. The first is the DeepSeek-V3 shape, the most
 // likely first call of a real process; then one module of each other kind: the token index's
-// list-path combine, its single-launch kernel for a decode-sized call (the slab form, then the
-// small-call form that calls of at most 128 rows take), a short fp32 row, the token index's list
-// helpers (compiled once per index type, whatever the shape) and its one-token kernel
+// list-path combine, its single-launch kernel for a decode-sized call (the shared-list scan, then
+// the small-call form that calls of at most 128 rows take), a short fp32 row, the token index's
+// list helpers (compiled once per index type, whatever the shape) and its one-token kernel
 // (single-sequence decode).
 std::vector<moejit::KernelSpec> cold_specs() {
   const moejit::KernelSpec mixtral_list =
@@ -64,10 +64,10 @@ std::vector<moejit::KernelSpec> cold_specs() {
                              MOEJIT_INDEX_INT32, 7168, 8, 256),
       mixtral_list,
       deepseek_single,
-      deepseek_single.with_small_scan(),
+      moejit::single_launch_for_rows(deepseek_single, 1),
       moejit::spec_for_shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32,
                              MOEJIT_INDEX_INT32, 128, 2, 256),
-      mixtral_list.helpers_spec(),
+      moejit::list_helpers_spec(mixtral_list.index_bytes),
       moejit::one_token_index_spec(deepseek_decode_list),
   };
 }
@@ -276,13 +276,14 @@ void measure_cold_compiles(const moejit::Target& target, JitFigures* figures) {
       moejit::KernelStore store(settings_without_disk(), stats);
       const auto start = Clock::now();
       if (together) {
-        auto helpers = std::async(std::launch::async,
-                                  [&] { return store.obtain(list_spec.helpers_spec(), target); });
+        auto helpers = std::async(std::launch::async, [&] {
+          return store.obtain(moejit::list_helpers_spec(list_spec.index_bytes), target);
+        });
         store.obtain(list_spec, target);
         helpers.get();
       } else {
         store.obtain(list_spec, target);
-        store.obtain(list_spec.helpers_spec(), target);
+        store.obtain(moejit::list_helpers_spec(list_spec.index_bytes), target);
       }
       (together ? concurrent : serial).push_back(ms_since(start));
     }

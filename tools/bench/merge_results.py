@@ -236,7 +236,18 @@ def markdown(merged):
         cold = jit.get("cold_compiles") or []
         if cold:
             def kind(spec):
-                layout = spec.split()[0].split("=")[1]
+                first = spec.split()[0].split("=")
+                if first[0] == "kind":  # KernelSpec::describe() since the variant table
+                    return {"token_index_list_helpers":
+                            "token-index list helpers (one module per index type)",
+                            "token_index_one_token": "token-index one token",
+                            "token_index_small_scan": "token-index single launch (small calls)",
+                            "token_index_ordered_scan": "token-index single launch",
+                            "token_index_scan": "token-index single launch",
+                            "token_index_lists": "token-index lists",
+                            "gather_map_one_token": "gather-map one token"}.get(
+                                first[1], first[1].replace("_", "-"))
+                layout = first[1]  # the older layout=... form, in earlier records
                 if layout == "token_index":
                     if "helpers=1" in spec:
                         return "token-index list helpers (one module per index type)"

@@ -3,9 +3,9 @@
 
 moejit-bench and peers.py give every token exactly K rows. The token-index layout exists for
 routings that do not (expert-choice routing, capacity drops, ...), and a token with more rows than
-the kernel holds in registers takes a slower path (kernel_templates/combine.cuh,
+the kernel holds in registers takes a slower path (kernel_templates/token_index_rows.cuh,
 add_listed_rows_in_order; past its list's capacity, add_rows_by_warp_walk, or in the single launch's
-slab form relist_slab_window). This script times that case: per token a count drawn uniformly from
+small-call form a scan for the next window). This script times that case: per token a count drawn uniformly from
 [lo, hi] (paired so that the total is exactly T * K: the kernel is then specialized exactly as for K
 rows per token), rows shuffled; random routing, every row's token drawn uniformly (about Poisson(K)
 rows per token, a few tokens with 2-3x K: what lists of twice the average did not hold, version 34
@@ -40,8 +40,8 @@ CASES = [  # T, K (mean rows per token), H, lo, hi
     (8192, 2, 4096, None, None),
     (4096, 4, 2880, None, None),
     (4096, 1, 5120, None, None),
-    (384, 8, 7168, None, None),  # the single launch's slab form
-    (64, 8, 7168, "hot", 256),  # one hot token: the slab form (mid-size calls)
+    (384, 8, 7168, None, None),  # the single launch, one token per block
+    (64, 8, 7168, "hot", 256),  # one hot token: the single launch, one token per block
     (384, 8, 7168, "hot", 100),
     (4096, 8, 7168, "hot", 64),  # the list path (prefill): whole warps walk token_idx
 ]

@@ -199,7 +199,7 @@ int compile_only(const Options& o, const std::string& why) {
     if (a.workspace_bytes > 0) a.workspace = fake(5);
     const moejit::CombinePlan plan = moejit::plan_combine(&a);
     std::vector<moejit::KernelSpec> specs = {plan.spec};
-    if (plan.list_helpers()) specs.push_back(plan.spec.helpers_spec());
+    if (const auto before = moejit::companion_module(plan.spec)) specs.push_back(*before);
     for (const moejit::KernelSpec& spec : specs) {
       const auto start = std::chrono::steady_clock::now();
       moejit::KernelStore::Source source;

@@ -6,8 +6,9 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <stdexcept>
 
-#include "combine_plan.h"
+#include "combine_dispatch.h"
 
 namespace moejit {
 namespace precompile {
@@ -123,110 +124,20 @@ int parse_int(const std::string& text, const std::string& where) {
   throw InputError(where + " = \"" + text + "\": expected an integer");
 }
 
-// The token index's list helpers module: "layout=token_index idx=int32 helpers=1".
-KernelSpec helpers_spec(std::map<std::string, std::string>& kv, const std::string& where) {
-  if (kv.size() != 3 || kv.count("layout") == 0 || kv.count("idx") == 0 || kv["helpers"] != "1")
-    throw InputError(where +
-                     ": a helpers line is exactly layout=token_index idx=int32|int64 helpers=1");
-  if (parse_layout(kv["layout"], where + ": layout") != MOEJIT_LAYOUT_TOKEN_INDEX)
-    throw InputError(where + ": layout = " + kv["layout"] +
-                     ": only the token_index layout has a helpers module");
+// One exact spec from describe()'s key=value fields: parsed and range-checked by
+// parse_kernel_spec, its kernel rules set by the dispatch table (finish_spec), and refused where
+// the table's kernels cannot run it (check_spec). A consistent spec that the runtime happens not to
+// pick merely costs one compile.
+KernelSpec exact_spec(const std::map<std::string, std::string>& kv, const std::string& where) {
   KernelSpec s;
-  s.index_bytes = parse_index_type(kv["idx"], where + ": idx") == MOEJIT_INDEX_INT64 ? 8 : 4;
-  return s.helpers_spec();
-}
-
-// One exact KernelSpec from describe()'s key=value fields.
-KernelSpec exact_spec(std::map<std::string, std::string>& kv, const std::string& where) {
-  static const char* keys[] = {"layout", "in",  "out", "idx", "H",  "vec",
-                               "K",      "tpt", "tpb", "upt", "cap"};
-  for (const char* k : keys)
-    if (kv.count(k) == 0)
-      throw InputError(where +
-                       ": exact spec lines need all of layout in out idx H vec K tpt tpb "
-                       "upt cap (the KernelSpec::describe() format); \"" +
-                       k + "\" is missing");
-  const size_t flags = kv.count("scan") + kv.count("small_scan") + kv.count("one_token");
-  if (kv.count("one_token") + kv.count("scan") > 1 || kv.count("small_scan") > kv.count("scan") ||
-      kv.size() != 11u + flags)
-    throw InputError(
-        where +
-        ": exact spec lines take only layout in out idx H vec K tpt tpb upt cap "
-        "(and scan=1 for a token-index single-launch module, with small_scan=1 for "
-        "its small-call form, or one_token=1 for a token-index or gather-map one-token "
-        "module)");
-  KernelSpec s;
-  s.layout = parse_layout(kv["layout"], where + ": layout");
-  s.in_dtype = parse_dtype(kv["in"], where + ": in");
-  s.out_dtype = parse_dtype(kv["out"], where + ": out");
-  s.index_bytes = parse_index_type(kv["idx"], where + ": idx") == MOEJIT_INDEX_INT64 ? 8 : 4;
-  s.hidden = parse_int(kv["H"], where + ": H");
-  s.vec = parse_int(kv["vec"], where + ": vec");
-  s.top_k = parse_int(kv["K"], where + ": K");
-  s.tpt = parse_int(kv["tpt"], where + ": tpt");
-  s.tpb = parse_int(kv["tpb"], where + ": tpb");
-  s.upt = parse_int(kv["upt"], where + ": upt");
-  s.list_cap = parse_int(kv["cap"], where + ": cap");
-  const int scan = kv.count("scan") != 0 ? parse_int(kv["scan"], where + ": scan") : 0;
-  const int small_scan =
-      kv.count("small_scan") != 0 ? parse_int(kv["small_scan"], where + ": small_scan") : 0;
-  const int one_token =
-      kv.count("one_token") != 0 ? parse_int(kv["one_token"], where + ": one_token") : 0;
-
-  // Only what would make NVRTC fail or the kernel nonsensical is refused; a consistent spec that
-  // the runtime happens not to pick merely costs one compile.
-  const int widest = std::max(s.in_dtype == MOEJIT_DTYPE_FLOAT32 ? 4 : 2,
-                              s.out_dtype == MOEJIT_DTYPE_FLOAT32 ? 4 : 2);
-  auto fail = [&](const std::string& field, int value, const std::string& expected) {
-    throw InputError(where + ": " + field + " = " + std::to_string(value) + ": " + expected);
-  };
-  if (one_token != 0 && one_token != 1) fail("one_token", one_token, "expected 0 or 1");
-  if (s.layout == MOEJIT_LAYOUT_TOKEN_MAJOR && s.index_bytes != 4)
-    fail("idx bytes", s.index_bytes, "the token_major layout has no index; write idx=int32");
-  if (s.hidden < 1 || s.hidden > MOEJIT_MAX_HIDDEN_DIM)
-    fail("H", s.hidden, "expected 1.." + std::to_string(MOEJIT_MAX_HIDDEN_DIM));
-  if ((s.vec != 1 && s.vec != 2 && s.vec != 4 && s.vec != 8) || s.vec * widest > 16)
-    fail("vec", s.vec, "expected 1, 2, 4 or 8, at most 16 bytes of the widest dtype");
-  if (s.layout == MOEJIT_LAYOUT_TOKEN_INDEX) {
-    if (s.top_k != 1 && s.top_k != 2 && s.top_k != 4 && s.top_k != 8 && s.top_k != 12 &&
-        s.top_k != 16)
-      fail("K", s.top_k,
-           "the token_index layout takes K 1, 2, 4, 8, 12 or 16 (rows held per token)");
-    if (one_token == 1 && s.list_cap != 0)
-      fail("cap", s.list_cap, "a one-token module keeps no list; write cap=0");
-    if (one_token != 1 && s.list_cap != 8 && s.list_cap != 16 && s.list_cap != 32 &&
-        s.list_cap != 64 && s.list_cap != 128)
-      fail("cap", s.list_cap, "the token_index layout takes cap 8, 16, 32, 64 or 128");
-  } else {
-    if (s.top_k < 1 || s.top_k > MOEJIT_MAX_TOP_K)
-      fail("K", s.top_k, "expected 1.." + std::to_string(MOEJIT_MAX_TOP_K));
-    if (s.list_cap != 0) fail("cap", s.list_cap, "only the token_index layout has a list cap");
+  try {
+    s = parse_kernel_spec(kv);
+  } catch (const std::invalid_argument& e) {
+    throw InputError(where + ": " + e.what());
   }
-  // Each bounded first: parse_int takes up to 2^30, and tpt * tpb could overflow int.
-  if (s.tpt < 4 || s.tpt > 1024)
-    fail("tpt", s.tpt, "expected 4..1024, tpt * tpb a multiple of 32 and at most 1024");
-  if (s.tpb < 1 || s.tpb > 1024)
-    fail("tpb", s.tpb, "expected 1..1024, tpt * tpb a multiple of 32 and at most 1024");
-  if (s.tpt * s.tpb > 1024 || (s.tpt * s.tpb) % 32 != 0)
-    fail("tpt", s.tpt, "tpt >= 4, tpb >= 1, tpt * tpb a multiple of 32 and at most 1024");
-  if (s.upt != 1 && s.upt != 2 && s.upt != 4) fail("upt", s.upt, "expected 1, 2 or 4");
-  if (scan != 0 && scan != 1) fail("scan", scan, "expected 0 or 1");
-  if (scan == 1 && !s.token_index())
-    fail("scan", scan, "only the token_index layout has a single-launch module");
-  s.scan = scan == 1;
-  if (small_scan != 0 && small_scan != 1) fail("small_scan", small_scan, "expected 0 or 1");
-  if (small_scan == 1 && !s.ordered_scan())
-    fail("small_scan", small_scan,
-         "only a single-launch module with one token per block (scan=1, tpb=1, tpt a multiple of "
-         "32) has a small-call form");
-  s.small_scan = small_scan == 1;
-  if (one_token == 1 && s.layout == MOEJIT_LAYOUT_TOKEN_MAJOR)
-    fail("one_token", one_token,
-         "only the token_index and gather_map layouts have a one-token module");
-  if (one_token == 1 && s.layout == MOEJIT_LAYOUT_GATHER_MAP && !s.fits_one_token_map())
-    fail("K", s.top_k,
-         "a gather_map one-token module holds all its rows at once: K * upt at most 8");
-  s.one_token = one_token == 1;
+  finish_spec(&s);
+  const std::string refused = check_spec(s);
+  if (!refused.empty()) throw InputError(where + ": " + refused);
   return s;
 }
 
@@ -463,11 +374,8 @@ void parse_manifest(const std::string& text, const std::string& path,
       if (!kv.emplace(word.substr(0, eq), word.substr(eq + 1)).second)
         throw InputError(where + ": key " + word.substr(0, eq) + " appears twice");
     }
-    if (kv.count("helpers") != 0) {
-      add_unique(helpers_spec(kv, where), specs);
-      continue;
-    }
-    if (kv.count("H") || kv.count("tpt") || kv.count("vec") || kv.count("in")) {
+    if (kv.count("kind") || kv.count("H") || kv.count("tpt") || kv.count("vec") || kv.count("in") ||
+        kv.count("helpers")) {
       add_unique(exact_spec(kv, where), specs);
       continue;
     }

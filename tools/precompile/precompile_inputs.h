@@ -2,9 +2,9 @@
 // config.json, explicit shape lists, or a manifest file; and for which targets. Everything here is
 // pure parsing and expansion (no compiling, no cache I/O), so it is unit-tested without a GPU.
 //
-// Expansion goes through spec_for_shape() with 256-byte alignment, the exact specialization
-// moe_combine() picks for freshly allocated, unpadded buffers: a cache warmed from this list serves
-// those calls with zero compiles.
+// Expansion goes through specs_for_shape() with 256-byte alignment: exactly the modules
+// moe_combine() loads for freshly allocated, unpadded buffers of that shape, so a cache warmed from
+// this list serves those calls with zero compiles.
 #pragma once
 
 #include <optional>
@@ -89,10 +89,10 @@ struct ManifestDefaults {
 
 // Manifest: one specialization or shape per line; blank lines and '#' comments are skipped.
 //  - exact spec, KernelSpec::describe() format (as printed by --dry-run and in library logs):
-//      layout=gather_map in=bf16 out=bf16 idx=int32 H=7168 vec=8 K=8 tpt=128 tpb=1 upt=1 cap=0
-//    (a token-index single-launch module ends in " scan=1", its small-call form in
-//    " scan=1 small_scan=1", a one-token module (token index, gather map) in " one_token=1" with
-//    cap=0; the token index's list helpers are "layout=token_index idx=int32 helpers=1")
+//      kind=gather_map in=bf16 out=bf16 idx=int32 H=7168 vec=8 K=8 tpt=128 tpb=1 upt=1
+//    (the kinds are the kernel variants of src/combine_dispatch.cpp; the token index's carry
+//    held= instead of K= and, where they keep lists, cap=; the list helpers are
+//    "kind=token_index_list_helpers idx=int32")
 //  - shape, expanded like --hidden/--topk (keys: hidden, topk, dtype, out_dtype, layout,
 //    index_type; layout and index_type take comma lists; omitted keys take the defaults):
 //      hidden=7168 topk=8 dtype=bf16 layout=gather_map,token_index index_type=int32

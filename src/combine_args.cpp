@@ -1,0 +1,229 @@
+#include "combine_args.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <initializer_list>
+#include <string>
+
+#include "c_enum.h"
+#include "error.h"
+#include "kernel_spec.h"
+
+namespace moejit {
+namespace {
+
+// No buffer's extent in bytes (rows x row stride x element size) may exceed this: device
+// addresses have at most 57 bits, and the kernels form row offsets in 64-bit arithmetic that
+// must not wrap.
+constexpr int64_t kMaxExtentBytes = int64_t{1} << 62;
+
+std::string hex(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%p", p);
+  return buf;
+}
+
+void check_enum(const char* name, int value, int max, const char* allowed) {
+  if (value < 0 || value > max) invalid_argument(name, std::to_string(value), allowed);
+}
+
+void check_aligned(const char* name, const void* p, size_t bytes, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % bytes != 0)
+    invalid_argument(name, hex(p),
+                     std::string("must be aligned to its element size (") + std::to_string(bytes) +
+                         " bytes for " + what + ")");
+}
+
+// rows rows of `stride` elements must span at most kMaxExtentBytes: a larger stride names memory
+// no device has, and the kernels' 64-bit row offsets would wrap.
+void check_extent(const char* name, int64_t stride, int64_t rows, const char* rows_name,
+                  int dtype) {
+  // Multiplications with an overflow check, not divisions: this runs on every call.
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(stride, rows, &bytes) ||
+      __builtin_mul_overflow(bytes, int64_t{element_bytes(dtype)}, &bytes) ||
+      bytes > kMaxExtentBytes)
+    invalid_argument(name, std::to_string(stride),
+                     std::string("is too large: ") + rows_name + " = " + std::to_string(rows) +
+                         " rows of that many " + dtype_name(dtype) +
+                         " elements span more than 2^62 bytes, more memory than any device has");
+}
+
+// One device buffer an argument names: [begin, end) in bytes (empty where the call reads none).
+struct ByteRange {
+  const char* name;
+  uint64_t begin = 0, end = 0;
+};
+
+ByteRange byte_range(const char* name, const void* p, uint64_t bytes) {
+  const uint64_t begin = reinterpret_cast<uintptr_t>(p);
+  uint64_t end = 0;
+  if (p == nullptr || bytes == 0) return {name, 0, 0};
+  if (__builtin_add_overflow(begin, bytes, &end)) end = UINT64_MAX;
+  return {name, begin, end};
+}
+
+// The kernels read the routing, gates and rows (and the workspace lists) while they write out, in
+// no order between blocks: buffers that share bytes give a race, not an error. The written buffer
+// w is compared with each one read (a few comparisons per call); a padded row stride counts its
+// padding.
+void check_no_overlap(const ByteRange& w, std::initializer_list<ByteRange> read) {
+  for (const ByteRange& o : read)
+    if (w.begin < w.end && o.begin < o.end && w.begin < o.end && o.begin < w.end)
+      invalid_argument(w.name,
+                       "[" + hex(reinterpret_cast<const void*>(w.begin)) + ", " +
+                           hex(reinterpret_cast<const void*>(w.end)) + ")",
+                       std::string("overlaps ") + o.name + " [" +
+                           hex(reinterpret_cast<const void*>(o.begin)) + ", " +
+                           hex(reinterpret_cast<const void*>(o.end)) +
+                           "): the kernels read it while they write; pass separate buffers");
+}
+
+}  // namespace
+
+moejit_combine_args validated_shape(const moejit_combine_args* in) {
+  if (in == nullptr) invalid_argument("args", "NULL", "must point to a moejit_combine_args");
+  // The defaults as a constant, not through the exported init function: this runs on every call.
+  moejit_combine_args a = MOEJIT_COMBINE_ARGS_INIT;
+  // A 0.1 header's struct ends before dependent_launch: its fields keep their defaults.
+  if (in->struct_size != sizeof(moejit_combine_args) && in->struct_size != kCombineArgsSizeV01)
+    invalid_argument(
+        "args->struct_size", std::to_string(in->struct_size),
+        "must be sizeof(moejit_combine_args) = " + std::to_string(sizeof(moejit_combine_args)) +
+            " for this library version (" + moejit_version_string() + "), or " +
+            std::to_string(kCombineArgsSizeV01) +
+            " from a 0.1 header; initialize args with moejit_combine_args_init()");
+  std::memcpy(&a, in, in->struct_size);
+  a.struct_size = sizeof(a);
+
+  check_enum("args->layout", c_enum_value(a.layout), 2,
+             "must be MOEJIT_LAYOUT_TOKEN_MAJOR (0), MOEJIT_LAYOUT_GATHER_MAP (1) or "
+             "MOEJIT_LAYOUT_TOKEN_INDEX (2)");
+  check_enum("args->expert_dtype", c_enum_value(a.expert_dtype), 2,
+             "must be MOEJIT_DTYPE_FLOAT32 (0), MOEJIT_DTYPE_FLOAT16 (1) or "
+             "MOEJIT_DTYPE_BFLOAT16 (2)");
+  check_enum("args->out_dtype", c_enum_value(a.out_dtype), 2,
+             "must be MOEJIT_DTYPE_FLOAT32 (0), MOEJIT_DTYPE_FLOAT16 (1) or "
+             "MOEJIT_DTYPE_BFLOAT16 (2)");
+  if (a.layout != MOEJIT_LAYOUT_TOKEN_MAJOR)
+    check_enum("args->index_type", c_enum_value(a.index_type), 1,
+               "must be MOEJIT_INDEX_INT32 (0) or MOEJIT_INDEX_INT64 (1)");
+  else
+    // Token-major reads no indices, so any int the caller left there is accepted; overwritten,
+    // since the plan still reads the field as the enum (a load of an out-of-range value is UB).
+    a.index_type = MOEJIT_INDEX_INT32;
+  if (a.num_tokens < 0 || a.num_tokens > kMaxTokens)
+    invalid_argument("args->num_tokens", std::to_string(a.num_tokens),
+                     "must be in 0.." + std::to_string(kMaxTokens) + " (2^40)");
+  if (a.hidden_dim < 1 || a.hidden_dim > MOEJIT_MAX_HIDDEN_DIM)
+    invalid_argument("args->hidden_dim", std::to_string(a.hidden_dim),
+                     "must be in 1.." + std::to_string(MOEJIT_MAX_HIDDEN_DIM));
+  if (a.layout != MOEJIT_LAYOUT_TOKEN_INDEX && (a.top_k < 1 || a.top_k > MOEJIT_MAX_TOP_K))
+    invalid_argument("args->top_k", std::to_string(a.top_k),
+                     std::string("must be in 1..") + std::to_string(MOEJIT_MAX_TOP_K) +
+                         " for the " + layout_name(a.layout) + " layout");
+  if (a.layout == MOEJIT_LAYOUT_TOKEN_MAJOR) {
+    if (a.num_tokens > INT64_MAX / a.top_k)
+      invalid_argument("args->num_tokens", std::to_string(a.num_tokens), "is too large");
+    const int64_t rows = a.num_tokens * a.top_k;
+    if (a.num_rows != 0 && a.num_rows != rows)
+      invalid_argument("args->num_rows", std::to_string(a.num_rows),
+                       "must be 0 or num_tokens * top_k = " + std::to_string(rows) +
+                           " for the token-major layout");
+    a.num_rows = rows;
+  } else {
+    if (a.num_rows < 0 || a.num_rows > kMaxRows)
+      invalid_argument("args->num_rows", std::to_string(a.num_rows),
+                       "must be in 0.." + std::to_string(kMaxRows));
+  }
+  if (a.dependent_launch != 0 && a.dependent_launch != 1)
+    invalid_argument("args->dependent_launch", std::to_string(a.dependent_launch),
+                     "must be 0 (plain launch) or 1 (programmatic dependent launch)");
+  if (a.expert_row_stride == 0) a.expert_row_stride = a.hidden_dim;
+  if (a.out_row_stride == 0) a.out_row_stride = a.hidden_dim;
+  if (a.expert_row_stride < a.hidden_dim)
+    invalid_argument("args->expert_row_stride", std::to_string(a.expert_row_stride),
+                     "must be 0 (= hidden_dim) or >= hidden_dim = " + std::to_string(a.hidden_dim));
+  if (a.out_row_stride < a.hidden_dim)
+    invalid_argument("args->out_row_stride", std::to_string(a.out_row_stride),
+                     "must be 0 (= hidden_dim) or >= hidden_dim = " + std::to_string(a.hidden_dim));
+  check_extent("args->expert_row_stride", a.expert_row_stride, a.num_rows, "num_rows",
+               a.expert_dtype);
+  check_extent("args->out_row_stride", a.out_row_stride, a.num_tokens, "num_tokens", a.out_dtype);
+  return a;
+}
+
+void check_buffers(const moejit_combine_args& a, size_t workspace_bytes) {
+  const int in_b = element_bytes(a.expert_dtype), out_b = element_bytes(a.out_dtype);
+  const bool any_rows = a.num_rows > 0 && a.num_tokens > 0;
+  if (a.num_tokens > 0 && a.out == nullptr)
+    invalid_argument("args->out", "NULL", "must be a device pointer when num_tokens > 0");
+  if (any_rows && a.expert_hidden == nullptr)
+    invalid_argument("args->expert_hidden", "NULL", "must be a device pointer when num_rows > 0");
+  // The gather map has T * K entries whatever R is (with R = 0 every one is dropped, but the
+  // kernels still read them); token_idx has R.
+  if (a.layout == MOEJIT_LAYOUT_GATHER_MAP && a.num_tokens > 0 && a.indices == nullptr)
+    invalid_argument("args->indices", "NULL",
+                     "must be a device pointer (the gather map, num_tokens * top_k entries) for "
+                     "the gather_map layout when num_tokens > 0, even with num_rows = 0");
+  if (a.layout == MOEJIT_LAYOUT_TOKEN_INDEX && any_rows && a.indices == nullptr)
+    invalid_argument("args->indices", "NULL",
+                     "must be a device pointer (the token_idx) for the token_index layout when "
+                     "num_rows > 0");
+  check_aligned("args->expert_hidden", a.expert_hidden, in_b, dtype_name(a.expert_dtype));
+  check_aligned("args->out", a.out, out_b, dtype_name(a.out_dtype));
+  check_aligned("args->gates", a.gates, 4, "fp32 gates");
+  if (a.layout != MOEJIT_LAYOUT_TOKEN_MAJOR)
+    check_aligned("args->indices", a.indices, a.index_type == MOEJIT_INDEX_INT64 ? 8 : 4,
+                  a.index_type == MOEJIT_INDEX_INT64 ? "int64 indices" : "int32 indices");
+  if (a.accumulate != 0 && a.accumulate != 1)
+    invalid_argument("args->accumulate", std::to_string(a.accumulate),
+                     "must be 0 (overwrite out) or 1 (add into out)");
+  if (!std::isfinite(a.scale))
+    invalid_argument("args->scale", std::to_string(a.scale), "must be a finite number");
+
+  if (a.num_tokens == 0) return;
+
+  // The bytes each buffer spans (strides included), for the overlap checks here and with the
+  // workspace below.
+  const uint64_t idx_b = a.index_type == MOEJIT_INDEX_INT64 ? 8 : 4;
+  const uint64_t routed = a.layout == MOEJIT_LAYOUT_TOKEN_INDEX
+                              ? static_cast<uint64_t>(a.num_rows)
+                              : static_cast<uint64_t>(a.num_tokens * a.top_k);
+  const ByteRange out_bytes = byte_range(
+      "args->out", a.out,
+      (static_cast<uint64_t>(a.num_tokens - 1) * static_cast<uint64_t>(a.out_row_stride) +
+       static_cast<uint64_t>(a.hidden_dim)) *
+          static_cast<uint64_t>(out_b));
+  const ByteRange expert_bytes =
+      byte_range("args->expert_hidden", any_rows ? a.expert_hidden : nullptr,
+                 (static_cast<uint64_t>(a.num_rows > 0 ? a.num_rows - 1 : 0) *
+                      static_cast<uint64_t>(a.expert_row_stride) +
+                  static_cast<uint64_t>(a.hidden_dim)) *
+                     static_cast<uint64_t>(in_b));
+  const ByteRange index_bytes = byte_range(
+      "args->indices", a.layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? nullptr : a.indices, routed * idx_b);
+  const ByteRange gate_bytes = byte_range("args->gates", a.gates, routed * 4);
+  check_no_overlap(out_bytes, {expert_bytes, index_bytes, gate_bytes});
+
+  if (a.layout != MOEJIT_LAYOUT_TOKEN_INDEX) return;
+  const size_t needed = workspace_bytes;
+  if (a.workspace == nullptr || a.workspace_bytes < needed)
+    throw Error(MOEJIT_ERROR_WORKSPACE_TOO_SMALL,
+                "args->workspace = " + hex(a.workspace) +
+                    " with workspace_bytes = " + std::to_string(a.workspace_bytes) +
+                    ": the token-index layout needs " + std::to_string(needed) +
+                    " bytes of device memory here (moejit_combine_workspace_size())");
+  if (reinterpret_cast<uintptr_t>(a.workspace) % 16 != 0)
+    invalid_argument("args->workspace", hex(a.workspace),
+                     "must be aligned to 16 bytes, as moejit.h asks of the workspace");
+  const ByteRange ws_bytes = byte_range("args->workspace", a.workspace, needed);
+  check_no_overlap(ws_bytes, {out_bytes, expert_bytes, index_bytes, gate_bytes});
+}
+
+int element_bytes(int dtype) {
+  return dtype == MOEJIT_DTYPE_FLOAT32 ? 4 : 2;
+}
+
+}  // namespace moejit
