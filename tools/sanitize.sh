@@ -21,6 +21,7 @@ tools/setup-deps.sh
 export PATH="$PATH:/usr/local/cuda/bin"
 extra=()
 [ -e .deps/include/xxhash.h ] && [ ! -e /usr/include/xxhash.h ] && extra+=(-DXXHASH_INCLUDE_DIR="$PWD/.deps/include")
+[ -x build/pytest-venv/bin/python ] && extra+=(-DPython3_EXECUTABLE="$PWD/build/pytest-venv/bin/python")
 # --as-needed: gcc passes it by default except when sanitizing. The build links nothing it does not
 # use (NVRTC and the driver are dlopen'd; api.link_dependencies_are_system_runtimes checks it);
 # this keeps a sanitized link as lean as the plain one all the same.

@@ -22,7 +22,7 @@ if INSTALLED:
     sys.path[:] = [p for p in sys.path if pathlib.Path(p or os.curdir).resolve() != source]
     import moejit  # noqa: E402
 
-    if pathlib.Path(moejit.__file__).resolve().is_relative_to(REPO):
+    if pathlib.Path(moejit.__file__).resolve().is_relative_to(source):
         raise RuntimeError(f"MOEJIT_TEST_INSTALLED=1 but moejit was imported from the checkout "
                            f"({moejit.__file__}), not from the installed wheel")
 else:
