@@ -82,11 +82,10 @@ TEST(NvrtcLoader, PipBeforeTheToolkitAndCuda13BeforeCuda12) {
 }
 
 TEST(NvrtcLoader, AFailedSearchNamesEveryPlaceAndWhy) {
-  const std::vector<NvrtcCandidate> list = {
-      {"/nonexistent-moejit/libnvrtc.so.13", "first place"},
-      {"libnvrtc-moejit-none.so.13", "the dynamic loader"},
-      // Loads, but is no NVRTC.
-      {"libc.so.6", "a library without NVRTC's functions"}};
+  const std::vector<NvrtcCandidate> list = {{"/nonexistent-moejit/libnvrtc.so.13", "first place"},
+                                            {"libnvrtc-moejit-none.so.13", "the dynamic loader"},
+                                            // Loads, but is no NVRTC.
+                                            {"libc.so.6", "a library without NVRTC's functions"}};
   try {
     load_nvrtc(list);
     FAIL() << "load_nvrtc succeeded";

@@ -651,7 +651,11 @@ void print_drop_notice(const Options& o) {
 // then the runtime's, which the benchmark uses for memory, copies and events.
 std::string no_gpu_reason() {
   const moejit::DriverProbe probe = moejit::probe_driver();
-  if (probe.status != MOEJIT_SUCCESS) return probe.message;
+  if (probe.status != MOEJIT_SUCCESS) {
+    std::string why = probe.message;
+    if (!why.empty() && why.back() == '.') why.pop_back();  // it ends inside parentheses here
+    return why;
+  }
   int devices = 0;
   const cudaError_t err = cudaGetDeviceCount(&devices);
   if (err != cudaSuccess)
