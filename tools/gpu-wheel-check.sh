@@ -41,7 +41,7 @@ if [ "${MOEJIT_WHEEL_CHECK_INNER:-}" != 1 ]; then
 fi
 if [ "${MOEJIT_HIDE_TOOLKIT:-}" = 1 ]; then
   for d in /usr/local/cuda*; do
-    [ -d "$d" ] && [ ! -L "$d" ] || continue
+    if [ ! -d "$d" ] || [ -L "$d" ]; then continue; fi
     mount -t tmpfs -o ro,size=4k none "$d" 2>&1 | tee -a "$out/toolkit.txt" ||
       echo "could not hide $d" | tee -a "$out/toolkit.txt"
   done
@@ -49,8 +49,9 @@ fi
 
 # Drop every path under /usr/local/cuda* from a colon list.
 filter() { tr ':' '\n' <<<"$1" | grep -v '^/usr/local/cuda' | paste -sd: -; }
-export PATH=$(filter "$PATH")
-export LD_LIBRARY_PATH=$(filter "${LD_LIBRARY_PATH:-}")
+PATH=$(filter "$PATH")
+LD_LIBRARY_PATH=$(filter "${LD_LIBRARY_PATH:-}")
+export PATH LD_LIBRARY_PATH
 [ -n "$LD_LIBRARY_PATH" ] || unset LD_LIBRARY_PATH
 unset CUDA_HOME CUDA_PATH MOEJIT_LIBRARY MOEJIT_PRECOMPILE MOEJIT_NVRTC_LIBRARY PYTHONPATH
 
