@@ -30,6 +30,14 @@ for run in 1 2; do
   echo "process $run: $(grep -E 'first call' "$out/cache-run$run.log")"
 done
 
+echo "== moejit-demo in each dtype pair it takes (checked against a float64 reference)"
+for dtypes in "fp16 fp16" "fp32 fp32" "bf16 fp32" "fp16 bf16"; do
+  read -r in_dt out_dt <<<"$dtypes"
+  $demo --tokens 512 --dtype "$in_dt" --out-dtype "$out_dt" >"$out/demo-$in_dt-$out_dt.log" 2>&1 ||
+    failed+=("demo $in_dt->$out_dt")
+  echo "$in_dt -> $out_dt: $(grep -E '^check' "$out/demo-$in_dt-$out_dt.log")"
+done
+
 echo "== moejit-precompile (DeepSeek-V3 config, sm_90), then serve in no-compile mode"
 build-gpu/tools/precompile/moejit-precompile --model-config tools/precompile/configs/deepseek-v3.json \
   --arch sm_90 --cache-dir "$scratch/warm" 2>&1 | tail -n 2

@@ -424,9 +424,18 @@ int main(int argc, char** argv) {
   check_status(st, "moe_combine");
   check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
 
-  // Check every output element against a float64 reference.
+  // Check every output element against a float64 reference. The kernels accumulate in fp32 and
+  // round once to the output type, so an element may differ by a few fp32 ulps of the sum of its
+  // terms' magnitudes plus one ulp of the output type: "worst" is the largest error as a fraction
+  // of that bound (NaN, an unwritten element of the poisoned output, counts as infinite).
   std::vector<uint8_t> out(static_cast<size_t>(T * H) * out_bytes);
   check_cuda(cudaMemcpy(out.data(), d_out, out.size(), cudaMemcpyDeviceToHost), "cudaMemcpy(out)");
+  const double out_ulp = o.out_dtype == MOEJIT_DTYPE_BFLOAT16  ? std::ldexp(1.0, -8)
+                         : o.out_dtype == MOEJIT_DTYPE_FLOAT16 ? std::ldexp(1.0, -10)
+                                                               : std::ldexp(1.0, -23);
+  // fp16's subnormals are spaced 2^-24 apart: near zero the rounding is that, not relative.
+  const double out_abs = o.out_dtype == MOEJIT_DTYPE_FLOAT16 ? std::ldexp(1.0, -24) : 0.0;
+  const double fp32_sum = std::ldexp(1.0, -23) * static_cast<double>(K + 2);
   double err2 = 0, ref2 = 0, worst = 0;
   {
     const unsigned n = std::max(1u, std::thread::hardware_concurrency());
@@ -434,22 +443,27 @@ int main(int argc, char** argv) {
     std::vector<std::thread> threads;
     for (unsigned t_id = 0; t_id < n; ++t_id)
       threads.emplace_back([&, t_id] {
-        std::vector<double> ref(static_cast<size_t>(H));
+        std::vector<double> ref(static_cast<size_t>(H)), magnitude(static_cast<size_t>(H));
         for (int64_t t = t_id; t < T; t += n) {
           std::fill(ref.begin(), ref.end(), 0.0);
+          std::fill(magnitude.begin(), magnitude.end(), 0.0);
           for (int64_t k = 0; k < K; ++k) {
             const int64_t slot = t * K + k, row = row_of[slot];
             const double g = gates[gate_of[slot]];
-            for (int64_t h = 0; h < H; ++h)
-              ref[h] += g * decode(x, o.dtype, static_cast<size_t>(row * H + h));
+            for (int64_t h = 0; h < H; ++h) {
+              const double term = g * decode(x, o.dtype, static_cast<size_t>(row * H + h));
+              ref[h] += term;
+              magnitude[h] += std::fabs(term);
+            }
           }
           for (int64_t h = 0; h < H; ++h) {
             const double v = decode(out, o.out_dtype, static_cast<size_t>(t * H + h)),
                          d = v - ref[h];
             e2[t_id] += d * d;
             r2[t_id] += ref[h] * ref[h];
-            const double rel = std::fabs(d) / (std::fabs(ref[h]) + 1e-3);
-            w[t_id] = std::isnan(v) ? INFINITY : std::max(w[t_id], rel);
+            const double bound =
+                fp32_sum * magnitude[h] + out_ulp * std::fabs(ref[h]) + out_abs + 1e-30;
+            w[t_id] = std::isnan(v) ? INFINITY : std::max(w[t_id], std::fabs(d) / bound);
           }
         }
       });
@@ -460,15 +474,12 @@ int main(int argc, char** argv) {
       worst = std::max(worst, w[i]);
     }
   }
-  // fp32 accumulation, one rounding to the output: the bounds are the output type's rounding.
+  // The relative L2 error is about a third of one rounding of the output type.
   const double rel_err = std::sqrt(err2 / ref2);
   const double max_rel_err = o.out_dtype == MOEJIT_DTYPE_BFLOAT16  ? 4e-3
                              : o.out_dtype == MOEJIT_DTYPE_FLOAT16 ? 1e-3
-                                                                   : 1e-6;
-  const double max_worst = o.out_dtype == MOEJIT_DTYPE_BFLOAT16  ? 1e-2
-                           : o.out_dtype == MOEJIT_DTYPE_FLOAT16 ? 2e-3
-                                                                 : 1e-4;
-  const bool ok = rel_err < max_rel_err && worst < max_worst;
+                                                                   : 1e-5;
+  const bool ok = rel_err < max_rel_err && worst <= 1.0;
 
   // Time: median of 50 runs, L2 flushed between runs (the expert rows come from HBM).
   cudaEvent_t start, stop;
@@ -496,8 +507,10 @@ int main(int argc, char** argv) {
       "first call (compile or cache load + launch): %.1f ms; compiles %llu, disk hits %llu\n",
       first_ms, static_cast<unsigned long long>(s.compiles),
       static_cast<unsigned long long>(s.disk_hits));
-  std::printf("check vs float64 reference: relative L2 error %.2e, worst element %.2e -> %s\n",
-              rel_err, worst, ok ? "PASS" : "FAIL");
+  std::printf(
+      "check vs float64 reference: relative L2 error %.2e, worst element at %.2f of its bound "
+      "-> %s\n",
+      rel_err, worst, ok ? "PASS" : "FAIL");
   std::printf(
       "time: median %.1f us over 50 runs (L2 flushed); effective bandwidth %.0f GB/s "
       "(%.1f MB moved at minimum)\n",
