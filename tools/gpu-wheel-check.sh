@@ -18,13 +18,13 @@
 #      then runs in no-compile mode from it.
 # Exit status 0 only if every step passed.
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
 if [ $# -ne 2 ] || [ ! -f "$1" ]; then
   echo "usage: tools/gpu-wheel-check.sh WHEEL OUTDIR" >&2
   exit 2
 fi
 wheel=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
 out=$(mkdir -p "$2" && cd "$2" && pwd)
+cd "$(dirname "$0")/.." || exit 1
 repo=$PWD
 
 if [ "${MOEJIT_WHEEL_CHECK_INNER:-}" != 1 ]; then
@@ -34,7 +34,7 @@ if [ "${MOEJIT_WHEEL_CHECK_INNER:-}" != 1 ]; then
     echo "toolkit hidden: /usr/local/cuda* under empty tmpfs mounts in a private mount namespace" |
       tee "$out/toolkit.txt"
     exec unshare -m --propagation private env MOEJIT_WHEEL_CHECK_INNER=1 MOEJIT_HIDE_TOOLKIT=1 \
-      bash "$0" "$@"
+      bash "$repo/tools/gpu-wheel-check.sh" "$wheel" "$out"
   fi
   echo "toolkit NOT hidden from ld.so.cache (no private mount namespace here): environment" \
     "filtered only" | tee "$out/toolkit.txt"
@@ -75,8 +75,8 @@ step() {  # step NAME COMMAND...: output to OUTDIR/NAME.log, its tail on failure
   echo "wheel: $wheel"
   python3 --version
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1
-  echo "toolkit reachable? nvcc: $(command -v nvcc || echo none);" \
-    "ls /usr/local/cuda/lib64: $(ls /usr/local/cuda/lib64 2>&1 | head -c 200 | tr '\n' ' ')"
+  echo "toolkit reachable? nvcc: $(nvcc --version >/dev/null 2>&1 && echo runs || echo does not run);" \
+    "/usr/local/cuda/lib64: $(ls /usr/local/cuda/lib64 2>&1 | head -c 200 | tr '\n' ' ')"
   echo "ld.so.cache's NVRTC (hidden files cannot be opened):"
   ldconfig -p | grep libnvrtc || echo "  none"
 } 2>&1 | tee "$out/environment.txt"
