@@ -5,6 +5,7 @@
 #include <memory>
 #include <mutex>
 
+#include "driver_probe.h"
 #include "error.h"
 #include "logging.h"
 
@@ -25,16 +26,15 @@ bool resolve(void* handle, const char* name, F* fn) {
 
 LoadedDriver load() {
   LoadedDriver d;
-  // Kept open for the life of the process: modules and functions point into it.
-  void* handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (handle == nullptr) {
-    const char* why = dlerror();
-    d.status = MOEJIT_ERROR_DRIVER_NOT_FOUND;
-    d.message = std::string("the CUDA driver is not available: dlopen(libcuda.so.1) failed: ") +
-                (why ? why : "unknown reason") +
-                ". Install the NVIDIA driver to run kernels; compiling needs no driver.";
+  // The same probe the tools and the GPU tests ask, so all of them explain a missing GPU alike.
+  // Its handle is kept open for the life of the process: modules and functions point into it.
+  DriverProbe probe = probe_driver();
+  if (probe.status != MOEJIT_SUCCESS) {
+    d.status = probe.status;
+    d.message = probe.message;
     return d;
   }
+  void* handle = probe.handle;
   DriverApi& a = d.api;
   bool ok = resolve(handle, "cuInit", &a.cuInit) &&
             resolve(handle, "cuDriverGetVersion", &a.cuDriverGetVersion) &&
@@ -59,15 +59,6 @@ LoadedDriver load() {
   resolve(handle, "cuCtxGetId", &a.cuCtxGetId);              // optional: CUDA 12.0+
   resolve(handle, "cuLaunchKernelEx", &a.cuLaunchKernelEx);  // optional: CUDA 12.0+
   resolve(handle, "cuStreamGetCtx", &a.cuStreamGetCtx);      // optional: CUDA 9.2+
-  const CUresult init = a.cuInit(0);
-  if (init != CUDA_SUCCESS) {
-    const char* name = nullptr;
-    a.cuGetErrorName(init, &name);
-    d.status = init == CUDA_ERROR_NO_DEVICE ? MOEJIT_ERROR_NO_DEVICE : MOEJIT_ERROR_CUDA;
-    d.message = std::string("cuInit failed: ") + (name ? name : "unknown CUresult") +
-                (init == CUDA_ERROR_NO_DEVICE ? " (no CUDA-capable GPU was found)" : "");
-    return d;
-  }
   int version = 0;
   a.cuDriverGetVersion(&version);
   logger().debug("loaded libcuda.so.1, driver API version {}", version);

@@ -5,7 +5,9 @@
  *
  * Kernels are specialized for the shapes you call with, compiled with NVRTC, cached (in memory
  * per CUDA context and on disk), and launched with the CUDA Driver API on the stream you pass.
- * The library has no link-time dependency on the CUDA driver: libcuda.so.1 is loaded on first use.
+ * The library has no link-time dependency on the CUDA driver or on NVRTC: libcuda.so.1 is loaded
+ * at the first combine, NVRTC at the first compile (from pip's nvidia-cuda-nvrtc package or a CUDA
+ * toolkit; MOEJIT_NVRTC_LIBRARY names the file to use instead).
  *
  * This header is valid C99 and C++. Every function that can fail returns a moejit_status; on
  * failure a human-readable message (naming the argument, its value and what is allowed, or
@@ -55,6 +57,7 @@ MOEJIT_API const char* moejit_version_string(void);
 /*
  * One table generates the enum, the names and the descriptions. Values are fixed forever and only
  * ever appended. Caller errors (1-3) are separate from environment errors (4 and up).
+ * MOEJIT_ERROR_NVRTC_NOT_FOUND: since 0.3.
  *   X(name, value, description)
  */
 #define MOEJIT_STATUS_TABLE(X)                                                                     \
@@ -76,7 +79,10 @@ MOEJIT_API const char* moejit_version_string(void);
   X(MOEJIT_ERROR_NOT_CACHED, 8,                                                                    \
     "the cache is in no-compile mode and the kernel is not in it: warm it with moejit-precompile") \
   X(MOEJIT_ERROR_OUT_OF_MEMORY, 9, "host memory could not be allocated")                           \
-  X(MOEJIT_ERROR_INTERNAL, 10, "internal error in libmoejit (please report it with the message)")
+  X(MOEJIT_ERROR_INTERNAL, 10, "internal error in libmoejit (please report it with the message)")  \
+  X(MOEJIT_ERROR_NVRTC_NOT_FOUND, 11,                                                              \
+    "NVRTC (libnvrtc.so) could not be loaded: install pip's nvidia-cuda-nvrtc or the CUDA "        \
+    "toolkit's NVRTC; the message lists where it was searched")
 
 #define MOEJIT_STATUS_ENUM_ENTRY_(name, value, description) name = value,
 typedef enum moejit_status { MOEJIT_STATUS_TABLE(MOEJIT_STATUS_ENUM_ENTRY_) } moejit_status;

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "driver_probe.h"
 #include "moejit/moejit.h"
 
 namespace moejit_test {
@@ -22,12 +23,17 @@ namespace moejit_test {
     ASSERT_EQ(err_, cudaSuccess) << #call << ": " << cudaGetErrorString(err_); \
   } while (0)
 
-// Empty string if a GPU is usable; otherwise why not (the skip reason).
+// Empty string if a GPU is usable; otherwise why not (the skip reason), in the library's own words:
+// the driver is asked first (moejit::probe_driver, shared with the library and the tools), since
+// the CUDA runtime calls a missing driver an "insufficient" one; then the runtime, which the tests
+// use for memory and streams.
 inline std::string gpu_unavailable_reason() {
+  const moejit::DriverProbe probe = moejit::probe_driver();
+  if (probe.status != MOEJIT_SUCCESS) return "no usable CUDA GPU: " + probe.message;
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) return std::string("no usable CUDA GPU: ") + cudaGetErrorString(err);
-  if (count == 0) return "no CUDA GPU found";
+  if (err != cudaSuccess)
+    return std::string("no usable CUDA GPU: the CUDA runtime says: ") + cudaGetErrorString(err);
   return "";
 }
 
