@@ -511,10 +511,29 @@ TEST(Api, RuntimeOptions) {
   moejit_runtime_options o;
   ASSERT_EQ(moejit_runtime_options_init(&o), MOEJIT_SUCCESS);
   EXPECT_EQ(o.struct_size, sizeof(o));
+  // The 0.1 entry point fills the fields of the 0.1 and 0.2 headers only (up to template_dir):
+  // a binary built against them has a struct that ends there.
+  const size_t v02 = offsetof(moejit_runtime_options, cache_key_file);
   std::memset(&o, 0xAB, sizeof(o));
-  ASSERT_EQ((moejit_runtime_options_init)(&o), MOEJIT_SUCCESS);  // the 0.1 entry point
-  EXPECT_EQ(o.struct_size, sizeof(o));
+  ASSERT_EQ((moejit_runtime_options_init)(&o), MOEJIT_SUCCESS);
+  EXPECT_EQ(o.struct_size, v02);
   EXPECT_EQ(o.log_level, MOEJIT_LOG_DEFAULT);
+  EXPECT_EQ(o.template_dir, nullptr);
+  unsigned char past[sizeof(o) - v02];
+  std::memcpy(past, reinterpret_cast<const char*>(&o) + v02, sizeof(past));
+  for (unsigned char c : past) EXPECT_EQ(c, 0xAB) << "wrote past the 0.2 struct";
+  moejit_runtime_t old_caller = nullptr;  // such a struct is accepted as it is
+  o.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
+  ASSERT_EQ(moejit_runtime_create(&o, &old_caller), MOEJIT_SUCCESS) << moejit_last_error_message();
+  moejit_runtime_destroy(old_caller);
+  std::memset(&o, 0xAB, sizeof(o));
+  ASSERT_EQ(moejit_runtime_options_init_sized(&o, v02), MOEJIT_SUCCESS);
+  EXPECT_EQ(o.struct_size, v02);
+  std::memcpy(past, reinterpret_cast<const char*>(&o) + v02, sizeof(past));
+  for (unsigned char c : past) EXPECT_EQ(c, 0xAB) << "wrote past the 0.2 struct";
+  ASSERT_EQ(moejit_runtime_options_init(&o), MOEJIT_SUCCESS);
+  EXPECT_EQ(o.struct_size, sizeof(o));
+  EXPECT_EQ(o.cache_key_file, nullptr);
   EXPECT_EQ(moejit_runtime_options_init_sized(&o, sizeof(o) + 8), MOEJIT_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(moejit_last_error_message())
                 .find("invalid argument struct_size = " + std::to_string(sizeof(o) + 8)),

@@ -4,6 +4,8 @@
 //   --dir D --mode read-write|read-only|no-compile --threads T --keys K --first F
 //   --uid U (drop to this uid/gid first) --fsize BYTES (RLIMIT_FSIZE, SIGXFSZ ignored)
 //   --max-bytes N
+// MOEJIT_TEST_PAUSE_BEFORE_RENAME=1 in its environment: a writer stops forever with its temp file
+// complete, before the rename (file_cache.h's test hook), so that a test can kill it there.
 // Exit status 0 when every obtain succeeded.
 #include <signal.h>
 #include <sys/resource.h>
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "cache_test_util.h"
+#include "file_cache.h"
 #include "kernel_store.h"
 
 using namespace moejit;
@@ -57,6 +60,11 @@ int main(int argc, char** argv) {
     };
     setrlimit(RLIMIT_FSIZE, &lim);
   }
+  if (const char* pause_here = std::getenv("MOEJIT_TEST_PAUSE_BEFORE_RENAME"))
+    if (*pause_here != '\0')
+      test_hooks::before_rename = [] {
+        for (;;) pause();
+      };
   test::WarningCounter& warnings = test::WarningCounter::install();
   moejit_cache_mode m = MOEJIT_CACHE_MODE_READ_WRITE;
   if (mode == "read-only") m = MOEJIT_CACHE_MODE_READ_ONLY;

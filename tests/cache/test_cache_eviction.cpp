@@ -6,9 +6,11 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#include "cache_admin.h"
+#include "cache_files.h"
 #include "cache_key.h"
 #include "cache_test_util.h"
-#include "disk_cache.h"
+#include "file_cache.h"
 #include "kernel_store.h"
 
 namespace moejit {
@@ -72,7 +74,7 @@ TEST_F(CacheEviction, KeepsTheCapByLastUse) {
   EXPECT_TRUE(fs::exists(path(3)));
   EXPECT_FALSE(fs::exists(path(1)));
   EXPECT_FALSE(fs::exists(path(2)));
-  EXPECT_EQ(verify_cache_dir(dir_, false).invalid_paths.size(), 0u);
+  EXPECT_EQ(verify_cache_dir(dir_, false).invalid.size(), 0u);
 }
 
 TEST_F(CacheEviction, NeverDeletesAnEntryBeingReplacedOrJustWritten) {

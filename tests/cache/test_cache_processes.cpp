@@ -11,9 +11,11 @@
 #include <chrono>
 #include <thread>
 
+#include "cache_admin.h"
+#include "cache_files.h"
 #include "cache_key.h"
 #include "cache_test_util.h"
-#include "disk_cache.h"
+#include "file_cache.h"
 #include "kernel_store.h"
 #include "key_lock.h"
 #include "worker_process.h"

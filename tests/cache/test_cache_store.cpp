@@ -6,14 +6,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
-
+#include "cache_admin.h"
 #include "cache_entry.h"
+#include "cache_files.h"
 #include "cache_key.h"
 #include "cache_test_util.h"
-#include "disk_cache.h"
+#include "entry_samples.h"
 #include "error.h"
+#include "file_cache.h"
 #include "kernel_store.h"
 
 namespace moejit {
@@ -59,7 +59,7 @@ TEST_F(CacheStore, ColdCompilesWarmLoads) {
   EXPECT_EQ(cold.disk_errors.load() + warm.disk_errors.load(), 0u);
   EXPECT_EQ(warnings_->warnings(), 0);
 
-  // Layout and permissions: <dir>/v1/<ab>/<key>.moejit, directories 0700, entry 0600.
+  // Layout and permissions: <dir>/v2/<ab>/<key>.moejit, directories 0700, entry 0600.
   const std::string entry = entry_of(0);
   EXPECT_TRUE(fs::is_regular_file(entry)) << entry;
   struct stat st {};
@@ -86,11 +86,7 @@ TEST_F(CacheStore, DamagedEntriesAreMissesThenReplaced) {
   const std::string good = test::read_file(path);
   ASSERT_GT(good.size(), kCacheEntryHeaderBytes);
   auto reseal = [](std::string b) {
-    auto put = [&](size_t at, uint64_t v) {
-      for (int i = 0; i < 8; ++i) b[at + static_cast<size_t>(i)] = static_cast<char>(v >> (8 * i));
-    };
-    put(56, XXH3_64bits(b.data() + 72, b.size() - 72));
-    put(64, XXH3_64bits(b.data(), 64));
+    test::reseal(&b);
     return b;
   };
   CompiledModule module;
@@ -152,7 +148,7 @@ TEST_F(CacheStore, VerifyReportsAndRepairs) {
   CacheVerifyReport report = verify_cache_dir(dir_, false);
   EXPECT_EQ(report.entries, 4u);
   EXPECT_EQ(report.valid, 2u);
-  EXPECT_EQ(report.invalid_paths.size(), 2u);
+  EXPECT_EQ(report.invalid.size(), 2u);
   EXPECT_EQ(report.removed, 0u);
   EXPECT_TRUE(report.error.empty()) << report.error;
   // The bytes are those of the valid entries only.
@@ -183,8 +179,8 @@ TEST_F(CacheStore, VerifyCallsAnEntryInAnotherShardInvalid) {
   CacheVerifyReport report = verify_cache_dir(dir_, false);
   EXPECT_EQ(report.entries, 2u);
   EXPECT_EQ(report.valid, 1u);
-  ASSERT_EQ(report.invalid_paths.size(), 1u);
-  EXPECT_EQ(fs::path(report.invalid_paths[0]), stray);
+  ASSERT_EQ(report.invalid.size(), 1u);
+  EXPECT_EQ(fs::path(report.invalid[0].path), stray);
   report = verify_cache_dir(dir_, true);
   EXPECT_EQ(report.removed, 1u);
   EXPECT_FALSE(fs::exists(stray));
@@ -208,17 +204,17 @@ TEST_F(CacheStore, VerifyRefusesUnsafeDirectoriesAndNeverFollowsSymlinks) {
       EXPECT_EQ(r.entries, 0u) << dir;
       EXPECT_EQ(r.valid, 0u) << dir;
       EXPECT_EQ(r.removed, 0u) << dir;
-      EXPECT_TRUE(r.invalid_paths.empty()) << dir;
+      EXPECT_TRUE(r.invalid.empty()) << dir;
     }
     EXPECT_TRUE(fs::exists(junk));
     EXPECT_TRUE(fs::exists(entry_of(0)));
   };
 
-  // <dir>/v1 a symlink to the junk.
+  // <dir>/v2 a symlink to the junk.
   const std::string linked_v1 = scratch_ / "linked-v1";
   fs::create_directory(linked_v1);
   chmod(linked_v1.c_str(), 0700);
-  fs::create_directory_symlink(elsewhere, linked_v1 + "/v1");
+  fs::create_directory_symlink(elsewhere, linked_v1 + "/" + version_dir_name());
   expect_refused(linked_v1, "symbolic link");
   expect_refused(linked_v1 + "/", "symbolic link");
 
@@ -255,8 +251,8 @@ TEST_F(CacheStore, VerifyReportsShardDirectoriesTheRuntimeRefuses) {
       EXPECT_EQ(r.valid, 0u);
       EXPECT_EQ(r.bytes, 0u);
       EXPECT_EQ(r.removed, 0u);
-      ASSERT_EQ(r.invalid_paths.size(), 1u);
-      EXPECT_EQ(r.invalid_paths[0], shard);
+      ASSERT_EQ(r.invalid.size(), 1u);
+      EXPECT_EQ(r.invalid[0].path, shard);
       EXPECT_TRUE(fs::exists(entry_now));
     }
     Stats miss;
@@ -385,7 +381,7 @@ TEST_F(CacheStore, PathThatIsAFileFallsBackToMemory) {
 TEST_F(CacheStore, VersionDirThatIsAFileFallsBackToMemory) {
   fs::create_directory(dir_);
   chmod(dir_.c_str(), 0700);
-  test::write_file(dir_ + "/v1", "");
+  test::write_file(dir_ + "/" + version_dir_name(), "");
   expect_memory_fallback(dir_, warnings_, "not a directory");
 }
 
@@ -397,7 +393,7 @@ TEST_F(CacheStore, WorldOrGroupWritableDirectoryIsRefused) {
     expect_memory_fallback(dir_, warnings_, "writable by group or others");
   }
   chmod(dir_.c_str(), 0700);
-  chmod((dir_ + "/v1").c_str(), 0777);
+  chmod((dir_ + "/" + version_dir_name()).c_str(), 0777);
   expect_memory_fallback(dir_, warnings_, "writable by group or others");
 }
 

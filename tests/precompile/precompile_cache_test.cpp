@@ -9,11 +9,8 @@
 #include <set>
 #include <thread>
 
-#include "cache_key.h"
-#include "combine_plan.h"
-#include "disk_cache.h"
 #include "gtest/gtest.h"
-#include "kernel_store.h"
+#include "moejit_internal.h"
 #include "precompile_inputs.h"
 #include "tool_runner.h"
 
@@ -109,7 +106,7 @@ class WarmedCache : public ::testing::Test {
     const CacheVerifyReport r = verify_cache_dir(cache_, false);
     EXPECT_EQ(r.entries, entries);
     EXPECT_EQ(r.valid, entries);
-    EXPECT_TRUE(r.invalid_paths.empty()) << r.invalid_paths.front();
+    EXPECT_TRUE(r.invalid.empty()) << r.invalid.front().path << ": " << r.invalid.front().why;
   }
 
   static std::string scratch_, cache_;
@@ -256,7 +253,8 @@ TEST(Verify, SymlinkedVersionDirectoryIsUnusableAndNeverRepaired) {
   std::filesystem::create_directories(scratch + "/elsewhere/ab");
   test::write_file(junk, "junk, not an entry");
   ASSERT_EQ(mkdir(cache.c_str(), 0700), 0);
-  std::filesystem::create_directory_symlink(scratch + "/elsewhere", cache + "/v1");
+  std::filesystem::create_directory_symlink(scratch + "/elsewhere",
+                                            cache + "/" + version_dir_name());
   for (const char* args : {"--verify", "--verify --repair", "--verify --repair --json"}) {
     const test::ToolRun r =
         test::run_tool(std::string(args) + " --cache-dir '" + cache + "'", scratch);
@@ -288,7 +286,7 @@ TEST(Concurrency, ParallelJobsAndTwoProcessesIntoOneDirectory) {
   const CacheVerifyReport v = verify_cache_dir(scratch + "/cache", false);
   EXPECT_EQ(v.entries, expected);
   EXPECT_EQ(v.valid, expected);
-  EXPECT_TRUE(v.invalid_paths.empty());
+  EXPECT_TRUE(v.invalid.empty());
   test::remove_tree(scratch);
 }
 
@@ -391,7 +389,8 @@ TEST(ReadableByAll, AnotherUserReadsACacheWarmedByRoot) {
   test::ToolRun r = test::run_tool(args + " -q", scratch);
   ASSERT_EQ(r.rc, 0) << r.err;
   const std::string key = parse_json(test::run_tool(args + " --json", scratch))["jobs"][0]["key"];
-  const std::string shard = cache + "/v1/" + key.substr(0, 2);
+  const std::string v2 = cache + "/" + version_dir_name();
+  const std::string shard = v2 + "/" + key.substr(0, 2);
   const std::string entry = shard + "/" + key + ".moejit";
   EXPECT_EQ(mode_of(cache), 0700u);
   EXPECT_EQ(mode_of(shard), 0700u);
@@ -428,7 +427,7 @@ TEST(ReadableByAll, AnotherUserReadsACacheWarmedByRoot) {
   EXPECT_TRUE(readable["failed"].empty()) << readable.dump();
   for (const json& blocked : readable["blocked"])
     EXPECT_EQ(blocked.get<std::string>().find(scratch), std::string::npos) << blocked;
-  for (const std::string& dir : {cache, cache + "/v1", shard}) EXPECT_EQ(mode_of(dir), 0755u);
+  for (const std::string& dir : {cache, v2, shard}) EXPECT_EQ(mode_of(dir), 0755u);
   EXPECT_EQ(mode_of(entry), 0644u);
   EXPECT_EQ(mode_of(shard + "/notes.txt"), 0600u);
   EXPECT_EQ(mode_of(scratch + "/elsewhere"), 0600u);
@@ -473,13 +472,14 @@ TEST(ReadableByAll, APartItCannotChangeExitsThree) {
   const std::string other_shard = key.substr(0, 2) == "ff" ? "fe" : "ff";
   ASSERT_TRUE(std::filesystem::create_directory(scratch + "/elsewhere"));
   ASSERT_EQ(chmod((scratch + "/elsewhere").c_str(), 0700), 0);
-  std::filesystem::create_directory_symlink(scratch + "/elsewhere", cache + "/v1/" + other_shard);
+  const std::string v2 = cache + "/" + version_dir_name();
+  std::filesystem::create_directory_symlink(scratch + "/elsewhere", v2 + "/" + other_shard);
 
   r = test::run_tool(args + " --readable-by-all --json", scratch);
   EXPECT_EQ(r.rc, 3) << r.out << r.err;
   const json readable = parse_json(r)["readable_by_all"];
   ASSERT_EQ(readable["failed"].size(), 1u) << readable.dump();
-  EXPECT_NE(readable["failed"][0].get<std::string>().find(cache + "/v1/" + other_shard),
+  EXPECT_NE(readable["failed"][0].get<std::string>().find(v2 + "/" + other_shard),
             std::string::npos)
       << readable.dump();
   EXPECT_EQ(readable["entries"], 1) << readable.dump();  // the rest is still made readable
