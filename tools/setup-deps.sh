@@ -14,6 +14,10 @@ have_header xxhash.h || [ -e "$(dirname "$0")/../.deps/include/xxhash.h" ] || ne
 have_header gtest/gtest.h || need+=(libgtest-dev)
 have_header CLI/CLI.hpp || need+=(libcli11-dev)
 have_header nlohmann/json.hpp || need+=(nlohmann-json3-dev)
+# libsodium (HMAC of authenticated cache entries), linked statically: Debian's libsodium-dev has the
+# PIC libsodium.a. .deps/ may hold it instead (include/sodium.h, lib/libsodium.a).
+{ have_header sodium.h && ls /usr/lib/*/libsodium.a /usr/lib/libsodium.a >/dev/null 2>&1; } ||
+  [ -e "$(dirname "$0")/../.deps/lib/libsodium.a" ] || need+=(libsodium-dev)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
     echo "missing packages: ${need[*]} (install them, e.g. sudo apt-get install ${need[*]})" >&2

@@ -594,6 +594,120 @@ TEST_F(CacheStore, OptionsFallBackToTheEnvironmentOnlyWhereUnset) {
   }
 }
 
+// With a cache key, only entries authenticated under it are served: one written without a key,
+// with another key, or forged (another cubin, both checksums recomputed, as anyone who can write
+// the cache can) is a miss with a warning naming the entry, rebuilt and replaced by an
+// authenticated one; in no-compile mode it is MOEJIT_ERROR_NOT_CACHED. Without a key, an
+// authenticated entry serves as any other.
+TEST_F(CacheStore, WithACacheKeyOnlyAuthenticatedEntriesAreServed) {
+  const auto key = test::sample_mac_key('k');
+  auto with_key = [&](const std::shared_ptr<const MacKey>& k,
+                      moejit_cache_mode mode = MOEJIT_CACHE_MODE_READ_WRITE) {
+    Settings settings = test::cache_settings(dir_, mode);
+    settings.cache_mac_key = k;
+    return settings;
+  };
+  auto obtain_with = [&](const Settings& settings, Stats* stats) {
+    KernelStore store(settings, *stats);
+    Source source;
+    store.obtain(test::small_spec(0), test::test_target(), &source);
+    return source;
+  };
+  const std::string path = entry_of(0);
+  std::string why;
+  auto expect_rebuilt = [&](const char* reason) {
+    SCOPED_TRACE(reason);
+    warnings_->reset();
+    Stats miss, hit;
+    EXPECT_EQ(obtain_with(with_key(key), &miss), Source::kCompiled);
+    EXPECT_EQ(miss.disk_errors.load(), 1u);
+    EXPECT_EQ(warnings_->warnings(), 1);
+    EXPECT_NE(warnings_->last().find(path), std::string::npos) << warnings_->last();
+    EXPECT_NE(warnings_->last().find(reason), std::string::npos) << warnings_->last();
+    EXPECT_TRUE(parse_cache_entry(test::read_file(path), key_of(0), nullptr, &why, key.get()))
+        << "replaced by an authenticated entry: " << why;
+    EXPECT_EQ(obtain_with(with_key(key), &hit), Source::kDisk);
+  };
+
+  Stats plain;
+  ASSERT_EQ(obtain(0, &plain), Source::kCompiled);  // written without a key
+  expect_rebuilt("carries no MAC");
+  const std::string authenticated = test::read_file(path);
+
+  Stats other;
+  test::write_file(path, "");
+  ASSERT_EQ(obtain_with(with_key(test::sample_mac_key('o')), &other), Source::kCompiled);
+  expect_rebuilt("its MAC does not match the cache key in test-key");
+
+  std::string forged = authenticated;
+  const size_t image = forged.find(
+      "\x7f"
+      "ELF");
+  ASSERT_NE(image, std::string::npos);
+  forged[image + 64] = static_cast<char>(forged[image + 64] ^ 1);
+  test::reseal(&forged);
+  test::write_file(path, forged);
+  Stats unkeyed;
+  EXPECT_EQ(obtain(0, &unkeyed), Source::kDisk) << "without a key the checksums cannot tell";
+  expect_rebuilt("its MAC does not match");
+
+  // No-compile mode: an entry it may not trust is not cached, as far as it is concerned.
+  test::write_file(path, forged);
+  Stats nc;
+  KernelStore store(with_key(key, MOEJIT_CACHE_MODE_NO_COMPILE), nc);
+  try {
+    store.obtain(test::small_spec(0), test::test_target());
+    ADD_FAILURE() << "a forged entry was served in no-compile mode";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), MOEJIT_ERROR_NOT_CACHED) << e.what();
+  }
+  EXPECT_EQ(nc.compiles.load(), 0u);
+  EXPECT_EQ(test::read_file(path), forged) << "no-compile mode writes nothing";
+
+  // verify checks the MAC when given the key, and only then.
+  test::write_file(path, authenticated);
+  EXPECT_EQ(verify_cache_dir(dir_, false, key.get()).valid, 1u);
+  EXPECT_EQ(verify_cache_dir(dir_, false, test::sample_mac_key('o').get()).valid, 0u);
+  test::write_file(path, forged);
+  EXPECT_EQ(verify_cache_dir(dir_, false).valid, 1u);
+  const CacheVerifyReport r = verify_cache_dir(dir_, false, key.get());
+  ASSERT_EQ(r.invalid.size(), 1u);
+  EXPECT_NE(r.invalid[0].why.find("MAC does not match"), std::string::npos) << r.invalid[0].why;
+}
+
+// --verify runs as a tool, often as another user than the runtime that serves the cache: it judges
+// the entries as the runtime running as this user would, owner included. An entry another user
+// owns is refused by the runtime, so it is not valid (root may own entries: it can write anywhere
+// anyway).
+TEST_F(CacheStore, VerifyCallsAnotherUsersEntryInvalid) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to give an entry to another uid";
+  Stats s;
+  obtain(0, &s);
+  ASSERT_EQ(chown(entry_of(0).c_str(), 65534, 65534), 0);
+  const CacheVerifyReport r = verify_cache_dir(dir_, false);
+  EXPECT_EQ(r.valid, 0u);
+  ASSERT_EQ(r.invalid.size(), 1u);
+  EXPECT_NE(r.invalid[0].why.find("is owned by uid 65534"), std::string::npos) << r.invalid[0].why;
+  Stats miss;
+  EXPECT_EQ(obtain(0, &miss), Source::kCompiled) << "the runtime refuses it too";
+}
+
+// Only the cache directory, its version directory and its shards must not be symlinks: a symlink
+// in a directory above the cache (a home on another volume, /home -> /data/home) is followed, as
+// every program follows it, and docs/cache.md says so.
+TEST_F(CacheStore, ASymlinkAboveTheCacheDirectoryIsFollowed) {
+  const std::string real = scratch_ / "volume";
+  fs::create_directories(real);
+  const std::string link = scratch_ / "home";
+  fs::create_directory_symlink(real, link);
+  dir_ = link + "/cache";
+  Stats cold, warm;
+  EXPECT_EQ(obtain(0, &cold), Source::kCompiled);
+  EXPECT_EQ(obtain(0, &warm), Source::kDisk);
+  EXPECT_EQ(cold.disk_errors.load() + warm.disk_errors.load(), 0u);
+  EXPECT_TRUE(fs::exists(real + "/cache/" + version_dir_name()));
+}
+
 TEST_F(CacheStore, NonKeysNeverBecomePaths) {
   Stats s;
   auto cache = open_disk_cache(test::cache_settings(dir_), s);
