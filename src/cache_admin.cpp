@@ -20,17 +20,10 @@ namespace {
 // whether their writer is alive (another host or pid namespace sharing the directory).
 constexpr double kStaleSeconds = 600;
 
-double age_seconds(const struct timespec& t) {
-  struct timespec now {};
-  clock_gettime(CLOCK_REALTIME, &now);
-  return static_cast<double>(now.tv_sec - t.tv_sec) +
-         static_cast<double>(now.tv_nsec - t.tv_nsec) * 1e-9;
-}
-
 // Removes name from shard if it is a leftover of a writer: true if it was one (removed or not).
 bool sweep_leftover(int shard_fd, const std::string& shard_name, const std::string& name,
                     const struct stat& st, const std::string& host, size_t* swept) {
-  const double age = age_seconds(st.st_mtim);
+  const double age = seconds_since(st.st_mtim);
   TempName temp;
   if (parse_temp_name(name, &temp)) {
     const bool dead =

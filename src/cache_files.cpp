@@ -28,13 +28,6 @@ namespace {
 // A hit refreshes the entry's mtime (its last use, for eviction) at most this often.
 constexpr double kTouchIntervalSeconds = 60;
 
-double seconds_since(const struct timespec& t) {
-  struct timespec now {};
-  clock_gettime(CLOCK_REALTIME, &now);
-  return static_cast<double>(now.tv_sec - t.tv_sec) +
-         static_cast<double>(now.tv_nsec - t.tv_nsec) * 1e-9;
-}
-
 // The user's cache directory. Creates it, and at most its parent (the ~/.cache case), when
 // create is set: a typo deep in a path should not conjure a tree of directories. Symlinks in the
 // path above it are followed, as every program follows them (docs/cache.md).
@@ -62,6 +55,13 @@ Fd& Fd::operator=(Fd&& o) noexcept {
 void Fd::reset() {
   if (fd_ >= 0) close(fd_);
   fd_ = -1;
+}
+
+double seconds_since(const struct timespec& t) {
+  struct timespec now {};
+  clock_gettime(CLOCK_REALTIME, &now);
+  return static_cast<double>(now.tv_sec - t.tv_sec) +
+         static_cast<double>(now.tv_nsec - t.tv_nsec) * 1e-9;
 }
 
 std::string version_dir_name() {

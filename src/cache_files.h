@@ -50,6 +50,9 @@ std::string version_dir_name();
 // <dir>/v<format version>/<first two hex digits of key>/<key>.moejit
 std::string cache_entry_path(const std::string& dir, const std::string& key);
 
+// Seconds from t (a file time, CLOCK_REALTIME) to now; negative for a time in the future.
+double seconds_since(const struct timespec& t);
+
 // "0755": a mode as chmod writes it.
 std::string mode_text(mode_t mode);
 // strerror(err) as a string.

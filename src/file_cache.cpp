@@ -46,13 +46,6 @@ constexpr double kEvictToShareOfCap = 0.9;
 // entry's own size) before it is tried again.
 constexpr double kFreeShareWhenFull = 0.1;
 
-double seconds_since(const struct timespec& t) {
-  struct timespec now {};
-  clock_gettime(CLOCK_REALTIME, &now);
-  return static_cast<double>(now.tv_sec - t.tv_sec) +
-         static_cast<double>(now.tv_nsec - t.tv_nsec) * 1e-9;
-}
-
 double monotonic_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -309,10 +302,11 @@ class FileCache final : public DiskCache {
       const uint64_t goal = std::max<uint64_t>(
           needed, static_cast<uint64_t>(static_cast<double>(scan.bytes) * kFreeShareWhenFull));
       const Evicted e = evict(&scan.entries, key, goal);
-      logger().info(
-          "disk cache {}: the disk is full; evicted {} least recently used entries ({} bytes) to "
-          "make room",
-          dir_, e.count, e.bytes);
+      if (e.count > 0)
+        logger().info(
+            "disk cache {}: the disk is full; evicted {} least recently used entries ({} bytes) "
+            "to make room",
+            dir_, e.count, e.bytes);
       std::lock_guard<std::mutex> guard(mutex_);
       counted_bytes_ = scan.bytes - std::min(scan.bytes, e.bytes);
       last_scan_ = monotonic_seconds();

@@ -419,10 +419,10 @@ typedef struct moejit_stats {
   size_t struct_size;     /* set by the caller: sizeof(moejit_stats) */
   uint64_t memory_hits;   /* kernel lookups served by a module already loaded in the context */
   uint64_t disk_hits;     /* kernels loaded from the on-disk cache */
-  uint64_t compiles;      /* NVRTC compilations */
+  uint64_t compiles;      /* NVRTC compilations, those that failed included (since 0.3) */
   uint64_t disk_errors;   /* cache entries found invalid, or cache reads/writes that failed */
   uint64_t launches;      /* kernels launched */
-  double compile_seconds; /* wall time spent in NVRTC */
+  double compile_seconds; /* wall time spent in NVRTC (failed compilations included) */
   /* Since 0.2. Modules the runtime holds loaded now, over all contexts (not a count of loads).
    * Those of a context the caller destroyed are dropped when the runtime is next used in a
    * context it has not seen (with a driver of CUDA 12.0 or later, which can tell). */

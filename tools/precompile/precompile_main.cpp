@@ -301,6 +301,10 @@ EntryRules rules_of(const Settings& settings) {
   return rules;
 }
 
+std::string not_served(const std::string& path, const std::string& why) {
+  return "the runtime would not serve " + path + ": " + why;
+}
+
 // Whether the runtime, as this user, would serve key's entry from the cache.
 struct Servable {
   EntryCheck check = EntryCheck::kMissing;
@@ -313,12 +317,11 @@ Servable servable(const Settings& settings, const std::string& key) {
   const std::string path = cache_entry_path(settings.cache_dir, key);
   if (!r.error.empty()) {
     s.check = EntryCheck::kInvalid;
-    s.error = "the runtime would not serve " + path + ": the cache directory " + r.error;
+    s.error = not_served(path, "the cache directory " + r.error);
     return s;
   }
   s.check = r.results.at(0);
-  if (s.check == EntryCheck::kInvalid)
-    s.error = "the runtime would not serve " + path + ": " + r.why.at(0);
+  if (s.check == EntryCheck::kInvalid) s.error = not_served(path, r.why.at(0));
   struct stat st;
   if (s.check == EntryCheck::kOk && ::stat(path.c_str(), &st) == 0)
     s.bytes = static_cast<uint64_t>(st.st_size);
@@ -550,9 +553,9 @@ int run_precompile(const Options& o) {
                 " bytes); raise MOEJIT_CACHE_MAX_BYTES to at least that";
       r.status = "evicted";
     } else {
-      r.error = "the runtime would not serve " + path + ": " +
-                (final_check.error.empty() ? final_check.why[i]
-                                           : "the cache directory " + final_check.error);
+      r.error =
+          not_served(path, final_check.error.empty() ? final_check.why[i]
+                                                     : "the cache directory " + final_check.error);
       r.status = "unservable";
     }
     progress.failed_later(jobs[i].target.name() + " " + jobs[i].spec.describe(), r.error);
