@@ -22,10 +22,11 @@
  * moejit_runtime_get_stats() reads the counters it had at the fork, and moejit_runtime_destroy()
  * accepts it and releases nothing. No call in the child waits for work its parent's other threads
  * were doing. CUDA itself cannot be used in the child of a process that initialized it (the
- * driver's rule): there a combine fails with MOEJIT_ERROR_CUDA naming the driver's error, so fork
- * before the first combine, or start workers with spawn. fork() waits while another thread of the
- * process is inside NVRTC (one compile at most), loading the CUDA driver, creating the default
- * runtime or writing a log line: a child forked in the middle of an NVRTC compile can hang.
+ * driver's rule): there a combine fails with the status and message of the driver's refusal, so
+ * fork before the first combine, or start workers with spawn. fork() waits while other threads of
+ * the process are inside NVRTC (for the compiles under way to end), loading the CUDA driver,
+ * creating the default runtime or writing a log line: a child forked in the middle of an NVRTC
+ * compile can hang.
  */
 #ifndef MOEJIT_MOEJIT_H_
 #define MOEJIT_MOEJIT_H_
