@@ -18,23 +18,9 @@ namespace {
 
 TEST(ForkGpu, AChildOfAProcessThatUsedCudaGetsAStatusNotAHang) {
   SKIP_WITHOUT_GPU();
-  const int64_t T = 4, K = 2, H = 1024;
-  const size_t row = static_cast<size_t>(H) * 2;  // bf16
-  void *rows = nullptr, *out = nullptr;
-  CUDA_OK(cudaMalloc(&rows, row * static_cast<size_t>(T * K)));
-  CUDA_OK(cudaMemset(rows, 0, row * static_cast<size_t>(T * K)));
-  CUDA_OK(cudaMalloc(&out, row * static_cast<size_t>(T)));
-  moejit_combine_args a;
-  moejit_combine_args_init(&a);
-  a.layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
-  a.num_tokens = T;
-  a.top_k = K;
-  a.num_rows = T * K;
-  a.hidden_dim = H;
-  a.expert_hidden = rows;
-  a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
-  a.out = out;
-  a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+  moejit_test::TokenMajorBf16 b;
+  ASSERT_NO_FATAL_FAILURE(moejit_test::allocate(&b, 4, 2, 1024, 4));
+  const moejit_combine_args a = b.args();
   setenv("MOEJIT_CACHE_MODE", "disabled", 1);
   ASSERT_EQ(moe_combine(&a, nullptr), MOEJIT_SUCCESS) << moejit_last_error_message();
   CUDA_OK(cudaDeviceSynchronize());
@@ -63,8 +49,6 @@ TEST(ForkGpu, AChildOfAProcessThatUsedCudaGetsAStatusNotAHang) {
       << "the child died of signal " << WTERMSIG(status) << " (14, SIGALRM: it hung)";
   std::printf("[ info     ] a forked child's combine: %s\n", said.c_str());
   EXPECT_FALSE(said.empty());
-  cudaFree(out);
-  cudaFree(rows);
 }
 
 }  // namespace

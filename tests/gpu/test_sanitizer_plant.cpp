@@ -21,33 +21,17 @@ TEST(SanitizerPlant, AnOutputBufferOneRowShort) {
     GTEST_SKIP() << "a deliberate out-of-bounds write for the self-check of "
                     "tools/gpu-sanitize.sh; runs with MOEJIT_SANITIZER_PLANT=1";
   SKIP_WITHOUT_GPU();
-  const int64_t T = 4, K = 2, H = 1024;
-  const size_t row = static_cast<size_t>(H) * 2;  // bf16
-  void *rows = nullptr, *out = nullptr;
-  CUDA_OK(cudaMalloc(&rows, row * static_cast<size_t>(T * K)));
-  CUDA_OK(cudaMemset(rows, 0, row * static_cast<size_t>(T * K)));
-  CUDA_OK(cudaMalloc(&out, row * static_cast<size_t>(T - 1)));  // one row short
+  moejit_test::TokenMajorBf16 b;
+  ASSERT_NO_FATAL_FAILURE(moejit_test::allocate(&b, 4, 2, 1024, 3));  // out one row short
   moejit_runtime_options o;
   moejit_runtime_options_init(&o);
   o.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
   moejit_runtime_t rt = nullptr;
   ASSERT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_SUCCESS) << moejit_last_error_message();
-  moejit_combine_args a;
-  moejit_combine_args_init(&a);
-  a.layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
-  a.num_tokens = T;
-  a.top_k = K;
-  a.num_rows = T * K;
-  a.hidden_dim = H;
-  a.expert_hidden = rows;
-  a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
-  a.out = out;
-  a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+  const moejit_combine_args a = b.args();
   EXPECT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS) << moejit_last_error_message();
   cudaDeviceSynchronize();
   moejit_runtime_destroy(rt);
-  cudaFree(out);
-  cudaFree(rows);
 }
 
 }  // namespace
