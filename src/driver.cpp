@@ -2,11 +2,13 @@
 
 #include <dlfcn.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 
 #include "driver_probe.h"
 #include "error.h"
+#include "fork_guard.h"
 #include "logging.h"
 
 namespace moejit {
@@ -69,10 +71,18 @@ LoadedDriver load() {
 
 const DriverApi& driver() {
   // Thread-safe initialization (C++11), and never destroyed: the host's static destructors may
-  // still call the library at exit, and the error message must outlive them.
-  static const LoadedDriver& loaded = *new LoadedDriver(load());
-  if (loaded.status != MOEJIT_SUCCESS) throw Error(loaded.status, loaded.message);
-  return loaded.api;
+  // still call the library at exit, and the error message must outlive them. The first load runs
+  // inside the fork gate, so that no fork copies its half-done initialization (fork_guard.h).
+  static std::atomic<const LoadedDriver*> ready{nullptr};
+  const LoadedDriver* d = ready.load(std::memory_order_acquire);
+  if (d == nullptr) {
+    ForkGateScope gate;
+    static const LoadedDriver& loaded = *new LoadedDriver(load());
+    d = &loaded;
+    ready.store(d, std::memory_order_release);
+  }
+  if (d->status != MOEJIT_SUCCESS) throw Error(d->status, d->message);
+  return d->api;
 }
 
 CUresult launch_programmatic(const DriverApi& d, CUfunction f, unsigned grid_x, unsigned grid_y,

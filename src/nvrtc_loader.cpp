@@ -8,9 +8,11 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "error.h"
 #include "logging.h"
+#include "settings.h"
 
 namespace moejit {
 namespace {
@@ -25,11 +27,6 @@ std::string soname(int major) {
 // pip's layout of NVRTC per CUDA major: nvidia-cuda-nvrtc (13) and nvidia-cuda-nvrtc-cu12.
 std::string pip_lib_dir(int major) {
   return major >= 13 ? "nvidia/cu" + std::to_string(major) + "/lib" : "nvidia/cuda_nvrtc/lib";
-}
-
-const char* env(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? v : nullptr;
 }
 
 // The directory of the file holding this code: libmoejit.so, or a program linking it statically.
@@ -116,7 +113,8 @@ struct LoadedNvrtc {
 }  // namespace
 
 std::vector<NvrtcCandidate> nvrtc_candidates() {
-  if (const char* path = env("MOEJIT_NVRTC_LIBRARY")) return {{path, "$MOEJIT_NVRTC_LIBRARY"}};
+  const NvrtcEnvironment environment = nvrtc_environment();
+  if (environment.library != nullptr) return {{environment.library, "$MOEJIT_NVRTC_LIBRARY"}};
   std::vector<NvrtcCandidate> list;
   auto add = [&list](const std::string& file, const std::string& origin) {
     const bool seen = std::any_of(list.begin(), list.end(),
@@ -128,11 +126,12 @@ std::vector<NvrtcCandidate> nvrtc_candidates() {
     for (int major : kMajors)
       add(parent_of(own) + "/" + pip_lib_dir(major) + "/" + soname(major),
           "pip's NVRTC package next to libmoejit");
-  for (const char* var : {"CUDA_HOME", "CUDA_PATH"})
-    if (const char* root = env(var))
+  const std::pair<const char*, const char*> roots[] = {{environment.cuda_home, "$CUDA_HOME"},
+                                                       {environment.cuda_path, "$CUDA_PATH"}};
+  for (const auto& [root, var] : roots)
+    if (root != nullptr)
       for (const char* lib : {"/lib64/", "/lib/"})
-        for (int major : kMajors)
-          add(root + std::string(lib) + soname(major), "$" + std::string(var));
+        for (int major : kMajors) add(root + std::string(lib) + soname(major), var);
   for (int major : kMajors)
     add(soname(major), "the dynamic loader: LD_LIBRARY_PATH, RUNPATH, ld.so.cache");
   for (int major : kMajors)

@@ -21,6 +21,10 @@ have_header xxhash.h || [ -e "$repo/.deps/include/xxhash.h" ] || need+=(libxxhas
 have_header gtest/gtest.h || need+=(libgtest-dev)
 have_header CLI/CLI.hpp || need+=(libcli11-dev)
 have_header nlohmann/json.hpp || need+=(nlohmann-json3-dev)
+# libsodium (HMAC of authenticated cache entries), linked statically: Debian's libsodium-dev has the
+# PIC libsodium.a. .deps/ may hold it instead (include/sodium.h, lib/libsodium.a).
+{ have_header sodium.h && ls /usr/lib/*/libsodium.a /usr/lib/libsodium.a >/dev/null 2>&1; } ||
+  [ -e "$repo/.deps/lib/libsodium.a" ] || need+=(libsodium-dev)
 
 # The Python tests run under the python3 on PATH (CMake's Python3_EXECUTABLE).
 python=$(command -v python3 || true)

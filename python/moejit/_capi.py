@@ -107,6 +107,7 @@ class RuntimeOptions(ctypes.Structure):
         ("cache_max_bytes", ctypes.c_uint64),
         ("log_level", ctypes.c_int),
         ("template_dir", ctypes.c_char_p),
+        ("cache_key_file", ctypes.c_char_p),  # since 0.3
     ]
 
 

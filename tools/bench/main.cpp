@@ -28,7 +28,7 @@
 #include "jit_bench.h"
 #include "json_writer.h"
 #include "moejit/moejit.h"
-#include "nvrtc_compiler.h"
+#include "moejit_internal.h"
 #include "skew_bench.h"
 
 namespace moejit_bench {

@@ -19,12 +19,8 @@
 #include <thread>
 #include <vector>
 
-#include "combine_plan.h"
-#include "driver_probe.h"
-#include "error.h"
-#include "kernel_store.h"
 #include "moejit/moejit.h"
-#include "settings.h"
+#include "moejit_internal.h"
 
 namespace {
 
