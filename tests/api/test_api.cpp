@@ -153,6 +153,12 @@ const BadCase kBadCases[] = {
      MOEJIT_ERROR_INVALID_ARGUMENT,
      "args->out = [0x7f0020000000, 0x7f0020042000): overlaps "
      "args->indices"},
+    {"out_wraps_past_the_address_space",
+     [](auto& a) {
+       a.out = fake(0xfffffffffffff000);
+       a.expert_hidden = fake(0x1000);
+     },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "past the end of the 64-bit address space"},
     {"workspace_overlaps_out", [](auto& a) { token_index_workspace_at(a, 0x7f0030000000 + 4096); },
      MOEJIT_ERROR_INVALID_ARGUMENT, "args->workspace = [0x7f0030001000"},
     {"expert_misaligned", [](auto& a) { a.expert_hidden = fake(0x7f0000000001); },
