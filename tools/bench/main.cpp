@@ -23,7 +23,6 @@
 #include "bench_cuda.h"
 #include "bench_data.h"
 #include "combine_bench.h"
-#include "driver_probe.h"
 #include "helper_kernels.h"
 #include "jit_bench.h"
 #include "json_writer.h"
