@@ -50,6 +50,7 @@
 #include <string>
 
 #include "combine_args.h"
+#include "../kernel_templates/token_index_workspace.h"
 #include "combine_plan.h"
 #include "error.h"
 
@@ -84,12 +85,14 @@ int next_pow2(int x) {
 
 // Rows listed per token: four times the average or more, so that a routing whose counts vary at
 // random (about Poisson(K) rows per token) overflows a list with probability under 1e-9 and stays
-// off the walk of token_idx that a token past its list takes.
+// off the heavy-token work that a token past its list takes (token_index_heavy.cuh).
+constexpr int kLongestList = 128;
+static_assert(kLongestList <= kPieceRows, "a token that fits its list is one piece");
 int list_capacity(int64_t rows_per_token) {
-  if (rows_per_token <= 2) return 16;
+  if (rows_per_token <= 2) return kMinListCapacity;
   if (rows_per_token <= 8) return 32;
   if (rows_per_token <= 16) return 64;
-  return 128;
+  return kLongestList;
 }
 
 // Token index: rows per token held (and sorted) in registers, the expected count rounded up to 1,
@@ -102,6 +105,14 @@ int held_rows(int64_t rows_per_token) {
   if (rows_per_token <= 8) return 8;
   if (rows_per_token <= 12) return 12;
   return 16;
+}
+
+// Blocks of token_index_heavy (kHeavyThreads each; its warps take work items until none is left):
+// one per 128 rows, between one and kMaxHeavyBlocks. Without heavy tokens they only read a counter;
+// with a hot token, that keeps about a warp per 16 of its rows streaming (several MB in flight).
+constexpr int64_t kMaxHeavyBlocks = 512;
+unsigned heavy_blocks(int64_t num_rows) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min(num_rows / 128, kMaxHeavyBlocks)));
 }
 
 // The three sets of geometry rules: the fixed layouts' kernel, the token index's list path, its
@@ -265,15 +276,10 @@ std::optional<KernelSpec> companion_module(const KernelSpec& spec) {
   return list_helpers_spec(spec.index_bytes);
 }
 
-size_t token_lists_offset(int64_t num_tokens) {
-  return (static_cast<size_t>(num_tokens) * sizeof(int) + 255) / 256 * 256;
-}
-
-size_t token_index_workspace_bytes(int64_t num_tokens, int64_t num_rows) {
+size_t token_index_workspace_bytes(int64_t num_tokens, int64_t num_rows, int64_t hidden) {
   if (num_tokens == 0) return 0;
   const int64_t cap = list_capacity((num_rows + num_tokens - 1) / num_tokens);
-  const size_t list = static_cast<size_t>(num_tokens) * static_cast<size_t>(cap);
-  return token_lists_offset(num_tokens) + list * sizeof(int);
+  return static_cast<size_t>(token_index_workspace(num_tokens, num_rows, hidden, cap).bytes);
 }
 
 KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dtype out_dtype,
@@ -431,14 +437,15 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
 size_t combine_workspace_bytes(const moejit_combine_args* args) {
   const moejit_combine_args a = validated_shape(args);
   return a.layout == MOEJIT_LAYOUT_TOKEN_INDEX
-             ? token_index_workspace_bytes(a.num_tokens, a.num_rows)
+             ? token_index_workspace_bytes(a.num_tokens, a.num_rows, a.hidden_dim)
              : 0;
 }
 
 CombinePlan plan_combine(const moejit_combine_args* args) {
   const moejit_combine_args a = validated_shape(args);
   const bool token_index = a.layout == MOEJIT_LAYOUT_TOKEN_INDEX;
-  check_buffers(a, token_index ? token_index_workspace_bytes(a.num_tokens, a.num_rows) : 0);
+  check_buffers(
+      a, token_index ? token_index_workspace_bytes(a.num_tokens, a.num_rows, a.hidden_dim) : 0);
   CombinePlan plan;
   if (a.num_tokens == 0) {
     plan.nothing_to_do = true;
@@ -475,13 +482,17 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   if (token_index) {
     char* ws = static_cast<char*>(a.workspace);
     p.token_counts = reinterpret_cast<int*>(ws);
-    p.token_rows = reinterpret_cast<int*>(ws + token_lists_offset(a.num_tokens));
+    // The counts first (the list helpers find the heavy tokens' counters from T alone), the lists
+    // last (token_index_workspace.h).
+    p.token_rows = reinterpret_cast<int*>(
+        ws + token_index_workspace(a.num_tokens, a.num_rows, a.hidden_dim, 0).lists);
     auto helper_blocks = [](int64_t n) {
       return static_cast<unsigned>(std::max<int64_t>(
           1, std::min<int64_t>((n + kHelperThreads - 1) / kHelperThreads, kMaxHelperBlocks)));
     };
     plan.clear_blocks = helper_blocks(a.num_tokens);
     plan.assign_blocks = helper_blocks(a.num_rows);
+    plan.heavy_blocks = heavy_blocks(a.num_rows);
   }
 
   // Grid x: token groups (at most 2^31 - 1). Grid y: chunks per row, at most 65536 / 4 (hidden

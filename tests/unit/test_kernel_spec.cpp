@@ -293,9 +293,11 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   }
   EXPECT_EQ(s.vec, 4);  // fp32 output limits the vector to 16 bytes of output
   // Prefill: 512 slots in whole 128-thread chunks, the bandwidth blocks (rows through L1).
+  // Its module's second kernel sums the tokens past their lists, before the combine.
   EXPECT_EQ(s.name_expressions(),
-            std::vector<std::string>{
-                "&moejit::combine_lists<1, 0, long long, 2048, 4, 8, 128, 1, 1, 32, 1, true>"});
+            (std::vector<std::string>{
+                "&moejit::combine_lists<1, 0, long long, 2048, 4, 8, 128, 1, 1, 32, 1, true>",
+                "&moejit::token_index_heavy<1, 0, long long, 2048, 4>"}));
   // The list helpers: one module per index type, whatever the shape.
   const KernelSpec h = list_helpers_spec(s.index_bytes);
   ASSERT_TRUE(companion_module(s).has_value());
@@ -371,7 +373,7 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
                                          MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 8, 2, 256);
   EXPECT_EQ(tiny.tpt, 4);
   EXPECT_EQ(tiny.tpb, 32);
-  EXPECT_EQ(tiny.name_expressions().size(), 1u);
+  EXPECT_EQ(tiny.name_expressions().size(), 2u);  // combine_lists, token_index_heavy
   EXPECT_EQ(
       single_launch_spec(tiny, kAnyTokens).name_expressions(),
       std::vector<std::string>{"&moejit::combine_scan<0, 0, int, 8, 4, 2, 4, 128, 1, 16, false>"});
@@ -683,7 +685,7 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   EXPECT_EQ(large.spec.kind, KernelKind::kTokenIndexLists);
   EXPECT_TRUE(large.list_helpers());
   EXPECT_EQ(large.params.list_capacity, 128);  // 200 rows per token: the workspace lists' stride
-  EXPECT_EQ(large.spec.name_expressions().size(), 1u);
+  EXPECT_EQ(large.spec.name_expressions().size(), 2u);  // and token_index_heavy
   EXPECT_EQ(companion_module(large.spec)->describe(), "kind=token_index_list_helpers idx=int32");
   EXPECT_EQ(large.spec.tpt, 64);
   EXPECT_EQ(single_launch_spec(large.spec, 40).tpt, 128);
