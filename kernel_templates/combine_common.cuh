@@ -293,10 +293,10 @@ __device__ __forceinline__ void store_row_slots(typename Elem<OUT_DT>::storage* 
 // waits for this whole kernel before touching memory). The wait is a no-op for a plain launch and
 // on older GPUs, but not free at decode sizes, so a call's first kernel waits only when the caller
 // asked for the dependent launch (a uniform branch on p.dependent_launch).
-// Only the chain's helpers (token_index_clear, token_index_assign) allow their dependents, which
-// are the chain's next kernels. The combine kernels never allow the caller's next kernel early:
-// a combine that did slowed the caller's next kernel more than it gained (at its start, and just
-// before its stores). Figures: docs/performance.md#dependent-launch.
+// Only the chain's helpers (token_index_clear, token_index_assign, token_index_heavy) allow their
+// dependents, which are the chain's next kernels. The combine kernels never allow the caller's
+// next kernel early: a combine that did slowed the caller's next kernel more than it gained (at
+// its start, and just before its stores). Figures: docs/performance.md#dependent-launch.
 __device__ __forceinline__ void wait_for_predecessor() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

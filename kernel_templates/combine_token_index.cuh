@@ -160,10 +160,11 @@ __global__ void __launch_bounds__(TPT* TPB, 0) combine_lists(const CombineParams
 // combine_lists: blocks of kHeavyThreads (token_index_workspace.h), each warp taking work items
 // until none is left. A call without such tokens only reads their count. The combine may be
 // scheduled at once (it waits for this kernel before touching memory).
+// Two blocks per SM (up to 128 registers), one vector per lane and row, four rows per round trip:
+// with eight, or without the promise, ptxas spilled in some modules.
 template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC>
-__global__ void __launch_bounds__(kHeavyThreads) token_index_heavy(const CombineParams p) {
-  // One 16-byte vector per lane and row, eight rows per round trip (as the combine's held batch).
-  constexpr int kUpt = 1, kRows = detail::kBatch;
+__global__ void __launch_bounds__(kHeavyThreads, 2) token_index_heavy(const CombineParams p) {
+  constexpr int kUpt = 1, kRows = 4;
   detail::allow_dependents();
   detail::wait_for_predecessor();  // token_index_assign's counts and heavy tokens
   const long long heavy = static_cast<long long>(__ldg(detail::heavy_counters(p) + kHeavyTokens));
@@ -173,18 +174,22 @@ __global__ void __launch_bounds__(kHeavyThreads) token_index_heavy(const Combine
 }
 
 // ---- small calls: one launch ------------------------------------------------------------------
-// For calls with few rows, the list path's two extra launches (clear, assign) cost more than the
-// work: here every block scans all of token_idx for its own tokens' rows, then combines them
-// exactly as the list path does (same ascending order, same slow paths: bitwise the same result).
+// For calls with few rows, the list path's three extra launches (clear, assign, heavy) cost more
+// than the work: here every block scans all of token_idx for its own tokens' rows, then combines
+// them in the list path's order (ascending rows, in pieces past kPieceRows: bitwise the same
+// result).
 // SMALL: the small-call form (one token per block in whole warps, calls of at most TPT rows),
 // whose warps each read all of token_idx and list the rows in order. The grid is x by y.
 // The small-call form promises four blocks per SM (up to 128 registers): without it ptxas gave its
 // windowed scan loop too few registers and loaded a row's second slot only after adding its first
 // (two round trips per row). With it the loads are back to back at every small-form geometry and
-// nothing spills; its grids are small anyway.
+// nothing spills; its grids are small anyway. The other forms promise 1024 threads per SM (up to
+// 64 registers): left to itself, ptxas gave some of them (narrow vectors, with the walk past a
+// list) 40 registers and spilled around the scan.
 template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int HELD, int TPT, int TPB,
           int UPT, int LIST_CAP, bool SMALL>
-__global__ void __launch_bounds__(TPT* TPB, SMALL ? 4 : 0) combine_scan(const CombineParams p) {
+__global__ void __launch_bounds__(TPT* TPB, SMALL ? 4 : 1024 / (TPT * TPB))
+    combine_scan(const CombineParams p) {
   static_assert(LIST_CAP >= HELD && HELD >= 1, "a list, at least HELD long");
   static_assert(!SMALL || (TPB == 1 && TPT % 32 == 0),
                 "the small-call form is one token per block, in whole warps");

@@ -445,6 +445,7 @@ __device__ __forceinline__ void do_heavy_work(const CombineParams& p, const Heav
       publish_item(s.counter + kHeavyPlanned);
     } else if (t < s.rank_end) {
       wait_for_count(s.counter + kHeavyCounted, s.count_end);
+      wait_for_count(s.counter + kHeavyPlanned, 1);
       const unsigned long long i = t - s.plan_end;
       rank_chunk_rows<IdxT>(p, s, static_cast<long long>(i >> s.chunk_shift),
                             static_cast<int>(i & (s.chunks - 1)));

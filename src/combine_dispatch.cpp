@@ -18,10 +18,11 @@
 //                                      every warp reads all of token_idx and lists the rows in
 //                                      order: no atomics, sort or barrier; a smaller module
 //                kTokenIndexScan       the single launch pays (other calls)
-//                                      one launch where the lists need three
+//                                      one launch where the lists need four
 //                kTokenIndexLists      every other call
-//                                      list helpers (clear, assign), then the combine: token_idx
-//                                      is read once, not once per block
+//                                      list helpers (clear, assign), token_index_heavy (tokens
+//                                      past their lists, over the whole GPU), then the combine:
+//                                      token_idx is read once, not once per block
 //   The single launch pays while each of its threads reads at most kScanMaxRowsPerThread entries of
 //   token_idx and all its blocks together at most kScanMaxBytes (re-read from L2).
 //

@@ -427,11 +427,25 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
     expect_no_load_before_the_wait(ptx_for(spec, 100));
     EXPECT_EQ(code.find("griddepcontrol.launch_dependents"), std::string::npos);
   }
-  // The list path's combine waits for token_index_assign and triggers nothing either.
-  const std::string list_combine = ptx(shape(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, kAnyTokens));
+  // The list path's module: its combine waits for token_index_heavy and triggers nothing either;
+  // token_index_heavy (the same module) waits for token_index_assign and lets the combine be
+  // scheduled early, as the helpers do.
+  const std::string list_module = ptx(shape(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, kAnyTokens));
+  expect_no_load_before_the_wait(list_module);
+  auto entry_of = [&](const std::string& code, const std::string& kernel) {
+    const size_t at = code.find(".entry " + std::string("_ZN6moejit") +
+                                std::to_string(kernel.size()) + kernel);
+    EXPECT_NE(at, std::string::npos) << kernel;
+    if (at == std::string::npos) return std::string();
+    const size_t next = code.find(".entry", at + 1);
+    return code.substr(at, next == std::string::npos ? std::string::npos : next - at);
+  };
+  const std::string list_combine = entry_of(list_module, "combine_lists");
   EXPECT_NE(list_combine.find("griddepcontrol.wait"), std::string::npos);
-  expect_no_load_before_the_wait(list_combine);
   EXPECT_EQ(list_combine.find("griddepcontrol.launch_dependents"), std::string::npos);
+  const std::string heavy = entry_of(list_module, "token_index_heavy");
+  EXPECT_NE(heavy.find("griddepcontrol.wait"), std::string::npos);
+  EXPECT_NE(heavy.find("griddepcontrol.launch_dependents"), std::string::npos);
   // Its helpers let the chain's next kernel be scheduled early, each of them.
   const std::string helpers = ptx(list_helpers_spec(decode_index.index_bytes));
   size_t triggers = 0;

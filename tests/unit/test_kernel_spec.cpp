@@ -677,7 +677,7 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   EXPECT_EQ(small.params.list_capacity, small.spec.list_cap);  // the scan lists in shared memory
   EXPECT_EQ(small.params.list_capacity, 8);
   // Past the single-launch limit: the list path (clear and assign from the helpers' module, then
-  // the combine from the list module).
+  // token_index_heavy and the combine from the list module).
   a.num_tokens = 40;
   a.num_rows = 8000;
   const CombinePlan large = plan_combine(&a);
