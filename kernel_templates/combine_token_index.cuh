@@ -15,23 +15,31 @@
 namespace moejit {
 namespace detail {
 
-// Rows per batch of the held path: kBatch 16-byte vectors in flight per thread, whatever UPT is;
-// with 12 or 16 rows held at one slot per thread, all of them (one round trip).
-template <int HELD, int UPT>
+// Rows per batch of the held path: kBatch 16-byte vectors in flight per thread, whatever UPT is
+// (BatchRows, VEC_BYTES the rows' vector); with 12 or 16 rows held at one slot per thread, all of
+// them (one round trip).
+template <int HELD, int UPT, int VEC_BYTES>
 struct HeldBatch {
   enum {
-    rows_per_batch = WideBatch<HELD, UPT>::value ? HELD
-                     : kBatch / UPT > 0          ? kBatch / UPT
-                                                 : 1,
+    rows_per_batch = WideBatch<HELD, UPT>::value ? HELD : BatchRows<VEC_BYTES, UPT>::value,
     value = rows_per_batch < HELD ? rows_per_batch : HELD
   };
 };
 
 // Rows per round trip of the single launch's walk past a token's list: half the held batch, at
 // least two (the walk keeps a piece's sum and the step's matches in registers besides the rows).
-template <int HELD, int UPT>
+template <int HELD, int UPT, int VEC_BYTES>
 struct WalkBatch {
-  enum { value = HeldBatch<HELD, UPT>::value / 2 > 2 ? HeldBatch<HELD, UPT>::value / 2 : 2 };
+  enum {
+    held = HeldBatch<HELD, UPT, VEC_BYTES>::value,
+    value = held / 2 > 2 ? held / 2 : 2
+  };
+};
+
+// The bytes of one vector of S.
+template <typename S, int VEC>
+struct VecBytes {
+  enum { value = static_cast<int>(sizeof(S)) * VEC };
 };
 
 // From list position held_from on: -1 past the token's count (no row), and each row's gate.
@@ -58,7 +66,7 @@ __device__ __forceinline__ void add_listed_token_rows(const CombineParams& p,
                                                       const S* __restrict__ expert, long long tok,
                                                       int first_slot, const int* list, int count,
                                                       float (&sum)[UPT][VEC]) {
-  constexpr int kBatchRows = HeldBatch<HELD, UPT>::value;
+  constexpr int kBatchRows = HeldBatch<HELD, UPT, VecBytes<S, VEC>::value>::value;
   Pack<S, VEC> v[kBatchRows][UPT];  // the batch's rows in flight
   bool present[kBatchRows];
   const bool held_all = count <= HELD;
@@ -84,7 +92,8 @@ __device__ __forceinline__ void add_listed_token_rows(const CombineParams& p,
     if (count <= LIST_CAP)
       add_listed_rows_in_order<IN_DT, VEC, HIDDEN, UPT, TPT>(p, list, count, first_slot, sum);
     else if constexpr (IN_SHARED)
-      add_rows_by_ordered_walk<IN_DT, VEC, HIDDEN, UPT, TPT, WalkBatch<HELD, UPT>::value, IdxT>(
+      add_rows_by_ordered_walk<IN_DT, VEC, HIDDEN, UPT, TPT,
+                               WalkBatch<HELD, UPT, VecBytes<S, VEC>::value>::value, IdxT>(
           p, tok, first_slot, sum);
   }
 }
@@ -99,7 +108,7 @@ __device__ __forceinline__ void combine_small_call_token(const CombineParams& p,
                                                          const S* __restrict__ expert,
                                                          long long tok, int first_slot) {
   constexpr int kScanWindow = LIST_CAP / HELD * HELD;
-  constexpr int kBatchRows = HeldBatch<HELD, UPT>::value;
+  constexpr int kBatchRows = HeldBatch<HELD, UPT, VecBytes<S, VEC>::value>::value;
   int count = HELD;
   int* list = nullptr;
   float sum[UPT][VEC];

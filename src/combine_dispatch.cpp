@@ -30,7 +30,8 @@
 // prefill: larger, or T unknown):
 //   - one slot per thread in 128-thread blocks; rows shorter than 128 slots share a block between
 //     tokens (groups of the row's slots rounded up to a power of two, at least 4).
-//   - fixed layouts, mid-size, K >= 8: 16-thread groups, two per block (gather map: eight).
+//   - fixed layouts, mid-size, K >= 8, rows of whole 128-byte lines: 16-thread groups, two per
+//     block (gather map: eight).
 //   - token index, decode, list path and one-token kernel: one 64-thread group per block; the
 //     single launch keeps 128 where a row fills them.
 //   - token index, not decode: two slots per thread with at most 4 rows held; the list path in
@@ -38,6 +39,7 @@
 //     launch's short-row blocks 512 threads (lists permitting).
 //   - fixed layouts, not decode: K = 1 two slots per thread; gather map K = 2 four where 512-slot
 //     chunks tile the row.
+//   - vectors of 4 bytes or less (odd hidden sizes), not decode: four slots per thread.
 //   - one-token kernels: their own vectors and blocks (one_token_map_spec, one_token_index_spec).
 // Grid: one dimension with a token's chunks adjacent for the fixed layouts and the list path with
 // two or more rows held; the gather map up to mid-size calls x the token groups, y the chunks (one
@@ -139,8 +141,12 @@ void choose_geometry(KernelSpec* s, Path path, int64_t num_tokens) {
   const bool up_to_mid =
       num_tokens >= 0 && num_tokens * static_cast<int64_t>(slots) <= kMidSlotsMax;
   // Fixed layouts, mid-size calls with K >= 8: a token's row spread over 16-slot groups, more
-  // blocks in flight. Not at decode sizes, where the 128-thread blocks measured faster.
-  const bool mid_k8 = !ti && !decode && rows >= 8 && up_to_mid;
+  // blocks in flight. Not at decode sizes, where the 128-thread blocks measured faster; nor where
+  // a row is not a whole number of 128-byte lines (H = 1000 in 2-byte elements: rows of 2000
+  // bytes), where each group's 256 bytes of a row share their end lines with the next group's,
+  // which other blocks read at other times.
+  const bool whole_lines = s->hidden * element_bytes(s->in_dtype) % 128 == 0;
+  const bool mid_k8 = !ti && !decode && rows >= 8 && up_to_mid && whole_lines;
   // Token index at decode: one 64-thread group per block (fewer, larger blocks than 16x2), except
   // the single launch where a row fills 128 threads: its small-call form then has every warp read
   // up to 128 rows of token_idx with no barrier.
@@ -173,6 +179,11 @@ void choose_geometry(KernelSpec* s, Path path, int64_t num_tokens) {
   // Gather map with two rows per token: four slots per thread where whole 512-slot chunks tile
   // the row (a partial chunk lost).
   if (gather_map && !ti && !decode && rows == 2 && slots % (4 * kBlockThreads) == 0) s->upt = 4;
+  // Vectors of 4 bytes or less (rows whose starts allow no wider access: odd hidden sizes of
+  // 2-byte elements, or of fp32): four slots per thread beyond decode sizes where a row fills
+  // them, so that a thread keeps as many loads in flight as with 16-byte vectors (each load a
+  // register whatever its width; the kernels' batches keep eight rows: BatchRows).
+  if (!decode && s->vec * element_bytes(s->in_dtype) <= 4 && slots >= 4 * s->tpt) s->upt = 4;
 }
 
 // The list-path or fixed-layout spec for a shape whose vector width is known.
