@@ -169,10 +169,10 @@ __global__ void __launch_bounds__(TPT* TPB, 0) combine_lists(const CombineParams
 // combine_lists: blocks of kHeavyThreads (token_index_workspace.h), each warp taking work items
 // until none is left. A call without such tokens only reads their count. The combine may be
 // scheduled at once (it waits for this kernel before touching memory).
-// Two blocks per SM (up to 128 registers), one vector per lane and row, four rows per round trip:
-// with eight, or without the promise, ptxas spilled in some modules.
+// Three blocks per SM (up to 80 registers; left to itself ptxas took 116-128 and kept two), one
+// vector per lane and row, four rows per round trip: with eight, ptxas spilled in some modules.
 template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC>
-__global__ void __launch_bounds__(kHeavyThreads, 2) token_index_heavy(const CombineParams p) {
+__global__ void __launch_bounds__(kHeavyThreads, 3) token_index_heavy(const CombineParams p) {
   constexpr int kUpt = 1, kRows = 4;
   detail::allow_dependents();
   detail::wait_for_predecessor();  // token_index_assign's counts and heavy tokens

@@ -305,38 +305,28 @@ __device__ __forceinline__ void load_partial(const float* at, float (&x)[VEC]) {
   }
 }
 
-// A heavy token's sum into this thread's UPT slots (first_slot + u * TPT, in any geometry), once
-// the rank step is over (count <= kPieceRows: its rows in ascending order) or the sum step is
-// (more: its pieces' partial sums in piece order). sum starts at zero.
-template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT, int BATCH>
-__device__ __forceinline__ void add_heavy_token(const CombineParams& p, const HeavyWork& s,
-                                                long long tok, int count, int first_slot,
-                                                float (&sum)[UPT][VEC]) {
+// n partial sums from `partials` on, a stride apart, added in order into this thread's UPT slots
+// (first_slot + u * TPT).
+template <int VEC, int HIDDEN, int UPT, int TPT>
+__device__ __forceinline__ void add_partials(const float* partials, long long stride, int n,
+                                             int first_slot, float (&sum)[UPT][VEC]) {
   constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;
   constexpr int kInFlight = 32 / (UPT * VEC) > 0 ? 32 / (UPT * VEC) : 1;  // partials per trip
-  const int h = __ldg(s.heavy_of + tok);
-  if (count <= kPieceRows) {
-    add_ranked_rows<IN_DT, VEC, HIDDEN, UPT, TPT, BATCH>(p, s.heavy_rows + __ldcg(s.row_base + h),
-                                                        count, first_slot, sum);
-    return;
-  }
-  const int pieces = (count + kPieceRows - 1) / kPieceRows;
-  const float* partials = s.partials + __ldcg(s.piece_base + h) * s.partial_stride;
 #pragma unroll 1
-  for (int k = 0; k < pieces; k += kInFlight) {
+  for (int k = 0; k < n; k += kInFlight) {
     float x[kInFlight][UPT][VEC];
 #pragma unroll
     for (int i = 0; i < kInFlight; ++i)
 #pragma unroll
       for (int u = 0; u < UPT; ++u) {
         const int slot = first_slot + u * TPT;
-        if (k + i < pieces && slot < kSlots)
-          load_partial<VEC>(partials + (k + i) * s.partial_stride + static_cast<long long>(slot) * VEC,
+        if (k + i < n && slot < kSlots)
+          load_partial<VEC>(partials + (k + i) * stride + static_cast<long long>(slot) * VEC,
                             x[i][u]);
       }
 #pragma unroll
     for (int i = 0; i < kInFlight; ++i)
-      if (k + i < pieces)
+      if (k + i < n)
 #pragma unroll
         for (int u = 0; u < UPT; ++u)
 #pragma unroll
@@ -344,24 +334,59 @@ __device__ __forceinline__ void add_heavy_token(const CombineParams& p, const He
   }
 }
 
-// sum item i: piece i / parts's rows, part i % parts of the row, to the piece's partial sum.
-template <int IN_DT, int VEC, int HIDDEN, int UPT, int BATCH>
-__device__ __forceinline__ void sum_piece(const CombineParams& p, const HeavyWork& s,
-                                          unsigned long long i) {
+// A heavy token's sum into this thread's UPT slots (first_slot + u * TPT, in any geometry), once
+// the rank step is over (count <= kPieceRows: its rows in ascending order) or the sum step is
+// (more: its pieces' partial sums in piece order). sum starts at zero. For a kernel after
+// token_index_heavy that needs the fp32 sum (FINISH = false there).
+template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT, int BATCH>
+__device__ __forceinline__ void add_heavy_token(const CombineParams& p, const HeavyWork& s,
+                                                long long tok, int count, int first_slot,
+                                                float (&sum)[UPT][VEC]) {
+  const int h = __ldg(s.heavy_of + tok);
+  if (count <= kPieceRows)
+    add_ranked_rows<IN_DT, VEC, HIDDEN, UPT, TPT, BATCH>(p, s.heavy_rows + __ldcg(s.row_base + h),
+                                                        count, first_slot, sum);
+  else
+    add_partials<VEC, HIDDEN, UPT, TPT>(s.partials + __ldcg(s.piece_base + h) * s.partial_stride,
+                                        s.partial_stride, (count + kPieceRows - 1) / kPieceRows,
+                                        first_slot, sum);
+}
+
+// A sum item (piece i / parts: its rows to its partial sum) or, FINISHING, a finish item (heavy
+// token i / parts: add_heavy_token's sum stored to out); part i % parts of the row. One copy of
+// the row adds for both.
+template <int IN_DT, int OUT_DT, int VEC, int HIDDEN, int UPT, int BATCH>
+__device__ __forceinline__ void sum_part(const CombineParams& p, const HeavyWork& s,
+                                         unsigned long long i, bool finishing) {
   constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;
   constexpr int kParts = RowParts<HIDDEN, VEC, UPT>::value;
-  const long long piece = static_cast<long long>(i / kParts);
+  const long long item = static_cast<long long>(i / kParts);
   const int first_slot =
       static_cast<int>(i % kParts) * (32 * UPT) + static_cast<int>(threadIdx.x) % 32;
-  const int h = __ldcg(s.piece_token + piece);
-  const int first = (static_cast<int>(piece) - __ldcg(s.piece_base + h)) * kPieceRows;
-  const int rows = __ldg(p.token_counts + __ldg(s.heavy_tokens + h)) - first;
+  const int h = finishing ? static_cast<int>(item) : __ldcg(s.piece_token + item);
+  const long long token = __ldg(s.heavy_tokens + h);
+  const int count = __ldg(p.token_counts + token);
+  const int first_piece = __ldcg(s.piece_base + h);
+  // The rows of the piece, or of the whole token where it is one piece; else its partial sums.
+  const int first = finishing ? 0 : (static_cast<int>(item) - first_piece) * kPieceRows;
+  const bool by_rows = !finishing || count <= kPieceRows;
   float sum[UPT][VEC];
   clear_sums(sum);
-  add_ranked_rows<IN_DT, VEC, HIDDEN, UPT, 32, BATCH>(p, s.heavy_rows + __ldcg(s.row_base + h) + first,
-                                                     rows < kPieceRows ? rows : kPieceRows,
-                                                     first_slot, sum);
-  float* partial = s.partials + piece * s.partial_stride;
+  if (by_rows)
+    add_ranked_rows<IN_DT, VEC, HIDDEN, UPT, 32, BATCH>(
+        p, s.heavy_rows + __ldcg(s.row_base + h) + first,
+        count - first < kPieceRows ? count - first : kPieceRows, first_slot, sum);
+  else
+    add_partials<VEC, HIDDEN, UPT, 32>(s.partials + first_piece * s.partial_stride,
+                                       s.partial_stride, (count + kPieceRows - 1) / kPieceRows,
+                                       first_slot, sum);
+  if (finishing) {
+    store_row_slots<OUT_DT, VEC, HIDDEN, UPT, 32>(
+        static_cast<typename Elem<OUT_DT>::storage*>(p.out) + token * p.out_stride, first_slot,
+        sum, p);
+    return;
+  }
+  float* partial = s.partials + item * s.partial_stride;
 #pragma unroll
   for (int u = 0; u < UPT; ++u) {
     const int slot = first_slot + u * 32;
@@ -372,24 +397,6 @@ __device__ __forceinline__ void sum_piece(const CombineParams& p, const HeavyWor
       *reinterpret_cast<Pack<float, VEC>*>(partial + static_cast<long long>(slot) * VEC) = q;
     }
   }
-}
-
-// finish item i: heavy token i / parts, part i % parts of its row, stored to out.
-template <int IN_DT, int OUT_DT, int VEC, int HIDDEN, int UPT, int BATCH>
-__device__ __forceinline__ void finish_heavy_token(const CombineParams& p, const HeavyWork& s,
-                                                   unsigned long long i) {
-  constexpr int kParts = RowParts<HIDDEN, VEC, UPT>::value;
-  const long long h = static_cast<long long>(i / kParts);
-  const int first_slot =
-      static_cast<int>(i % kParts) * (32 * UPT) + static_cast<int>(threadIdx.x) % 32;
-  const long long token = __ldg(s.heavy_tokens + h);
-  float sum[UPT][VEC];
-  clear_sums(sum);
-  add_heavy_token<IN_DT, VEC, HIDDEN, UPT, 32, BATCH>(p, s, token, __ldg(p.token_counts + token),
-                                                     first_slot, sum);
-  store_row_slots<OUT_DT, VEC, HIDDEN, UPT, 32>(
-      static_cast<typename Elem<OUT_DT>::storage*>(p.out) + token * p.out_stride, first_slot, sum,
-      p);
 }
 
 // ---- handing out the work ------------------------------------------------------------------------
@@ -453,14 +460,11 @@ __device__ __forceinline__ void do_heavy_work(const CombineParams& p, const Heav
     } else {
       wait_for_count(s.counter + kHeavyRanked, s.rank_end - s.plan_end);
       const unsigned long long pieces_end = sum_end<HIDDEN, VEC, UPT>(s);
-      if (t < pieces_end) {
-        sum_piece<IN_DT, VEC, HIDDEN, UPT, BATCH>(p, s, t - s.rank_end);
-        publish_item(s.counter + kHeavySummed);
-      } else if constexpr (FINISH) {
-        wait_for_count(s.counter + kHeavySummed, pieces_end - s.rank_end);
-        finish_heavy_token<IN_DT, OUT_DT, VEC, HIDDEN, UPT, BATCH>(p, s, t - pieces_end);
-        publish_item(s.counter + kHeavyFinished);
-      }
+      const bool finishing = FINISH && t >= pieces_end;  // tickets past the end were refused
+      if (finishing) wait_for_count(s.counter + kHeavySummed, pieces_end - s.rank_end);
+      sum_part<IN_DT, OUT_DT, VEC, HIDDEN, UPT, BATCH>(
+          p, s, t - (finishing ? pieces_end : s.rank_end), finishing);
+      publish_item(s.counter + (finishing ? kHeavyFinished : kHeavySummed));
     }
   }
 }

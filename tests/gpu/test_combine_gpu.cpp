@@ -754,6 +754,43 @@ TEST_F(CombineGpu, WalksPastAHotTokensList) {
                     4);
 }
 
+// Issue 58's awkward hidden sizes (1000, 1001, 2880, 5000, 7000, 7169), every layout, every dtype
+// pair in turn, both index types in turn, at batch sizes past mid-size (the prefill geometry: four
+// slots per thread for the 2- and 4-byte vectors of odd sizes) and at mid-size (H = 1000 at K = 8:
+// 128-thread groups where a row is no whole number of lines), each in three alignments: buffers
+// and strides aligned (odd sizes: 2-byte vectors), base pointers one and three elements off (the
+// narrowest vectors), and odd sizes with strides padded to 16 bytes (wide vectors and a partial
+// tail vector). Checked against the float64 reference and bit for bit against the fp32 chain.
+TEST_F(CombineGpu, AwkwardHiddenSizesAtEveryAlignment) {
+  std::vector<Case> cases;
+  uint64_t seed = 5800;
+  int n = 0;
+  for (int layout = 0; layout < 3; ++layout)
+    for (const int64_t hidden : {1000, 1001, 2880, 5000, 7000, 7169})
+      for (const int64_t top_k : {2, 8})
+        for (int alignment = 0; alignment < 3; ++alignment) {
+          const auto in = static_cast<moejit_dtype>(n % 3), out = static_cast<moejit_dtype>(n / 3 % 3);
+          const auto idx = layout == MOEJIT_LAYOUT_TOKEN_MAJOR
+                               ? MOEJIT_INDEX_INT32
+                               : static_cast<moejit_index_type>(n / 9 % 2);
+          ++n;
+          // About 2^24 row elements: past mid-size (T * vectors > 2^21) for the odd sizes' 2-byte
+          // vectors, mid-size for H = 1000 at K = 8 (T = 2097).
+          const int64_t tokens = std::max<int64_t>(64, (int64_t{1} << 24) / (top_k * hidden));
+          Case c = vary(Case{static_cast<moejit_layout>(layout), in, out, idx, hidden, tokens,
+                             top_k, seed++});
+          c.expert_offset = alignment == 1 ? 1 : 0;
+          c.out_offset = alignment == 1 ? 3 : 0;
+          c.expert_pad = alignment == 2 ? (8 - hidden % 8) % 8 : 0;
+          c.out_pad = alignment == 2 ? (8 - hidden % 8) % 8 : 0;
+          cases.push_back(c);
+        }
+  std::stable_sort(cases.begin(), cases.end(), [](const Case& a, const Case& b) {
+    return a.tokens * a.top_k * a.hidden > b.tokens * b.top_k * b.hidden;
+  });
+  expect_cases_pass(cases, worker_count());
+}
+
 // Issue 58's skewed routings of the token index: every row on one token; 1% of the tokens with half
 // the rows; token popularity Zipf(1.2); each with 0% and 25% of the rows dropped. Small calls (the
 // single launch: T64 K8, T16 K8, the original scatter-add shape T1536 K2 H128 fp32, T384 K8) and
