@@ -26,13 +26,17 @@ struct HeldBatch {
   };
 };
 
-// Rows per round trip of the single launch's walk past a token's list: half the held batch, at
-// least two (the walk keeps a piece's sum and the step's matches in registers besides the rows).
+// Rows per round trip of the single launch's walk past a token's list: a whole batch (BatchRows)
+// where the held path keeps at most two rows of one slot, else half the held batch, at least two
+// (the walk keeps a piece's sum and the step's matches in registers besides the rows: a whole
+// batch beside eight held rows, or of several slots, spilled).
 template <int HELD, int UPT, int VEC_BYTES>
 struct WalkBatch {
   enum {
     held = HeldBatch<HELD, UPT, VEC_BYTES>::value,
-    value = held / 2 > 2 ? held / 2 : 2
+    value = HELD <= 2 && UPT == 1 ? BatchRows<VEC_BYTES, UPT>::value
+            : held / 2 > 2        ? held / 2
+                                  : 2
   };
 };
 

@@ -477,6 +477,48 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
   EXPECT_EQ(triggers, 2u);
 }
 
+// token_index_heavy.cuh's hook for a kernel after token_index_heavy that needs a heavy token's fp32
+// sum (an epilogue: token_index_heavy without its finish step, FINISH = false, then
+// add_heavy_token in that kernel's own geometry). No variant of the table instantiates either
+// yet, so a kernel of this test does, in a whole-row geometry (512-thread groups, two slots each)
+// and a warp's, for two dtypes; compiled for sm_90 without a warning, a spill or a stack frame.
+TEST(KernelCompile, HeavyTokenSumForAnEpilogueCompiles) {
+  MemoryStore memory;
+  CompileRequest r = memory.store.request_for(
+      spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                     MOEJIT_INDEX_INT32, 7168, 8, 256),
+      Target{90, false});
+  r.source += R"(
+namespace moejit {
+template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT>
+__global__ void __launch_bounds__(TPT) epilogue_probe(const CombineParams p, float* sums) {
+  const long long heavy = static_cast<long long>(*detail::heavy_counters(p));
+  const detail::HeavyWork s = detail::heavy_work<HIDDEN>(p, heavy);
+  if (blockIdx.x == 0)
+    detail::do_heavy_work<IN_DT, IN_DT, int, HIDDEN, VEC, 1, 4, false>(p, s);
+  float sum[UPT][VEC];
+  detail::clear_sums(sum);
+  const long long tok = s.heavy_tokens[blockIdx.y];
+  detail::add_heavy_token<IN_DT, VEC, HIDDEN, UPT, TPT, 4>(
+      p, s, tok, p.token_counts[tok], static_cast<int>(threadIdx.x), sum);
+  for (int u = 0; u < UPT; ++u)
+    for (int e = 0; e < VEC; ++e) sums[(u * TPT + threadIdx.x) * VEC + e] = sum[u][e];
+}
+}  // namespace moejit
+)";
+  r.name_expressions = {"&moejit::epilogue_probe<2, 8, 7168, 2, 512>",
+                        "&moejit::epilogue_probe<0, 4, 2048, 1, 32>"};
+  r.options.push_back("--ptxas-options=-v");
+  const CompiledModule m = compile(r);
+  EXPECT_EQ(m.log.find("warning"), std::string::npos) << m.log;
+  const std::vector<KernelResources> report = parse_resource_report(m.log);
+  EXPECT_GE(report.size(), 2u);
+  for (const KernelResources& k : report) {
+    EXPECT_EQ(k.stack_bytes, 0) << k.function;
+    EXPECT_EQ(k.spill_store_bytes, 0) << k.function;
+  }
+}
+
 TEST(KernelCompile, CompileErrorCarriesTheLog) {
   MemoryStore memory;
   KernelStore& store = memory.store;
