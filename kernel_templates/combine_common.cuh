@@ -135,7 +135,7 @@ struct alignas(sizeof(S) * N) Pack {
       : "l"(ptr), "r"(on))
 #define MOEJIT_PRED_LOAD_U16(OP)                                               \
   asm("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p " OP ".u16 %0, [%1];\n}" \
-      : "+h"(*reinterpret_cast<unsigned short*>(&v))                          \
+      : "+h"(*reinterpret_cast<unsigned short*>(&v))                           \
       : "l"(ptr), "r"(on))
 
 template <bool CACHED, typename P>

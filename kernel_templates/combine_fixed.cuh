@@ -57,8 +57,8 @@ __device__ __forceinline__ void read_slot_routing(const CombineParams& p,
 template <int LAYOUT, int TOP_K, int TPT, int TPB, int UPT, int VEC_BYTES>
 struct FixedMinBlocks {
   enum {
-    value = TPT * TPB < 128 ? 0
-            : UPT == 1      ? (detail::WideBatch<TOP_K, UPT>::value ? 512 : 1024) / (TPT * TPB)
+    value = TPT * TPB < 128  ? 0
+            : UPT == 1       ? (detail::WideBatch<TOP_K, UPT>::value ? 512 : 1024) / (TPT * TPB)
             : VEC_BYTES <= 4 ? 1024 / (TPT * TPB)
             : UPT == 4 && LAYOUT == kLayoutGatherMap && VEC_BYTES == 16 ? 1280 / (TPT * TPB)
                                                                         : 0
@@ -71,7 +71,7 @@ template <int LAYOUT, int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC,
 __global__ void __launch_bounds__(
     TPT* TPB,
     (FixedMinBlocks<LAYOUT, TOP_K, TPT, TPB, UPT,
-                    VEC * static_cast<int>(sizeof(typename detail::Elem<IN_DT>::storage))>::value))
+                    static_cast<int>(sizeof(typename detail::Elem<IN_DT>::storage)) * VEC>::value))
     combine_fixed(const CombineParams p) {
   static_assert(LAYOUT == kLayoutTokenMajor || LAYOUT == kLayoutGatherMap, "a fixed layout");
   static_assert(TOP_K > 0, "fixed top_k");

@@ -144,7 +144,7 @@ __device__ __forceinline__ int warp_sum(int v) {
 // Entries of token_idx a lane reads per round trip in the count and rank steps.
 enum { kHeavyScan = 4 };
 
-// ---- the steps -----------------------------------------------------------------------------------
+// ---- the steps ---------------------------------------------------------------------------------
 
 // count: each heavy token's rows in chunk `chunk` of the row range (this warp owns that column of
 // chunk_counts: it clears it first).
@@ -345,7 +345,7 @@ __device__ __forceinline__ void add_heavy_token(const CombineParams& p, const He
   const int h = __ldg(s.heavy_of + tok);
   if (count <= kPieceRows)
     add_ranked_rows<IN_DT, VEC, HIDDEN, UPT, TPT, BATCH>(p, s.heavy_rows + __ldcg(s.row_base + h),
-                                                        count, first_slot, sum);
+                                                         count, first_slot, sum);
   else
     add_partials<VEC, HIDDEN, UPT, TPT>(s.partials + __ldcg(s.piece_base + h) * s.partial_stride,
                                         s.partial_stride, (count + kPieceRows - 1) / kPieceRows,
@@ -382,8 +382,8 @@ __device__ __forceinline__ void sum_part(const CombineParams& p, const HeavyWork
                                        first_slot, sum);
   if (finishing) {
     store_row_slots<OUT_DT, VEC, HIDDEN, UPT, 32>(
-        static_cast<typename Elem<OUT_DT>::storage*>(p.out) + token * p.out_stride, first_slot,
-        sum, p);
+        static_cast<typename Elem<OUT_DT>::storage*>(p.out) + token * p.out_stride, first_slot, sum,
+        p);
     return;
   }
   float* partial = s.partials + item * s.partial_stride;
@@ -399,7 +399,7 @@ __device__ __forceinline__ void sum_part(const CombineParams& p, const HeavyWork
   }
 }
 
-// ---- handing out the work ------------------------------------------------------------------------
+// ---- handing out the work ----------------------------------------------------------------------
 
 enum : unsigned long long { kNoTicket = ~0ull };
 
@@ -422,8 +422,9 @@ __device__ __forceinline__ unsigned long long claim_ticket(const HeavyWork& s) {
   unsigned long long t = kNoTicket;
   if (threadIdx.x % 32 == 0) {
     // Once the end is known, a warp with nothing left to take leaves without an atomic.
-    const bool open = load_acquire(s.counter + kHeavyPlanned) == 0 ||
-                      load_relaxed(s.counter + kHeavyTicket) < tickets_end<HIDDEN, VEC, UPT, FINISH>(s);
+    const bool open =
+        load_acquire(s.counter + kHeavyPlanned) == 0 ||
+        load_relaxed(s.counter + kHeavyTicket) < tickets_end<HIDDEN, VEC, UPT, FINISH>(s);
     if (open) t = atomicAdd(s.counter + kHeavyTicket, 1ull);
   }
   t = __shfl_sync(0xffffffffu, t, 0);

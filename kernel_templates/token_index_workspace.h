@@ -65,8 +65,8 @@ struct TokenIndexWorkspace {
   long long partials;      // float [max_pieces][partial_stride]: each piece's fp32 sum
   long long lists;         // int [T][list_capacity]: each token's first rows (the list path)
   long long bytes;         // the whole workspace
-  long long max_heavy;       // heavy tokens a call can have
-  long long max_pieces;      // pieces a call can have: at most 2R / (kPieceRows + 1)
+  long long max_heavy;     // heavy tokens a call can have
+  long long max_pieces;    // pieces a call can have: at most 2R / (kPieceRows + 1)
   long long partial_stride;  // floats per partial sum: hidden rounded up to 8 (32-byte rows)
   long long chunk_rows;      // rows per chunk (the last one may have fewer)
   int chunks;                // chunks of the row range: a power of two,

@@ -52,8 +52,8 @@
 #include <climits>
 #include <string>
 
-#include "combine_args.h"
 #include "../kernel_templates/token_index_workspace.h"
+#include "combine_args.h"
 #include "combine_plan.h"
 #include "error.h"
 

@@ -19,6 +19,7 @@
 #include <sstream>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <cuda.h>
@@ -90,6 +91,12 @@ const Pools& pools() {
     return pools;
   }();
   return *p;
+}
+
+// A reference term of the bf16 pool: gate `gate` times element `element`.
+double bf16_term(const Pools& p, size_t gate, size_t element) {
+  return p.gates_host[gate] * static_cast<double>(decode(p.host[MOEJIT_DTYPE_BFLOAT16].data(),
+                                                         MOEJIT_DTYPE_BFLOAT16, element));
 }
 
 struct Case {
@@ -260,7 +267,8 @@ Routing make_routing(const Case& c, Rng& rng) {
       if (c.skew == Case::kOneToken) {
         token = order[0];
       } else if (c.skew == Case::kTopPercent) {
-        token = i < r.rows / 2 || hot == T ? order[rng.below(hot)] : order[hot + rng.below(T - hot)];
+        token =
+            i < r.rows / 2 || hot == T ? order[rng.below(hot)] : order[hot + rng.below(T - hot)];
       } else {
         const double u = rng.uniform(0.0f, 1.0f) * cdf.back();
         const auto at = std::upper_bound(cdf.begin(), cdf.end(), u) - cdf.begin();
@@ -553,6 +561,24 @@ unsigned worker_count() {
   return std::min(16u, std::max(2u, std::thread::hardware_concurrency()));
 }
 
+// expect_cases_pass on every worker, the largest cases first so the workers finish together.
+void expect_cases_pass_largest_first(std::vector<Case> cases) {
+  std::stable_sort(cases.begin(), cases.end(), [](const Case& a, const Case& b) {
+    return a.tokens * a.top_k * a.hidden > b.tokens * b.top_k * b.hidden;
+  });
+  expect_cases_pass(cases, worker_count());
+}
+
+// The n-th of the dtype pairs and index types taken in turn.
+struct TypesInTurn {
+  moejit_dtype in, out;
+  moejit_index_type index;
+};
+TypesInTurn types_in_turn(int n) {
+  return {static_cast<moejit_dtype>(n % 3), static_cast<moejit_dtype>(n / 3 % 3),
+          static_cast<moejit_index_type>(n / 9 % 2)};
+}
+
 class CombineGpu : public ::testing::Test {
  protected:
   void SetUp() override { SKIP_WITHOUT_GPU(); }
@@ -655,10 +681,7 @@ TEST_F(CombineGpu, RandomUnusualShapesAgainstTheFp32Chain) {
     }
     cases.push_back(c);
   }
-  std::stable_sort(cases.begin(), cases.end(), [](const Case& a, const Case& b) {
-    return a.tokens * a.top_k * a.hidden > b.tokens * b.top_k * b.hidden;
-  });
-  expect_cases_pass(cases, worker_count());
+  expect_cases_pass_largest_first(std::move(cases));
 }
 
 // Skewed routing: one token receives far more rows than the workspace lists hold, so the combine
@@ -724,14 +747,15 @@ TEST_F(CombineGpu, SmallCallScanWindowsAHotTokensRows) {
 // KernelSpec.SlabListTestShapesTakeTheOneTokenBlockScan checks that these shapes take that form
 // with those capacities, for 16-byte rows (other vector widths may change the geometry).
 TEST_F(CombineGpu, SlabScanListsAHotTokensRows) {
-  expect_cases_pass(hot_token_cases({{7168, 17, 8, {16, 31, 32, 33, 136}},
-                                     {7168, 64, 8, {17, 31, 32, 33, 48, 63, 64, 65, 127, 128,
-                                                    129, 255, 256, 257, 300, 512}},
-                                     {4096, 256, 2, {8, 15, 16, 17, 32, 33, 100, 128, 129, 512}},
-                                     {2880, 64, 4, {16, 31, 32, 33, 256}},
-                                     {512, 4, 40, {40, 64, 65, 100, 128, 129, 160}}},
-                                    6500, true),
-                    4);
+  expect_cases_pass(
+      hot_token_cases(
+          {{7168, 17, 8, {16, 31, 32, 33, 136}},
+           {7168, 64, 8, {17, 31, 32, 33, 48, 63, 64, 65, 127, 128, 129, 255, 256, 257, 300, 512}},
+           {4096, 256, 2, {8, 15, 16, 17, 32, 33, 100, 128, 129, 512}},
+           {2880, 64, 4, {16, 31, 32, 33, 256}},
+           {512, 4, 40, {40, 64, 65, 100, 128, 129, 160}}},
+          6500, true),
+      4);
 }
 
 // Past a token's list in the other geometries: token 0 gets exactly n rows, on and around the
@@ -769,15 +793,12 @@ TEST_F(CombineGpu, AwkwardHiddenSizesAtEveryAlignment) {
     for (const int64_t hidden : {1000, 1001, 2880, 5000, 7000, 7169})
       for (const int64_t top_k : {2, 8})
         for (int alignment = 0; alignment < 3; ++alignment) {
-          const auto in = static_cast<moejit_dtype>(n % 3), out = static_cast<moejit_dtype>(n / 3 % 3);
-          const auto idx = layout == MOEJIT_LAYOUT_TOKEN_MAJOR
-                               ? MOEJIT_INDEX_INT32
-                               : static_cast<moejit_index_type>(n / 9 % 2);
-          ++n;
+          const TypesInTurn t = types_in_turn(n++);
+          const auto idx = layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? MOEJIT_INDEX_INT32 : t.index;
           // About 2^24 row elements: past mid-size (T * vectors > 2^21) for the odd sizes' 2-byte
           // vectors, mid-size for H = 1000 at K = 8 (T = 2097).
           const int64_t tokens = std::max<int64_t>(64, (int64_t{1} << 24) / (top_k * hidden));
-          Case c = vary(Case{static_cast<moejit_layout>(layout), in, out, idx, hidden, tokens,
+          Case c = vary(Case{static_cast<moejit_layout>(layout), t.in, t.out, idx, hidden, tokens,
                              top_k, seed++});
           c.expert_offset = alignment == 1 ? 1 : 0;
           c.out_offset = alignment == 1 ? 3 : 0;
@@ -785,10 +806,7 @@ TEST_F(CombineGpu, AwkwardHiddenSizesAtEveryAlignment) {
           c.out_pad = alignment == 2 ? (8 - hidden % 8) % 8 : 0;
           cases.push_back(c);
         }
-  std::stable_sort(cases.begin(), cases.end(), [](const Case& a, const Case& b) {
-    return a.tokens * a.top_k * a.hidden > b.tokens * b.top_k * b.hidden;
-  });
-  expect_cases_pass(cases, worker_count());
+  expect_cases_pass_largest_first(std::move(cases));
 }
 
 // Issue 58's skewed routings of the token index: every row on one token; 1% of the tokens with half
@@ -802,7 +820,7 @@ TEST_F(CombineGpu, SkewedRoutingsAgainstFloat64Reference) {
   struct Shape {
     int64_t tokens, top_k, hidden;
   };
-  const Shape shapes[] = {{64, 8, 7168}, {16, 8, 2880},  {1536, 2, 128},
+  const Shape shapes[] = {{64, 8, 7168},  {16, 8, 2880},   {1536, 2, 128},
                           {384, 8, 4096}, {4096, 8, 2048}, {8192, 2, 1024}};
   std::vector<Case> cases;
   uint64_t seed = 58000;
@@ -810,21 +828,15 @@ TEST_F(CombineGpu, SkewedRoutingsAgainstFloat64Reference) {
   for (const Shape& sh : shapes)
     for (const Case::Skew skew : {Case::kOneToken, Case::kTopPercent, Case::kZipf})
       for (const int64_t drop : {0, 25}) {
-        const auto in = static_cast<moejit_dtype>(n % 3), out = static_cast<moejit_dtype>(n / 3 % 3);
-        const auto idx = static_cast<moejit_index_type>(n / 9 % 2);
-        ++n;
-        Case c = vary(Case{MOEJIT_LAYOUT_TOKEN_INDEX, in, out, idx, sh.hidden, sh.tokens, sh.top_k,
-                           seed++});
+        const TypesInTurn t = types_in_turn(n++);
+        Case c = vary(Case{MOEJIT_LAYOUT_TOKEN_INDEX, t.in, t.out, t.index, sh.hidden, sh.tokens,
+                           sh.top_k, seed++});
         c.skew = skew;
         c.skew_drop = drop;
         cases.push_back(c);
       }
-  std::stable_sort(cases.begin(), cases.end(), [](const Case& a, const Case& b) {
-    return a.tokens * a.top_k * a.hidden > b.tokens * b.top_k * b.hidden;
-  });
-  expect_cases_pass(cases, worker_count());
+  expect_cases_pass_largest_first(std::move(cases));
 }
-
 
 // The gather map's mid-size calls with eight rows per token take eight 16-slot token groups per
 // 128-thread block (combine_dispatch.cpp, choose_geometry; token-major two per 32-thread block):
@@ -900,8 +912,8 @@ TEST_F(CombineGpu, HeavyTokenIsTheSameOnEveryPathAndGeometry) {
   const int64_t most_tokens = 5000;
   const size_t out_bytes = static_cast<size_t>((most_tokens * H + 8) * 2);
   CUDA_OK(cudaMalloc(&indices, static_cast<size_t>(R) * 4));
-  CUDA_OK(cudaMemcpy(indices, token_idx.data(), static_cast<size_t>(R) * 4,
-                     cudaMemcpyHostToDevice));
+  CUDA_OK(
+      cudaMemcpy(indices, token_idx.data(), static_cast<size_t>(R) * 4, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMalloc(&out, out_bytes));
   moejit_runtime_t rt = memory_only_runtime();
   struct Run {
@@ -944,9 +956,7 @@ TEST_F(CombineGpu, HeavyTokenIsTheSameOnEveryPathAndGeometry) {
     double ref = 0, mag = 0;
     for (int64_t r = 0; r < R; ++r)
       if (token_idx[r] == 0) {
-        const double x = p.gates_host[r] * decode(p.host[MOEJIT_DTYPE_BFLOAT16].data(),
-                                                  MOEJIT_DTYPE_BFLOAT16,
-                                                  static_cast<size_t>(r * H + h));
+        const double x = bf16_term(p, static_cast<size_t>(r), static_cast<size_t>(r * H + h));
         ref += x;
         mag += std::fabs(x);
       }
@@ -1168,9 +1178,7 @@ TEST_F(CombineGpu, CudaGraphCaptureAndReplay) {
     for (int64_t h = 0; h < H; h += 97) {
       double ref = 0, mag = 0;
       for (const auto& [row, gi] : second.per_token[0]) {
-        const double x =
-            p.gates_host[gi] * decode(p.host[MOEJIT_DTYPE_BFLOAT16].data(), MOEJIT_DTYPE_BFLOAT16,
-                                      static_cast<size_t>(row * H + h));
+        const double x = bf16_term(p, gi, static_cast<size_t>(row * H + h));
         ref += x;
         mag += std::fabs(x);
       }
@@ -2214,8 +2222,8 @@ TEST_F(CombineGpu, TwoDevicesShareOneRuntime) {
 // loads in the middle of the capture, which the driver allows in every capture mode (driver 580:
 // global, thread-local and relaxed all captured and replayed). The replay must equal a direct
 // call bitwise. Token index: the one-token kernel, the single launch, and the clear -> assign ->
-// heavy -> combine chain with its workspace; each in a runtime of its own, so every call is its shape's
-// first.
+// heavy -> combine chain with its workspace; each in a runtime of its own, so every call is its
+// shape's first.
 TEST_F(CombineGpu, AShapesFirstCallMayBeCaptured) {
   const Pools& p = pools();
   cudaStream_t stream;

@@ -268,8 +268,8 @@ TEST(CombineArgs, TokenIndexWorkspaceHoldsEveryPart) {
   for (const int64_t tokens : {1, 2, 17, 64, 1000, 4096, 37500})
     for (const int64_t rows : {0, 1, 16, 17, 128, 129, 511, 512, 513, 4096, 32768, 300000})
       for (const int64_t hidden : {1, 7, 128, 1001, 7168}) {
-        SCOPED_TRACE(std::to_string(tokens) + " tokens, " + std::to_string(rows) + " rows, H = " +
-                     std::to_string(hidden));
+        SCOPED_TRACE(std::to_string(tokens) + " tokens, " + std::to_string(rows) +
+                     " rows, H = " + std::to_string(hidden));
         const int64_t cap = 32;
         const TokenIndexWorkspace w = token_index_workspace(tokens, rows, hidden, cap);
         EXPECT_EQ(w.max_heavy, std::min(tokens, rows / (kMinListCapacity + 1)));

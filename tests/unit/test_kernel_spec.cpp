@@ -686,7 +686,7 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   EXPECT_TRUE(large.list_helpers());
   EXPECT_EQ(large.params.list_capacity, 128);  // 200 rows per token: the workspace lists' stride
   EXPECT_EQ(large.spec.name_expressions().size(), 2u);  // and token_index_heavy
-  EXPECT_EQ(large.heavy_blocks, 8000u / 128);  // a block per 128 rows
+  EXPECT_EQ(large.heavy_blocks, 8000u / 128);           // a block per 128 rows
   EXPECT_EQ(companion_module(large.spec)->describe(), "kind=token_index_list_helpers idx=int32");
   EXPECT_EQ(large.spec.tpt, 64);
   EXPECT_EQ(single_launch_spec(large.spec, 40).tpt, 128);
