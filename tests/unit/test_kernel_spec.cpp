@@ -837,6 +837,38 @@ TEST(KernelSpec, GatherMapWithTwoRowsTakesFourSlotsPerThreadWhereWholeChunksTile
   EXPECT_EQ(spec(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_BFLOAT16, 4096, 2, kAnyTokens).upt, 1);
 }
 
+// Rows whose starts allow no access wider than 4 bytes (odd hidden sizes, misaligned buffers) take
+// four slots per thread beyond decode sizes where a row fills them (choose_geometry); 16-byte
+// vectors keep their geometry. The mid-size 16-slot groups only for rows of whole 128-byte lines.
+TEST(KernelSpec, NarrowVectorsTakeFourSlotsPerThreadAndMidSizeGroupsWholeLines) {
+  auto spec = [](moejit_layout layout, moejit_dtype dtype, int hidden, size_t alignment,
+                 int64_t tokens) {
+    return spec_for_shape(layout, dtype, dtype, MOEJIT_INDEX_INT32, hidden, 8, alignment, tokens);
+  };
+  for (moejit_layout layout :
+       {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_LAYOUT_TOKEN_INDEX}) {
+    const KernelSpec odd = spec(layout, MOEJIT_DTYPE_BFLOAT16, 1001, 2, kAnyTokens);
+    EXPECT_EQ(odd.vec, 1) << layout;
+    EXPECT_EQ(odd.upt, 4) << layout;
+    EXPECT_EQ(spec(layout, MOEJIT_DTYPE_BFLOAT16, 7169, 2, kAnyTokens).upt, 4) << layout;
+    EXPECT_EQ(spec(layout, MOEJIT_DTYPE_FLOAT32, 1001, 4, kAnyTokens).upt, 4) << layout;
+    const KernelSpec pairs = spec(layout, MOEJIT_DTYPE_FLOAT16, 5002, 4, kAnyTokens);
+    EXPECT_EQ(pairs.vec, 2) << layout;
+    EXPECT_EQ(pairs.upt, 4) << layout;
+    EXPECT_EQ(spec(layout, MOEJIT_DTYPE_BFLOAT16, 1001, 2, 16).upt, 1) << layout;         // decode
+    EXPECT_EQ(spec(layout, MOEJIT_DTYPE_BFLOAT16, 201, 2, kAnyTokens).upt, 1) << layout;  // short
+    EXPECT_EQ(spec(layout, MOEJIT_DTYPE_BFLOAT16, 7168, 256, kAnyTokens).upt, 1) << layout;
+  }
+  // H = 1000 in 2-byte elements: 125 slots of 16 bytes, rows of 2000 bytes, not whole lines.
+  for (moejit_layout layout : {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP}) {
+    EXPECT_EQ(spec(layout, MOEJIT_DTYPE_FLOAT16, 1024, 256, 2000).tpt, 16) << layout;
+    EXPECT_NE(spec(layout, MOEJIT_DTYPE_FLOAT16, 1000, 256, 2000).tpt, 16) << layout;
+    EXPECT_EQ(spec(layout, MOEJIT_DTYPE_FLOAT16, 1000, 256, 2000),
+              spec(layout, MOEJIT_DTYPE_FLOAT16, 1000, 256, kAnyTokens))
+        << layout;
+  }
+}
+
 }  // namespace
 TEST(KernelSpec, EightRowsPerTokenTakeTheMidSizeGeometryUpToTwoToTheTwentyOneTokenSlots) {
   auto spec = [](moejit_layout layout, int hidden, int top_k, int64_t tokens) {
