@@ -1,5 +1,6 @@
 #include <string>
 
+#include "../kernel_templates/token_index_workspace.h"
 #include "combine_plan.h"
 #include "driver.h"
 #include "error.h"
@@ -49,6 +50,7 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
            "token_index_clear");
     launch(*kernels.companion, kAssignKernel, plan.assign_blocks, 1, kHelperThreads, true,
            "token_index_assign");
+    launch(kernels, kHeavyKernel, plan.heavy_blocks, 1, kHeavyThreads, true, "token_index_heavy");
   }
   launch(kernels, kCombineKernel, plan.combine_grid_x, plan.combine_grid_y, threads,
          chained || first_dependent, "combine");

@@ -30,6 +30,7 @@ struct CombinePlan {
   unsigned int combine_grid_y = 0;
   unsigned int clear_blocks = 0;  // token-index list helpers (0 for other layouts)
   unsigned int assign_blocks = 0;
+  unsigned int heavy_blocks = 0;  // the list path's token_index_heavy (kHeavyThreads each)
   // The token index's single launch (either form).
   bool token_scan() const {
     return spec.kind == KernelKind::kTokenIndexScan ||
@@ -40,7 +41,8 @@ struct CombinePlan {
     return spec.kind == KernelKind::kTokenIndexOneToken ||
            spec.kind == KernelKind::kGatherMapOneToken;
   }
-  // The list path: clear and assign run first, from the companion module (companion_module()).
+  // The list path: clear and assign run first, from the companion module (companion_module()),
+  // then token_index_heavy from the spec's own module.
   bool list_helpers() const { return spec.kind == KernelKind::kTokenIndexLists; }
 };
 

@@ -125,7 +125,12 @@ std::vector<std::string> KernelSpec::name_expressions() const {
   if (kind == KernelKind::kTokenIndexScan || kind == KernelKind::kTokenIndexSmallScan)
     e << ", " << (kind == KernelKind::kTokenIndexSmallScan ? "true" : "false");
   e << ">";
-  return {e.str()};
+  if (kind != KernelKind::kTokenIndexLists) return {e.str()};
+  // The list path's tokens past their lists: a kernel of the same module (kHeavyKernel).
+  std::ostringstream heavy;
+  heavy << "&moejit::token_index_heavy<" << in_dtype << ", " << out_dtype << ", " << idx << ", "
+        << hidden << ", " << vec << ">";
+  return {e.str(), heavy.str()};
 }
 
 std::string KernelSpec::source() const {

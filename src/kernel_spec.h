@@ -19,7 +19,7 @@ enum class KernelKind : int {
   kTokenMajor = 0,         // combine_fixed: rows t*K .. t*K+K-1
   kGatherMap,              // combine_fixed: the map names each (token, slot)'s row
   kGatherMapOneToken,      // combine_one_token_map: one token, rows loaded with the map
-  kTokenIndexLists,        // combine_lists, after the list helpers built per-token lists
+  kTokenIndexLists,        // combine_lists (and token_index_heavy), after the list helpers
   kTokenIndexScan,         // combine_scan: each block lists its tokens' rows in shared memory
   kTokenIndexSmallScan,    // combine_scan, calls of at most a block of rows: each warp scans all
   kTokenIndexOneToken,     // combine_one_token: one token, rows loaded with token_idx
@@ -97,7 +97,8 @@ KernelSpec parse_kernel_spec(const std::map<std::string, std::string>& fields);
 
 // Index of each kernel in name_expressions() / a loaded module's functions.
 enum KernelSlot {
-  kCombineKernel = 0,  // every kind but the list helpers: its one kernel
+  kCombineKernel = 0,  // every kind but the list helpers: its combine kernel
+  kHeavyKernel = 1,    // the list path's module: token_index_heavy, launched before the combine
 };
 enum HelperSlot {  // the list helpers' module
   kClearKernel = 0,
