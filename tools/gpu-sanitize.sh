@@ -5,6 +5,7 @@
 #   racecheck  the tests of the kernels that share lists through shared memory (the token index's
 #              scans, both one-token kernels) and of the launch modes (CUDA graph, dependent launch);
 #              the full matrix under racecheck takes more than five minutes
+# The three run side by side: about 3 minutes on one H100, the build included.
 # and first a self-check: memcheck must catch a planted out-of-bounds write (the test
 # SanitizerPlant.AnOutputBufferOneRowShort, which runs only with MOEJIT_SANITIZER_PLANT=1: a real
 # combine into an output buffer one row short), or the clean runs after it prove nothing.
@@ -26,7 +27,7 @@ if ! { cmake -B build-gpu "${cfg[@]}" && cmake --build build-gpu --target moejit
   exit 1
 fi
 tests=build-gpu/tests/gpu/moejit_gpu_tests
-failed=()
+: >"$out/failed.txt"
 run() {  # tool, gtest filter, output name, seconds[, more compute-sanitizer options]
   # racecheck alone sometimes stalls in a process's first seconds (a test that takes 5-6 s ran
   # into 120 s; the same test again, right after: 6 s). A stalled racecheck run gets one more
@@ -42,7 +43,7 @@ run() {  # tool, gtest filter, output name, seconds[, more compute-sanitizer opt
     mv "$out/$3.txt" "$out/$3.stalled.txt"
   done
   [ $rc -eq 124 ] && echo "$3: timed out after $4 s"
-  [ $rc -ne 0 ] && failed+=("$3")
+  [ $rc -ne 0 ] && echo "$3" >>"$out/failed.txt"
   grep -E "OK \]|FAILED|SKIPPED|ERROR SUMMARY|RACECHECK SUMMARY" "$out/$3.txt" | head -n 20
   echo "$3: exit $rc; $(grep -h -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED  \]" \
     "$out/$3.txt" | tr '\n' ' ')" >>"$out/summary.txt"
@@ -59,9 +60,10 @@ if [ $plant_rc -eq 9 ] && grep -q "Invalid __global__ write" "$out/memcheck-plan
 else
   echo "self-check: memcheck did not catch the planted write (exit $plant_rc; see" \
     "memcheck-plant.txt)" | tee -a "$out/summary.txt"
-  failed+=("self-check")
+  echo "self-check" >>"$out/failed.txt"
 fi
-echo "== memcheck"
+# The three tools run side by side, each in its own processes (the GPU is shared; nothing here is
+# timed), so the whole run takes about as long as memcheck alone.
 # Tests that provoke a CUDA error on purpose run on their own with API errors unreported (memcheck
 # and synccheck), every other test with them reported; device-side checks stay on for all:
 #  - AModuleOfADestroyedContextIsNeverServedAgain destroys contexts under a live runtime, whose
@@ -73,27 +75,40 @@ echo "== memcheck"
 provoking=CombineGpu.AModuleOfADestroyedContextIsNeverServedAgain:CombineGpu.AStreamOfAnotherContextIsRefused
 others="*-$provoking"
 [ "${MOEJIT_SANITIZER_PLANT:-}" = 1 ] || others="$others:$plant"
-run memcheck "$others" memcheck 300
-run memcheck "$provoking" memcheck-provoked-errors 60 "--report-api-errors no"
-echo "== synccheck"
-run synccheck "*-$provoking:$plant" synccheck 300
-run synccheck "$provoking" synccheck-provoked-errors 60 "--report-api-errors no"
+memcheck_runs() {
+  run memcheck "$others" memcheck "${MEMCHECK_SECONDS:-420}"
+  run memcheck "$provoking" memcheck-provoked-errors 60 "--report-api-errors no"
+}
+synccheck_runs() {
+  run synccheck "*-$provoking:$plant" synccheck "${MEMCHECK_SECONDS:-420}"
+  run synccheck "$provoking" synccheck-provoked-errors 60 "--report-api-errors no"
+}
 # racecheck one test per process: each takes seconds, but one run of several tests once stalled
 # for minutes on the first of them (the same test alone: 5 s). Not WalksPastAHotTokensList: its
 # walks of token_idx (8200 tokens on the list path) ran past 100 s under racecheck; memcheck and
-# synccheck above cover it.
-echo "== racecheck"
-for t in TokenIndexWithAHotToken TokenIndexListsPastOneGridOfRows \
-  SmallCallScanWindowsAHotTokensRows SlabScanListsAHotTokensRows \
-  OneTokenSkipsDroppedRowsWhateverTheyHold OneTokenGatherMapIgnoresWhatNoSlotNames \
-  DroppedSlotsIgnoreNonFiniteGates DependentLaunchGpu.SeesThePreviousKernelsWrites \
-  CudaGraphCaptureAndReplay; do
-  # A bare name is a CombineGpu test.
-  [[ $t == *.* ]] || t="CombineGpu.$t"
-  run racecheck "$t" "racecheck-${t#*.}" 120
+# synccheck cover it.
+racecheck_runs() {
+  local t
+  for t in TokenIndexWithAHotToken TokenIndexListsPastOneGridOfRows \
+    SmallCallScanWindowsAHotTokensRows SlabScanListsAHotTokensRows \
+    OneTokenSkipsDroppedRowsWhateverTheyHold OneTokenGatherMapIgnoresWhatNoSlotNames \
+    DroppedSlotsIgnoreNonFiniteGates DependentLaunchGpu.SeesThePreviousKernelsWrites \
+    CudaGraphCaptureAndReplay; do
+    # A bare name is a CombineGpu test.
+    [[ $t == *.* ]] || t="CombineGpu.$t"
+    run racecheck "$t" "racecheck-${t#*.}" 120
+  done
+}
+memcheck_runs >"$out/memcheck-runs.log" 2>&1 &
+synccheck_runs >"$out/synccheck-runs.log" 2>&1 &
+racecheck_runs >"$out/racecheck-runs.log" 2>&1 &
+wait
+for tool in memcheck synccheck racecheck; do
+  echo "== $tool"
+  cat "$out/$tool-runs.log"
 done
-if [ ${#failed[@]} -gt 0 ]; then
-  echo "== failed: ${failed[*]}" | tee -a "$out/summary.txt"
+if [ -s "$out/failed.txt" ]; then
+  echo "== failed: $(tr '\n' ' ' <"$out/failed.txt")" | tee -a "$out/summary.txt"
   exit 1
 fi
 echo "== all tools clean; the self-check caught the planted write" | tee -a "$out/summary.txt"
