@@ -5,10 +5,10 @@
 #   racecheck  the tests of the kernels that share lists through shared memory (the token index's
 #              scans, both one-token kernels) and of the launch modes (CUDA graph, dependent launch);
 #              the full matrix under racecheck takes more than five minutes
-# The three run side by side: about 3 minutes on one H100, the build included.
 # and first a self-check: memcheck must catch a planted out-of-bounds write (the test
 # SanitizerPlant.AnOutputBufferOneRowShort, which runs only with MOEJIT_SANITIZER_PLANT=1: a real
-# combine into an output buffer one row short), or the clean runs after it prove nothing.
+# combine into an output buffer one row short), or the clean runs after it prove nothing. The
+# three tools then run side by side: about 3 minutes on one H100, the build included.
 # Each run's output goes to OUTDIR/<tool>[-<test>].txt, and a summary to OUTDIR/summary.txt; exits
 # non-zero if any run reports an error or times out, or if the self-check catches nothing.
 #   tools/gpu-sanitize.sh OUTDIR
