@@ -101,7 +101,10 @@ TEST(DispatchTable, ThePrecompileSetIsExactlyWhatTheRuntimeLoads) {
               if (HasFailure()) return;  // one shape's report is enough to read
             }
     }
-  EXPECT_EQ(kinds_seen.size(), static_cast<size_t>(kKernelKinds));  // every variant was reached
+  // Every variant without an epilogue was reached (the epilogue's: the test below).
+  size_t plain_kinds = 0;
+  for (int k = 0; k < kKernelKinds; ++k) plain_kinds += !is_epilogue(static_cast<KernelKind>(k));
+  EXPECT_EQ(kinds_seen.size(), plain_kinds);
   EXPECT_GT(shapes, 2000u);
   EXPECT_GT(plans, 100000u);
 }
