@@ -282,7 +282,8 @@ struct EpilogueRow {
           count, sum);
     } else {
       add_fixed_token_rows<LAYOUT, IN_DT, IdxT, HIDDEN, VEC, ROWS, TPT, UPT, false>(
-          p, tok, first_slot, sum);
+          p, static_cast<const IdxT*>(p.indices), static_cast<const InS*>(p.expert), tok,
+          first_slot, sum);
     }
     const OutS* out_row = static_cast<const OutS*>(p.out) + tok * p.out_stride;
 #pragma unroll
@@ -492,12 +493,21 @@ struct EpilogueRow {
 
 }  // namespace detail
 
+// Blocks per SM the one-block kernel's launch bounds promise: at least 512 threads' worth. Left
+// to itself ptxas spilled a few bytes at 40 registers in some looped (SPLIT > 1) modules; with
+// no floor it took 182 registers for the token index's (one 224-thread block per SM).
+template <int THREADS>
+struct EpilogueMinBlocks {
+  enum { value = THREADS >= 512 ? 1 : 512 / THREADS };
+};
+
 // A token's whole row in one block (TPT > 32, or slices that must meet) or in TPT threads of one
 // (TPB tokens per block); its SPLIT slices one after another. The grid: x the token groups. Also
 // the cluster kind's kernel for GPUs without clusters (then TPB = 1).
 template <int LAYOUT, int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int ROWS, int TPT,
           int TPB, int UPT, int LIST_CAP, int SPLIT, int RES_DT, int W_DT>
-__global__ void __launch_bounds__(TPT* TPB) combine_epilogue(const CombineParams p) {
+__global__ void __launch_bounds__(TPT* TPB, EpilogueMinBlocks<TPT * TPB>::value)
+    combine_epilogue(const CombineParams p) {
   typedef detail::EpilogueRow<LAYOUT, IN_DT, OUT_DT, IdxT, HIDDEN, VEC, ROWS, TPT, TPB, UPT,
                               LIST_CAP, SPLIT, RES_DT, W_DT>
       Row;

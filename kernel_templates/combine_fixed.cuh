@@ -58,15 +58,15 @@ struct FixedBatch {
 };
 
 // Adds token tok's TOP_K rows, in slot order, to this thread's UPT slots (first_slot + u * TPT).
+// indices and expert are p's, as the kernel holds them.
 template <int LAYOUT, int IN_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT, int UPT,
-          bool CACHED>
-__device__ __forceinline__ void add_fixed_token_rows(const CombineParams& p, long long tok,
+          bool CACHED, typename S>
+__device__ __forceinline__ void add_fixed_token_rows(const CombineParams& p,
+                                                     const IdxT* __restrict__ indices,
+                                                     const S* __restrict__ expert, long long tok,
                                                      int first_slot, float (&sum)[UPT][VEC]) {
-  typedef typename Elem<IN_DT>::storage S;
   constexpr int kRowsPerBatch = FixedBatch<TOP_K, UPT>::rows;
   constexpr int kHeld = FixedBatch<TOP_K, UPT>::held;
-  const IdxT* __restrict__ indices = static_cast<const IdxT*>(p.indices);
-  const S* __restrict__ expert = static_cast<const S*>(p.expert);
   int row[kHeld];
   bool mapped[kHeld];
   float gate[kHeld];
@@ -134,7 +134,10 @@ __global__ void __launch_bounds__(TPT* TPB, (FixedMinBlocks<LAYOUT, TOP_K, TPT, 
     combine_fixed(const CombineParams p) {
   static_assert(LAYOUT == kLayoutTokenMajor || LAYOUT == kLayoutGatherMap, "a fixed layout");
   static_assert(TOP_K > 0, "fixed top_k");
+  typedef typename detail::Elem<IN_DT>::storage S;
   typedef typename detail::Elem<OUT_DT>::storage OutS;
+  const IdxT* __restrict__ indices = static_cast<const IdxT*>(p.indices);
+  const S* __restrict__ expert = static_cast<const S*>(p.expert);
   const detail::WorkItem item = detail::work_item<GRID, HIDDEN, VEC, TPT, TPB, UPT>();
   const long long tok = item.tok;
   const int first_slot = item.first_slot;
@@ -149,7 +152,7 @@ __global__ void __launch_bounds__(TPT* TPB, (FixedMinBlocks<LAYOUT, TOP_K, TPT, 
   float sum[UPT][VEC];
   detail::clear_sums(sum);
   detail::add_fixed_token_rows<LAYOUT, IN_DT, IdxT, HIDDEN, VEC, TOP_K, TPT, UPT, CACHED>(
-      p, tok, first_slot, sum);
+      p, indices, expert, tok, first_slot, sum);
   detail::store_row_slots<OUT_DT, VEC, HIDDEN, UPT, TPT>(
       static_cast<OutS*>(p.out) + tok * p.out_stride, first_slot, sum, p);
 }

@@ -69,6 +69,11 @@ KernelKind cluster_kind(int layout) {
                                               : KernelKind::kEpilogueClusterTokenIndex;
 }
 
+// Slots a thread holds: up to kValuesPerThread fp32 values (at least one slot).
+int max_upt(const KernelSpec& s) {
+  return std::max(1, kValuesPerThread / s.vec);
+}
+
 // A token's row in one block (or TPT threads of one): see the table above.
 void row_geometry(KernelSpec* s) {
   const int slots = s->slots();
@@ -80,8 +85,7 @@ void row_geometry(KernelSpec* s) {
     return;
   }
   const int align = slice_alignment(*s);
-  s->upt = static_cast<int>(
-      std::min<int64_t>(std::max(1, kValuesPerThread / s->vec), ceil_div(slots, align)));
+  s->upt = static_cast<int>(std::min<int64_t>(max_upt(*s), ceil_div(slots, align)));
   s->tpt = round_up(ceil_div(slots, s->upt), align);
   if (s->tpt > kMaxRowThreads) {
     s->split = static_cast<int>(ceil_div(slots, int64_t{kMaxRowThreads} * s->upt));
@@ -100,7 +104,8 @@ bool cluster_geometry(KernelSpec* s, int64_t num_tokens) {
   s->tpt = round_up(ceil_div(slice, s->upt), align);
   s->tpb = 1;
   s->split = static_cast<int>(ceil_div(slots, int64_t{s->tpt} * s->upt));
-  return s->split >= 2;
+  // A slice too long for registers: the one-block variant's passes instead.
+  return s->split >= 2 && s->upt <= max_upt(*s);
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "combine_epilogue.h"
 #include "combine_plan.h"
 #include "error.h"
 #include "kernel_store.h"
@@ -34,6 +35,62 @@ int max_vec(int in_dtype, int out_dtype) {
   const int widest =
       (in_dtype == MOEJIT_DTYPE_FLOAT32 || out_dtype == MOEJIT_DTYPE_FLOAT32) ? 4 : 2;
   return 16 / widest;
+}
+
+// The epilogue's modules (combine_epilogue.cuh): each layout x epilogue (residual; residual +
+// norm; residual + norm + fp8; norm alone; fp8 alone) in its prefill (one block per token) and
+// decode (split, cluster) variant, with dtype pairs, hidden sizes, vector widths and archs rotated;
+// rows long enough for passes; vector widths whose fp8 groups span warps; and the decode cluster
+// module with every epilogue for every arch (before sm_90 its one-block kernel is what runs, and
+// before sm_89 the fp8 conversion is the integer one).
+void append_epilogue_matrix(std::vector<Case>* cases) {
+  const int archs[] = {80, 89, 90};
+  struct Epilogue {
+    int res, weight;
+    bool fp8;
+  };
+  const Epilogue epilogues[] = {{MOEJIT_DTYPE_BFLOAT16, -1, false},
+                                {MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, false},
+                                {MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_BFLOAT16, true},
+                                {-1, MOEJIT_DTYPE_FLOAT16, false},
+                                {-1, -1, true}};
+  auto spec = [](int layout, int in, int out, const Epilogue& e, int hidden, int vec,
+                 int64_t tokens) {
+    CallShape c;
+    c.layout = static_cast<moejit_layout>(layout);
+    c.in_dtype = static_cast<moejit_dtype>(in);
+    c.out_dtype = e.fp8 ? MOEJIT_DTYPE_FLOAT8_E4M3 : static_cast<moejit_dtype>(out);
+    c.res_dtype = e.res;
+    c.weight_dtype = e.weight;
+    c.hidden = hidden;
+    c.vec = vec;
+    c.top_k = 8;
+    c.num_tokens = tokens;
+    c.num_rows = tokens * 8;
+    return choose_kernel(c);
+  };
+  int n = 0;
+  for (int layout = 0; layout < 3; ++layout)
+    for (const Epilogue& e : epilogues)
+      for (const int64_t tokens : {int64_t{4096}, int64_t{1}}) {
+        const int in = n % 3, out = (n / 3) % 3;
+        const int hidden = tokens == 1 ? (n % 2 ? 7168 : 2880) : (n % 3 ? 4096 : 7);
+        const int widest = std::max({in == MOEJIT_DTYPE_FLOAT32 || out == MOEJIT_DTYPE_FLOAT32 ||
+                                             e.res == MOEJIT_DTYPE_FLOAT32
+                                         ? 4
+                                         : 2,
+                                     2});
+        const int vec = std::min(16 / widest, hidden);
+        cases->push_back({spec(layout, in, out, e, hidden, vec, tokens), archs[n % 3]});
+        ++n;
+      }
+  // Passes (H 65536); 1- and 2-element vectors (a group's 128 channels over 4 or 2 warps).
+  cases->push_back({spec(1, 2, 2, epilogues[2], 65536, 8, 4096), 90});
+  cases->push_back({spec(2, 0, 0, epilogues[3], 65536, 4, 4096), 80});
+  cases->push_back({spec(1, 2, 2, epilogues[2], 2880, 1, 4096), 89});
+  cases->push_back({spec(0, 1, 1, epilogues[4], 2880, 2, 33), 90});
+  for (const Epilogue& e : epilogues)
+    for (int sm : archs) cases->push_back({spec(1, 2, 2, e, 7168, 8, 1), sm});
 }
 
 std::vector<Case> matrix() {
@@ -118,6 +175,7 @@ std::vector<Case> matrix() {
   KernelSpec big = spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                   MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256);
   for (int sm : archs) cases.push_back({big, sm});
+  append_epilogue_matrix(&cases);
   return cases;
 }
 
@@ -137,6 +195,7 @@ TEST(KernelCompile, MatrixCoversEveryValue) {
   std::set<std::pair<int, int>> pairs;
   for (const Case& c : matrix()) {
     if (c.spec.kind == KernelKind::kTokenIndexListHelpers) continue;  // no shape
+    if (is_epilogue(c.spec.kind)) continue;  // its own cases (append_epilogue_matrix)
     layouts.insert(c.spec.layout());
     pairs.insert({c.spec.in_dtype, c.spec.out_dtype});
     idx.insert(c.spec.index_bytes);
@@ -392,6 +451,20 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
     return spec_for_shape(layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32,
                           hidden, top_k, 256, tokens);
   };
+  // An epilogue call: a bf16 residual and norm weight, fp8 out.
+  auto normed = [](moejit_layout layout, int64_t tokens) {
+    CallShape c;
+    c.layout = layout;
+    c.in_dtype = MOEJIT_DTYPE_BFLOAT16;
+    c.out_dtype = MOEJIT_DTYPE_FLOAT8_E4M3;
+    c.res_dtype = c.weight_dtype = MOEJIT_DTYPE_BFLOAT16;
+    c.hidden = 7168;
+    c.vec = 8;
+    c.top_k = 8;
+    c.num_tokens = tokens;
+    c.num_rows = tokens * 8;
+    return choose_kernel(c);
+  };
   const KernelSpec decode_index = shape(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, 1);
   const KernelSpec single = single_launch_spec(decode_index, 1);
   ASSERT_EQ(single_launch_for_rows(single, 1).kind, KernelKind::kTokenIndexSmallScan);
@@ -413,6 +486,11 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
       one_token_index_spec(decode_index),                                  // 4-byte vectors
       map_one,
       single_launch_spec(shape(MOEJIT_LAYOUT_TOKEN_INDEX, 128, 2, kAnyTokens), kAnyTokens),
+      // The epilogue's (combine_epilogue.cuh): one block per token, and the decode split (its
+      // module's cluster kernel and one-block kernel).
+      normed(MOEJIT_LAYOUT_GATHER_MAP, 4096),
+      normed(MOEJIT_LAYOUT_GATHER_MAP, 1),
+      normed(MOEJIT_LAYOUT_TOKEN_MAJOR, 1),
   };
   for (const KernelSpec& spec : first_kernels) {
     SCOPED_TRACE(spec.describe());
@@ -432,6 +510,14 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
   EXPECT_NE(list_combine.find("griddepcontrol.wait"), std::string::npos);
   expect_no_load_before_the_wait(list_combine);
   EXPECT_EQ(list_combine.find("griddepcontrol.launch_dependents"), std::string::npos);
+  // So does the token index's epilogue (one block per token, and the decode split), after the
+  // same helpers.
+  for (const int64_t tokens : {int64_t{4096}, int64_t{1}}) {
+    const std::string index_epilogue = ptx(normed(MOEJIT_LAYOUT_TOKEN_INDEX, tokens));
+    EXPECT_NE(index_epilogue.find("griddepcontrol.wait"), std::string::npos);
+    expect_no_load_before_the_wait(index_epilogue);
+    EXPECT_EQ(index_epilogue.find("griddepcontrol.launch_dependents"), std::string::npos);
+  }
   // Its helpers let the chain's next kernel be scheduled early, each of them.
   const std::string helpers = ptx(list_helpers_spec(decode_index.index_bytes));
   size_t triggers = 0;
@@ -439,6 +525,46 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
        at = helpers.find("griddepcontrol.launch_dependents", at + 1))
     ++triggers;
   EXPECT_EQ(triggers, 2u);
+}
+
+// The epilogue's decode split exchanges the sum of squares through distributed shared memory
+// between a cluster's blocks on sm_90 (barrier.cluster, mapa, ld.shared::cluster); its module's
+// cluster kernel traps before sm_90, where its one-block kernel runs instead. fp8 uses the
+// hardware conversion from sm_89 (cvt ... satfinite.e4m3x2), the integer one before. Every fp32
+// operation of the norm is an explicitly rounded one (add.rn, mul.rn, div.rn, sqrt.rn): fused,
+// the results would differ from moejit.h's.
+TEST(KernelCompile, TheEpilogueUsesClustersAndFp8ConversionsWhereTheGpuHasThem) {
+  MemoryStore memory;
+  CallShape c;
+  c.layout = MOEJIT_LAYOUT_GATHER_MAP;
+  c.in_dtype = MOEJIT_DTYPE_BFLOAT16;
+  c.out_dtype = MOEJIT_DTYPE_FLOAT8_E4M3;
+  c.res_dtype = c.weight_dtype = MOEJIT_DTYPE_BFLOAT16;
+  c.hidden = 7168;
+  c.vec = 8;
+  c.top_k = 8;
+  c.num_tokens = 1;
+  c.num_rows = 8;
+  const KernelSpec split = choose_kernel(c);
+  ASSERT_EQ(split.kind, KernelKind::kEpilogueClusterGatherMap);
+  ASSERT_EQ(split.name_expressions().size(), 2u);
+  auto ptx = [&](int arch) {
+    return compile(memory.store.request_for(split, Target{arch, true})).image;
+  };
+  const std::string sm90 = ptx(90), sm89 = ptx(89), sm80 = ptx(80);
+  for (const char* op : {"barrier.cluster.arrive.release", "barrier.cluster.wait.acquire",
+                         "mapa.shared::cluster", "ld.shared::cluster.f32"}) {
+    EXPECT_NE(sm90.find(op), std::string::npos) << op;
+    EXPECT_EQ(sm89.find(op), std::string::npos) << op;
+    EXPECT_EQ(sm80.find(op), std::string::npos) << op;
+  }
+  EXPECT_NE(sm89.find("trap"), std::string::npos);
+  EXPECT_NE(sm90.find("cvt.rn.satfinite.e4m3x2.f32"), std::string::npos);
+  EXPECT_NE(sm89.find("cvt.rn.satfinite.e4m3x2.f32"), std::string::npos);
+  EXPECT_EQ(sm80.find("e4m3"), std::string::npos);
+  for (const std::string* code : {&sm90, &sm89, &sm80})
+    for (const char* op : {"sqrt.rn.f32", "div.rn.f32", "mul.rn.f32", "add.rn.f32"})
+      EXPECT_NE(code->find(op), std::string::npos) << op;
 }
 
 TEST(KernelCompile, CompileErrorCarriesTheLog) {
