@@ -2,8 +2,8 @@
 # header, a CMake package (find_package(moejit CONFIG) -> moejit::moejit) and a pkg-config file.
 #
 # Only `moejit` is installed. `moejit_core` is an implementation detail linked into it; consumers
-# need nothing but the header and -lmoejit: NVRTC and spdlog are private dependencies of the shared
-# library (resolved through its DT_NEEDED entries), and libcuda is dlopen'd at run time.
+# need nothing but the header and -lmoejit: the library needs only the C and C++ runtimes (spdlog
+# and fmt are header-only), and NVRTC and libcuda are dlopen'd at run time.
 #
 # Tools install themselves from their own CMakeLists.txt, next to their add_executable():
 #   install(TARGETS moejit-precompile RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT tools)
@@ -19,11 +19,6 @@ set(MOEJIT_INSTALL_CMAKEDIR "${CMAKE_INSTALL_LIBDIR}/cmake/moejit"
     CACHE STRING "Where moejitConfig.cmake is installed (relative to the prefix)")
 set(MOEJIT_INSTALL_PKGCONFIGDIR "${CMAKE_INSTALL_LIBDIR}/pkgconfig"
     CACHE STRING "Where moejit.pc is installed (relative to the prefix)")
-
-# The installed library keeps a RUNPATH to the directories of its own dependencies that lie outside
-# the system search path (a toolkit under /usr/local/cuda or /opt), so installing libmoejit never
-# requires LD_LIBRARY_PATH for libnvrtc. System directories are never added.
-set_target_properties(moejit PROPERTIES INSTALL_RPATH_USE_LINK_PATH ON)
 
 install(TARGETS moejit EXPORT moejitTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT runtime NAMELINK_COMPONENT development

@@ -8,6 +8,7 @@
 #include "c_enum.h"
 #include "combine_plan.h"
 #include "error.h"
+#include "fork_guard.h"
 #include "logging.h"
 #include "moejit/moejit.h"
 #include "runtime.h"
@@ -73,8 +74,9 @@ moejit_status guarded(Body&& body) {
   }
 }
 
+// For a combine: a runtime of this process (fork_guard.h), else the default runtime.
 moejit::Runtime& runtime_or_default(moejit_runtime_t runtime) {
-  return runtime != nullptr ? *static_cast<moejit::Runtime*>(runtime) : moejit::default_runtime();
+  return runtime != nullptr ? moejit::runtime_of_this_process(runtime) : moejit::default_runtime();
 }
 
 }  // namespace
@@ -152,27 +154,34 @@ moejit_status moejit_combine_workspace_size(const moejit_combine_args* args, siz
   });
 }
 
-// Every released header's moejit_runtime_options has this library's size (none added a field).
+// Writes the defaults into the caller's struct, never past its size: a caller built against an
+// older header has a shorter struct (0.1's and 0.2's ended before cache_key_file).
 moejit_status moejit_runtime_options_init_sized(moejit_runtime_options* options,
                                                 size_t struct_size) {
   return guarded([&] {
     if (options == nullptr)
       moejit::invalid_argument("options", "NULL", "must point to a moejit_runtime_options");
-    if (struct_size != sizeof(moejit_runtime_options))
-      moejit::invalid_argument("struct_size", std::to_string(struct_size),
-                               "must be sizeof(moejit_runtime_options) = " +
-                                   std::to_string(sizeof(moejit_runtime_options)) +
-                                   " for this library version");
-    std::memset(options, 0, sizeof(*options));
-    options->struct_size = sizeof(*options);
-    options->cache_mode = MOEJIT_CACHE_MODE_DEFAULT;
-    options->log_level = MOEJIT_LOG_DEFAULT;
+    if (struct_size != sizeof(moejit_runtime_options) &&
+        struct_size != moejit::kRuntimeOptionsSizeV02)
+      moejit::invalid_argument(
+          "struct_size", std::to_string(struct_size),
+          "must be sizeof(moejit_runtime_options) of a libmoejit header no newer than this "
+          "library (" +
+              std::to_string(sizeof(moejit_runtime_options)) + " for " + moejit_version_string() +
+              ", " + std::to_string(moejit::kRuntimeOptionsSizeV02) + " for 0.1 and 0.2)");
+    moejit_runtime_options defaults;
+    std::memset(&defaults, 0, sizeof(defaults));
+    defaults.struct_size = struct_size;
+    defaults.cache_mode = MOEJIT_CACHE_MODE_DEFAULT;
+    defaults.log_level = MOEJIT_LOG_DEFAULT;
+    std::memcpy(options, &defaults, struct_size);
   });
 }
 
-// The 0.1 entry point (the header's name is now a macro over the sized form).
+// The 0.1 entry point (the header's name is now a macro over the sized form): binaries built
+// against the 0.1 or 0.2 header call it with a struct of that size.
 moejit_status(moejit_runtime_options_init)(moejit_runtime_options* options) {
-  return moejit_runtime_options_init_sized(options, sizeof(moejit_runtime_options));
+  return moejit_runtime_options_init_sized(options, moejit::kRuntimeOptionsSizeV02);
 }
 
 moejit_status moejit_runtime_create(const moejit_runtime_options* options,
@@ -190,7 +199,12 @@ moejit_status moejit_runtime_create(const moejit_runtime_options* options,
 }
 
 moejit_status moejit_runtime_destroy(moejit_runtime_t runtime) {
-  return guarded([&] { delete static_cast<moejit::Runtime*>(runtime); });
+  return guarded([&] {
+    auto* r = static_cast<moejit::Runtime*>(runtime);
+    // A runtime of the parent process (before a fork) is left alone: its locks may be held by
+    // threads that do not exist in this one, and its modules belong to the parent's contexts.
+    if (r != nullptr && r->fork_generation() == moejit::fork_generation()) delete r;
+  });
 }
 
 moejit_status moejit_runtime_combine(moejit_runtime_t runtime, const moejit_combine_args* args,
@@ -211,7 +225,10 @@ moejit_status moejit_runtime_get_stats(moejit_runtime_t runtime, moejit_stats* s
           "must be at least " + std::to_string(sizeof(size_t) + sizeof(uint64_t)) +
               " (struct_size and one counter; sizeof(moejit_stats) = " +
               std::to_string(sizeof(moejit_stats)) + " for this library version)");
-    runtime_or_default(runtime).stats().copy_to(stats);
+    // A parent's runtime too (after a fork): its counters are plain atomics, safe to read.
+    (runtime != nullptr ? *static_cast<moejit::Runtime*>(runtime) : moejit::default_runtime())
+        .stats()
+        .copy_to(stats);
   });
 }
 

@@ -1,5 +1,6 @@
 #include "cache_entry.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -13,8 +14,13 @@ namespace {
 
 constexpr char kMagic[8] = {'\x89', 'M', 'O', 'E', 'J', 'I', 'T', '\n'};
 constexpr size_t kKeyBytes = 32;
-constexpr size_t kKeyOffset = 16, kPayloadBytesOffset = 48, kPayloadHashOffset = 56,
-                 kHeaderHashOffset = 64;
+constexpr size_t kKeyOffset = 16, kPayloadBytesOffset = 48,
+                 kPayloadHashOffset = kCacheEntryPayloadHashOffset, kFlagsOffset = 64,
+                 kReservedOffset = 68, kMacOffset = 72,
+                 kHeaderHashOffset = kCacheEntryHeaderHashOffset;
+static_assert(kMacOffset + kMacBytes == kHeaderHashOffset, "header layout");
+static_assert(kHeaderHashOffset + 8 == kCacheEntryHeaderBytes, "header layout");
+constexpr uint32_t kFlagAuthenticated = 1;
 
 void put_u32(std::string* out, uint32_t v) {
   for (int i = 0; i < 4; ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xffu));
@@ -86,7 +92,7 @@ bool is_cache_key(std::string_view key) {
 }
 
 std::string encode_cache_entry(const std::string& key, const CompiledModule& module,
-                               int format_version) {
+                               int format_version, const MacKey* mac_key) {
   std::string payload;
   payload.reserve(module.image.size() + module.log.size() + 1024);
   put_u32(&payload, static_cast<uint32_t>(module.target.sm));
@@ -108,13 +114,18 @@ std::string encode_cache_entry(const std::string& key, const CompiledModule& mod
   out += echoed;
   put_u64(&out, payload.size());
   put_u64(&out, XXH3_64bits(payload.data(), payload.size()));
+  put_u32(&out, mac_key != nullptr ? kFlagAuthenticated : 0u);
+  put_u32(&out, 0);
+  Mac mac{};
+  if (mac_key != nullptr) mac = mac_key->mac(out, payload);
+  out.append(reinterpret_cast<const char*>(mac.data()), mac.size());
   put_u64(&out, XXH3_64bits(out.data(), out.size()));
   out += payload;
   return out;
 }
 
 bool parse_cache_entry(std::string_view bytes, const std::string& expected_key,
-                       CompiledModule* module, std::string* why) {
+                       CompiledModule* module, std::string* why, const MacKey* mac_key) {
   if (bytes.empty()) return fail(why, "empty file");
   if (bytes.size() < kCacheEntryHeaderBytes)
     return fail(why, "truncated header (" + std::to_string(bytes.size()) + " bytes)");
@@ -138,6 +149,22 @@ bool parse_cache_entry(std::string_view bytes, const std::string& expected_key,
                          std::to_string(payload_bytes));
   if (XXH3_64bits(payload.data(), payload.size()) != get_le(h + kPayloadHashOffset, 8))
     return fail(why, "payload checksum mismatch");
+  const uint64_t flags = get_le(h + kFlagsOffset, 4);
+  const unsigned char* mac = reinterpret_cast<const unsigned char*>(h + kMacOffset);
+  if ((flags & ~uint64_t{kFlagAuthenticated}) != 0 || get_le(h + kReservedOffset, 4) != 0)
+    return fail(why, "unknown header flags");
+  if ((flags & kFlagAuthenticated) == 0 &&
+      !std::all_of(mac, mac + kMacBytes, [](unsigned char c) { return c == 0; }))
+    return fail(why, "a MAC without the flag that says it is set");
+  // Authenticated before the payload is parsed: with a key, nothing a forger wrote is looked at.
+  if (mac_key != nullptr) {
+    if ((flags & kFlagAuthenticated) == 0)
+      return fail(why, "it carries no MAC (written without a cache key), and a cache key is set");
+    const Mac expected = mac_key->mac(bytes.substr(0, kMacOffset), payload);
+    if (!mac_equal(expected.data(), mac))
+      return fail(why, "its MAC does not match the cache key in " + mac_key->file() +
+                           " (written with another key, or modified)");
+  }
 
   CompiledModule m;
   Reader r(payload);

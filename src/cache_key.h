@@ -11,7 +11,7 @@
 namespace moejit {
 
 // Bumped whenever the on-disk entry format or the meaning of a key changes.
-constexpr int kCacheFormatVersion = 1;
+constexpr int kCacheFormatVersion = 2;
 
 // 32 lowercase hex digits (XXH3-128) of: cache format version, library version, NVRTC version,
 // target, every option, every name expression, the generated source, and every header's name and

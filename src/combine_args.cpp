@@ -60,7 +60,12 @@ ByteRange byte_range(const char* name, const void* p, uint64_t bytes) {
   const uint64_t begin = reinterpret_cast<uintptr_t>(p);
   uint64_t end = 0;
   if (p == nullptr || bytes == 0) return {name, 0, 0};
-  if (__builtin_add_overflow(begin, bytes, &end)) end = UINT64_MAX;
+  // A range past the end of the address space would wrap to low addresses, where the overlap
+  // checks do not look; no device buffer does that.
+  if (__builtin_add_overflow(begin, bytes, &end))
+    invalid_argument(name, hex(p),
+                     "spans " + std::to_string(bytes) +
+                         " bytes, past the end of the 64-bit address space");
   return {name, begin, end};
 }
 

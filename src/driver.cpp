@@ -2,10 +2,13 @@
 
 #include <dlfcn.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 
+#include "driver_probe.h"
 #include "error.h"
+#include "fork_guard.h"
 #include "logging.h"
 
 namespace moejit {
@@ -25,16 +28,15 @@ bool resolve(void* handle, const char* name, F* fn) {
 
 LoadedDriver load() {
   LoadedDriver d;
-  // Kept open for the life of the process: modules and functions point into it.
-  void* handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (handle == nullptr) {
-    const char* why = dlerror();
-    d.status = MOEJIT_ERROR_DRIVER_NOT_FOUND;
-    d.message = std::string("the CUDA driver is not available: dlopen(libcuda.so.1) failed: ") +
-                (why ? why : "unknown reason") +
-                ". Install the NVIDIA driver to run kernels; compiling needs no driver.";
+  // The same probe the tools and the GPU tests ask, so all of them explain a missing GPU alike.
+  // Its handle is kept open for the life of the process: modules and functions point into it.
+  DriverProbe probe = probe_driver();
+  if (probe.status != MOEJIT_SUCCESS) {
+    d.status = probe.status;
+    d.message = probe.message;
     return d;
   }
+  void* handle = probe.handle;
   DriverApi& a = d.api;
   bool ok = resolve(handle, "cuInit", &a.cuInit) &&
             resolve(handle, "cuDriverGetVersion", &a.cuDriverGetVersion) &&
@@ -59,15 +61,6 @@ LoadedDriver load() {
   resolve(handle, "cuCtxGetId", &a.cuCtxGetId);              // optional: CUDA 12.0+
   resolve(handle, "cuLaunchKernelEx", &a.cuLaunchKernelEx);  // optional: CUDA 12.0+
   resolve(handle, "cuStreamGetCtx", &a.cuStreamGetCtx);      // optional: CUDA 9.2+
-  const CUresult init = a.cuInit(0);
-  if (init != CUDA_SUCCESS) {
-    const char* name = nullptr;
-    a.cuGetErrorName(init, &name);
-    d.status = init == CUDA_ERROR_NO_DEVICE ? MOEJIT_ERROR_NO_DEVICE : MOEJIT_ERROR_CUDA;
-    d.message = std::string("cuInit failed: ") + (name ? name : "unknown CUresult") +
-                (init == CUDA_ERROR_NO_DEVICE ? " (no CUDA-capable GPU was found)" : "");
-    return d;
-  }
   int version = 0;
   a.cuDriverGetVersion(&version);
   logger().debug("loaded libcuda.so.1, driver API version {}", version);
@@ -78,10 +71,18 @@ LoadedDriver load() {
 
 const DriverApi& driver() {
   // Thread-safe initialization (C++11), and never destroyed: the host's static destructors may
-  // still call the library at exit, and the error message must outlive them.
-  static const LoadedDriver& loaded = *new LoadedDriver(load());
-  if (loaded.status != MOEJIT_SUCCESS) throw Error(loaded.status, loaded.message);
-  return loaded.api;
+  // still call the library at exit, and the error message must outlive them. The first load runs
+  // inside the fork gate, so that no fork copies its half-done initialization (fork_guard.h).
+  static std::atomic<const LoadedDriver*> ready{nullptr};
+  const LoadedDriver* d = ready.load(std::memory_order_acquire);
+  if (d == nullptr) {
+    ForkGateScope gate;
+    static const LoadedDriver& loaded = *new LoadedDriver(load());
+    d = &loaded;
+    ready.store(d, std::memory_order_release);
+  }
+  if (d->status != MOEJIT_SUCCESS) throw Error(d->status, d->message);
+  return d->api;
 }
 
 CUresult launch_programmatic(const DriverApi& d, CUfunction f, unsigned grid_x, unsigned grid_y,

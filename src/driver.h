@@ -33,9 +33,10 @@ struct DriverApi {
   CUresult (*cuLaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**);
 };
 
-// The loaded driver, initialized (cuInit) once. Throws Error(MOEJIT_ERROR_DRIVER_NOT_FOUND) if
-// libcuda.so.1 cannot be loaded or lacks a function, Error(MOEJIT_ERROR_NO_DEVICE) if cuInit
-// reports no device. Thread-safe; the result is cached (including failure).
+// The loaded driver, initialized (cuInit) once through probe_driver() (driver_probe.h), whose
+// message it throws: Error(MOEJIT_ERROR_DRIVER_NOT_FOUND) if libcuda.so.1 cannot be loaded or lacks
+// a function, Error(MOEJIT_ERROR_NO_DEVICE) if there is no device. Thread-safe; the result is
+// cached (including failure).
 const DriverApi& driver();
 
 // Launches f on a grid_x x grid_y grid of `threads`-thread blocks as a programmatic dependent of

@@ -1,87 +1,53 @@
 #include "file_cache.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <ctime>
-#include <filesystem>
 #include <map>
 #include <mutex>
 #include <set>
 #include <utility>
 #include <vector>
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
-
+#include "cache_admin.h"
 #include "cache_entry.h"
-#include "cache_key.h"
+#include "cache_files.h"
 #include "key_lock.h"
 #include "logging.h"
 
 namespace moejit {
+
+namespace test_hooks {
+std::atomic<void (*)()> before_rename{nullptr};
+}  // namespace test_hooks
+
 namespace {
 
-const char kEntrySuffix[] = ".moejit";
-const char kLockSuffix[] = ".lock";
-const char kTempSuffix[] = ".tmp";
 // An entry younger than this is never evicted: it may have just replaced an older one, and its
 // writer may still be about to use it.
 constexpr double kMinEvictAgeSeconds = 10;
-// Temp and lock files of writers that died are swept after this long even when we cannot tell
-// whether their writer is alive (another host or pid namespace sharing the directory).
-constexpr double kStaleSeconds = 600;
-// A hit refreshes the entry's mtime (its last use, for eviction) at most this often.
-constexpr double kTouchIntervalSeconds = 60;
-constexpr double kDefaultLockTimeoutSeconds = 60;
+// A process rescans the cache at most this long after its last scan (other processes write too),
+// and sooner only when its own count passes the cap.
+constexpr double kRescanSeconds = 60;
+// Eviction brings the cache down to this share of its cap, so that the next writes do not each
+// pass the cap and rescan.
+constexpr double kEvictToShareOfCap = 0.9;
+// A write that found the disk full frees at least this share of the cache (and at least the
+// entry's own size) before it is tried again.
+constexpr double kFreeShareWhenFull = 0.1;
 
-std::string version_dir_name() {
-  return "v" + std::to_string(kCacheFormatVersion);
-}
-std::string error_text() {
-  return std::strerror(errno);
-}
-
-// An owned file descriptor.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = std::exchange(o.fd_, -1);
-    }
-    return *this;
-  }
-  ~Fd() { reset(); }
-  int get() const { return fd_; }
-  explicit operator bool() const { return fd_ >= 0; }
-  int release() { return std::exchange(fd_, -1); }
-  void reset() {
-    if (fd_ >= 0) close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-};
-
-double seconds_since(const struct timespec& t) {
-  struct timespec now {};
-  clock_gettime(CLOCK_REALTIME, &now);
-  return static_cast<double>(now.tv_sec - t.tv_sec) +
-         static_cast<double>(now.tv_nsec - t.tv_nsec) * 1e-9;
+double monotonic_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // Too recent to evict: it may have just replaced an older entry that a process is about to load.
@@ -92,233 +58,77 @@ bool young(const struct timespec& mtime) {
   return age < kMinEvictAgeSeconds && age > -kMinEvictAgeSeconds;
 }
 
-// Root may own what we trust: it can write anywhere anyway. Anyone else who could write the
-// directory or entry could plant a binary that we would load into the GPU.
-// "0755": a mode as chmod writes it.
-std::string mode_text(mode_t mode) {
-  char text[8];
-  std::snprintf(text, sizeof(text), "%04o", static_cast<unsigned>(mode & 07777));
-  return text;
+bool out_of_space(int err) {
+  return err == ENOSPC || err == EDQUOT;
 }
 
-std::string untrusted_reason(const struct stat& st, bool check_owner) {
-  const uid_t me = geteuid();
-  if (check_owner && st.st_uid != me && st.st_uid != 0)
-    return "is owned by uid " + std::to_string(st.st_uid) + ", not by this user (uid " +
-           std::to_string(me) + ")";
-  if ((st.st_mode & 022) != 0)
-    return "is writable by group or others (mode " + mode_text(st.st_mode) + ")";
-  return std::string();
+// Why writing `bytes` bytes into a new file would pass this process's file size limit ("" if it
+// would not). Past the limit the kernel sends SIGXFSZ, whose default action kills the process.
+std::string file_size_limit_exceeded(size_t bytes) {
+  struct rlimit limit {};
+  if (getrlimit(RLIMIT_FSIZE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY ||
+      static_cast<uint64_t>(bytes) <= static_cast<uint64_t>(limit.rlim_cur))
+    return std::string();
+  return "the entry (" + std::to_string(bytes) +
+         " bytes) is larger than this process's file size limit (RLIMIT_FSIZE, " +
+         std::to_string(limit.rlim_cur) + " bytes)";
 }
 
-// Opens the directory `name` under at without following a symlink there, creating it (0700) when
-// create is set, and checks that nobody else can write it. Empty Fd and *why on failure;
-// *missing tells a plain absence apart.
-Fd open_dir(int at, const std::string& name, bool create, std::string* why,
-            bool* missing = nullptr) {
-  if (missing != nullptr) *missing = false;
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    Fd fd(openat(at, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-    if (fd) {
-      struct stat st {};
-      if (fstat(fd.get(), &st) != 0) {
-        *why = "\"" + name + "\" cannot be examined: " + error_text();
-        return Fd();
-      }
-      const std::string bad = untrusted_reason(st, true);
-      if (!bad.empty()) {
-        *why = "\"" + name + "\" " + bad;
-        return Fd();
-      }
-      return fd;
+// Blocks SIGXFSZ on this thread while it writes: should the file size limit drop below the entry
+// between the check and the write, the write fails with EFBIG instead of the process dying. The
+// signal that write raised is then taken off this thread's pending set before it is unblocked.
+class NoSigxfsz {
+ public:
+  NoSigxfsz() {
+    sigemptyset(&set_);
+    sigaddset(&set_, SIGXFSZ);
+    blocked_ = pthread_sigmask(SIG_BLOCK, &set_, &old_) == 0;
+  }
+  ~NoSigxfsz() {
+    if (!blocked_) return;
+    sigset_t pending;
+    if (sigpending(&pending) == 0 && sigismember(&pending, SIGXFSZ) == 1) {
+      const struct timespec none {};
+      sigtimedwait(&set_, nullptr, &none);
     }
-    const int err = errno;
-    struct stat st {};
-    if (fstatat(at, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
-      if (S_ISLNK(st.st_mode)) {
-        *why = "\"" + name + "\" is a symbolic link (cache directories are never followed)";
-        return Fd();
-      }
-      if (!S_ISDIR(st.st_mode)) {
-        *why = "\"" + name + "\" exists and is not a directory";
-        return Fd();
-      }
-    }
-    if (err != ENOENT || !create || attempt > 0) {
-      if (missing != nullptr) *missing = err == ENOENT;
-      *why = "\"" + name + "\" cannot be opened: " + std::strerror(err);
-      return Fd();
-    }
-    if (mkdirat(at, name.c_str(), 0700) != 0 && errno != EEXIST) {
-      *why = "\"" + name + "\" cannot be created: " + error_text();
-      return Fd();
-    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
   }
-  return Fd();
-}
+  NoSigxfsz(const NoSigxfsz&) = delete;
+  NoSigxfsz& operator=(const NoSigxfsz&) = delete;
 
-// The user's cache directory. Creates it, and at most its parent (the ~/.cache case), when
-// create is set: a typo deep in a path should not conjure a tree of directories.
-Fd open_cache_root(std::string dir, bool create, std::string* why, bool* missing) {
-  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();  // "x/" would follow a symlink x
-  Fd fd = open_dir(AT_FDCWD, dir, create, why, missing);
-  if (fd || !create) return fd;
-  const size_t slash = dir.rfind('/');
-  if (slash == std::string::npos || slash == 0) return fd;
-  const std::string parent = dir.substr(0, slash);
-  if (mkdir(parent.c_str(), 0700) != 0 && errno != EEXIST) return fd;  // keeps the first reason
-  return open_dir(AT_FDCWD, dir, create, why, missing);
-}
+ private:
+  sigset_t set_, old_;
+  bool blocked_ = false;
+};
 
-// A fresh open file description of a directory (readdir on a dup'd fd would share its offset with
-// other threads listing the same directory).
-std::vector<std::string> list_dir(int dir_fd) {
-  std::vector<std::string> names;
-  const int fd = openat(dir_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return names;
-  DIR* d = fdopendir(fd);
-  if (d == nullptr) {
-    close(fd);
-    return names;
-  }
-  while (const struct dirent* e = readdir(d)) {
-    const std::string name = e->d_name;
-    if (name != "." && name != "..") names.push_back(name);
-  }
-  closedir(d);
-  return names;
-}
-
-bool ends_with(const std::string& s, const char* suffix) {
-  const size_t n = std::strlen(suffix);
-  return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
-}
-bool is_shard_name(const std::string& s) {
-  return s.size() == 2 && is_cache_key(s + std::string(30, '0'));
-}
-
-enum class ReadResult { kOk, kMissing, kInvalid };
-
-// Reads and validates the entry `key` in shard directory shard_fd. *bytes gets the file size
-// whenever it could be examined.
-ReadResult read_entry(int shard_fd, const std::string& key, bool check_owner, bool touch,
-                      CompiledModule* module, std::string* why, struct stat* seen) {
-  const std::string name = key + kEntrySuffix;
-  struct stat ignored {};
-  if (seen == nullptr) seen = &ignored;
-  *seen = {};
-  // O_NOFOLLOW: a symlink planted at the entry's name is refused even if it points at a valid
-  // entry. O_NONBLOCK: a FIFO planted there must not hang the open.
-  Fd fd(openat(shard_fd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK));
-  if (!fd) {
-    if (errno == ENOENT) return ReadResult::kMissing;
-    *why = errno == ELOOP ? std::string("is a symbolic link (not followed)") : error_text();
-    fstatat(shard_fd, name.c_str(), seen, AT_SYMLINK_NOFOLLOW);
-    return ReadResult::kInvalid;
-  }
-  struct stat& st = *seen;
-  if (fstat(fd.get(), &st) != 0) {
-    *why = error_text();
-    return ReadResult::kInvalid;
-  }
-  if (!S_ISREG(st.st_mode)) {
-    *why = "is not a regular file";
-    return ReadResult::kInvalid;
-  }
-  *why = untrusted_reason(st, check_owner);
-  if (!why->empty()) return ReadResult::kInvalid;
-  if (static_cast<uint64_t>(st.st_size) > kCacheEntryMaxBytes + kCacheEntryHeaderBytes) {
-    *why = "is implausibly large (" + std::to_string(st.st_size) + " bytes)";
-    return ReadResult::kInvalid;
-  }
-  std::string data(static_cast<size_t>(st.st_size), '\0');
-  size_t got = 0;
-  while (got < data.size()) {
-    const ssize_t n = read(fd.get(), &data[got], data.size() - got);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      *why = "read failed: " + error_text();
-      return ReadResult::kInvalid;
-    }
-    if (n == 0) break;  // shrank under us: the length check below rejects it
-    got += static_cast<size_t>(n);
-  }
-  data.resize(got);
-  if (!parse_cache_entry(data, key, module, why)) return ReadResult::kInvalid;
-  if (touch && seconds_since(st.st_mtim) > kTouchIntervalSeconds)
-    futimens(fd.get(), nullptr);  // last use, for eviction; best effort
-  return ReadResult::kOk;
-}
-
-bool write_all(int fd, const std::string& data) {
+// Writes all of data; the errno of the failure, or 0.
+int write_all(int fd, const std::string& data) {
   size_t done = 0;
   while (done < data.size()) {
     const ssize_t n = write(fd, data.data() + done, data.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
+    if (n < 0) return errno;
+    if (n == 0) return EIO;
     done += static_cast<size_t>(n);
   }
-  return true;
-}
-
-// Names the host and the pid namespace: a temp file's pid is only checked for a writer with the
-// same tag. Containers on one host can share a hostname (host networking) and a cache volume, and
-// a pid from another pid namespace names nobody here: with the hostname alone, a live writer
-// there looked dead, and its temp file was swept from under it. A writer with another tag is
-// judged by its file's age alone (kStaleSeconds), like one on another host.
-std::string host_tag() {
-  char name[256] = {};
-  std::string id = gethostname(name, sizeof(name) - 1) == 0 ? name : "nohost";
-  char ns[128] = {};
-  const ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);  // "pid:[4026531836]"
-  if (n > 0) id.append("\n").append(ns, static_cast<size_t>(n));
-  char buf[17];
-  std::snprintf(buf, sizeof(buf), "%08llx",
-                static_cast<unsigned long long>(XXH3_64bits(id.data(), id.size()) & 0xffffffffu));
-  return buf;
-}
-
-double lock_timeout_seconds() {
-  const char* text = std::getenv("MOEJIT_CACHE_LOCK_TIMEOUT");
-  if (text == nullptr || *text == '\0') return kDefaultLockTimeoutSeconds;
-  char* end = nullptr;
-  const double v = std::strtod(text, &end);
-  if (end == text || *end != '\0' || !(v >= 0) || v > 86400) {
-    logger().warn("MOEJIT_CACHE_LOCK_TIMEOUT={} is not a number of seconds in [0, 86400]; using {}",
-                  text, kDefaultLockTimeoutSeconds);
-    return kDefaultLockTimeoutSeconds;
-  }
-  return v;
-}
-
-// ".<key>.<pid>.<host>.<n>.tmp": the pid and host let a sweep tell a dead writer's leftovers.
-struct TempName {
-  long pid = 0;
-  std::string host;
-};
-bool parse_temp_name(const std::string& name, TempName* out) {
-  if (name.size() < 2 || name[0] != '.' || !ends_with(name, kTempSuffix)) return false;
-  std::vector<std::string> parts;
-  size_t start = 1;
-  for (size_t dot; (dot = name.find('.', start)) != std::string::npos; start = dot + 1)
-    parts.push_back(name.substr(start, dot - start));
-  if (parts.size() != 4 || !is_cache_key(parts[0])) return false;
-  char* end = nullptr;
-  out->pid = std::strtol(parts[1].c_str(), &end, 10);
-  out->host = parts[2];
-  return end != parts[1].c_str() && *end == '\0' && out->pid > 0;
+  return 0;
 }
 
 class FileCache final : public DiskCache {
  public:
-  FileCache(std::string dir, Fd root, bool writable, uint64_t max_bytes, Stats& stats)
-      : dir_(std::move(dir)),
-        root_(std::move(root)),
+  FileCache(const Settings& settings, OpenedCache cache, bool writable, Stats& stats)
+      : dir_(settings.cache_dir),
+        root_(std::move(cache.root)),
         writable_(writable),
-        max_bytes_(max_bytes),
-        lock_timeout_(lock_timeout_seconds()),
+        max_bytes_(settings.cache_max_bytes),
+        lock_timeout_(settings.cache_lock_timeout_seconds),
+        mac_key_(settings.cache_mac_key),
         host_(host_tag()),
-        stats_(stats) {}
+        stats_(stats) {
+    rules_.mac_key = mac_key_.get();
+    rules_.nvrtc_version = nvrtc_version();
+    rules_.touch = writable_;
+  }
 
   std::optional<CompiledModule> load(const std::string& key) override {
     try {
@@ -327,30 +137,18 @@ class FileCache final : public DiskCache {
         std::lock_guard<std::mutex> guard(mutex_);
         if (rejected_.count(key) != 0) return std::nullopt;
       }
-      std::string why;
-      bool missing = false;
-      Fd shard = open_dir(root_.get(), key.substr(0, 2), false, &why, &missing);
-      if (!shard) {
-        if (!missing) entry_fault(key, "its directory " + why);
-        return std::nullopt;
-      }
       CompiledModule module;
+      std::string why;
       struct stat seen {};
-      switch (read_entry(shard.get(), key, true, writable_, &module, &why, &seen)) {
-        case ReadResult::kMissing:
+      switch (check_entry(root_.get(), key, rules_, &module, &why, &seen)) {
+        case EntryCheck::kMissing:
           return std::nullopt;
-        case ReadResult::kInvalid:
+        case EntryCheck::kInvalid:
           entry_fault(key, why, &seen);
           return std::nullopt;
-        case ReadResult::kOk:
-          break;
+        case EntryCheck::kOk:
+          return module;
       }
-      // The key covers the NVRTC version; an entry claiming another one was not written by us.
-      if (module.nvrtc_version != nvrtc_version()) {
-        entry_fault(key, "it was built by NVRTC " + module.nvrtc_version, &seen);
-        return std::nullopt;
-      }
-      return module;
     } catch (const std::exception& e) {
       entry_fault(key, e.what());
     } catch (...) {
@@ -362,16 +160,20 @@ class FileCache final : public DiskCache {
   void store(const std::string& key, const CompiledModule& module) override {
     if (!writable_ || !is_cache_key(key)) return;
     try {
-      std::string why;
+      const std::string bytes = encode_cache_entry(key, module, -1, mac_key_.get());
+      std::string why = file_size_limit_exceeded(bytes.size());
+      if (!why.empty()) return write_fault(why);
       Fd shard = open_dir(root_.get(), key.substr(0, 2), true, &why);
       if (!shard) return write_fault("directory " + why);
-      if (!publish(shard.get(), key, encode_cache_entry(key, module), &why))
-        return write_fault(why);
+      int err = publish(shard.get(), key, bytes, &why);
+      if (out_of_space(err) && make_room(bytes.size(), key) > 0)
+        err = publish(shard.get(), key, bytes, &why);
+      if (err != 0) return write_fault(why);
       {
         std::lock_guard<std::mutex> guard(mutex_);
         rejected_.erase(key);
       }
-      evict_and_sweep(key);
+      keep_under_cap(key, bytes.size());
     } catch (const std::exception& e) {
       write_fault(e.what());
     } catch (...) {
@@ -420,98 +222,119 @@ class FileCache final : public DiskCache {
 
  private:
   // Write, fsync, close, rename, fsync the directory: only a complete entry ever has the name.
-  bool publish(int shard_fd, const std::string& key, const std::string& bytes, std::string* why) {
+  // The errno of the step that failed (with *why), or 0.
+  int publish(int shard_fd, const std::string& key, const std::string& bytes, std::string* why) {
     static std::atomic<unsigned long long> counter{0};
     const std::string temp = "." + key + "." + std::to_string(getpid()) + "." + host_ + "." +
                              std::to_string(counter.fetch_add(1)) + kTempSuffix;
     Fd fd(
         openat(shard_fd, temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
     if (!fd) {
-      *why = "cannot create " + temp + ": " + error_text();
-      return false;
+      const int err = errno;
+      *why = "cannot create " + temp + ": " + error_text(err);
+      return err;
     }
     const char* step = nullptr;
-    if (!write_all(fd.get(), bytes))
-      step = "write";
-    else if (fsync(fd.get()) != 0)
-      step = "fsync";
-    else if (close(fd.release()) != 0)
-      step = "close";
+    int err = 0;
+    {
+      NoSigxfsz no_sigxfsz;
+      if ((err = write_all(fd.get(), bytes)) != 0)
+        step = "write";
+      else if (fsync(fd.get()) != 0)
+        step = "fsync", err = errno;
+      else if (close(fd.release()) != 0)
+        step = "close", err = errno;
+    }
     if (step == nullptr) {
-      // Test hook: stop with the complete temp file written but not yet renamed, so a test can
-      // kill the writer exactly here.
-      if (const char* pause_here = std::getenv("MOEJIT_TEST_PAUSE_BEFORE_RENAME"))
-        if (*pause_here != '\0')
-          for (;;) pause();
+      if (void (*hook)() = test_hooks::before_rename.load()) hook();
       if (renameat(shard_fd, temp.c_str(), shard_fd, (key + kEntrySuffix).c_str()) != 0)
-        step = "rename";
+        step = "rename", err = errno;
     }
     if (step != nullptr) {
-      *why = std::string(step) + " of " + temp + " failed: " + error_text();
+      *why = std::string(step) + " of " + temp + " failed: " + error_text(err);
       unlinkat(shard_fd, temp.c_str(), 0);
-      return false;
+      return err;
     }
     fsync(shard_fd);  // durability of the rename; the entry is complete either way
-    return true;
+    return 0;
   }
 
-  // After a publish: drop temp files of dead writers and stale lock files, and evict the least
-  // recently used entries while the cache is over its cap.
-  void evict_and_sweep(const std::string& just_written) {
-    struct Entry {
-      std::string shard, key;
-      uint64_t bytes;
-      struct timespec mtime;
-      ino_t ino;
-    };
-    std::vector<Entry> entries;
-    uint64_t total = 0;
-    for (const std::string& shard_name : list_dir(root_.get())) {
-      if (!is_shard_name(shard_name)) continue;
-      std::string why;
-      Fd shard = open_dir(root_.get(), shard_name, false, &why);
-      if (!shard) continue;
-      for (const std::string& name : list_dir(shard.get())) {
-        struct stat st {};
-        if (fstatat(shard.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
-        const double age = seconds_since(st.st_mtim);
-        TempName temp;
-        if (ends_with(name, kEntrySuffix) && S_ISREG(st.st_mode)) {
-          const std::string key = name.substr(0, name.size() - std::strlen(kEntrySuffix));
-          if (!is_cache_key(key)) continue;
-          entries.push_back(
-              {shard_name, key, static_cast<uint64_t>(st.st_size), st.st_mtim, st.st_ino});
-          total += static_cast<uint64_t>(st.st_size);
-        } else if (parse_temp_name(name, &temp)) {
-          const bool dead =
-              temp.host == host_ && kill(static_cast<pid_t>(temp.pid), 0) != 0 && errno == ESRCH;
-          if (dead || age > kStaleSeconds) {
-            unlinkat(shard.get(), name.c_str(), 0);
-            logger().debug("removed {}/{} left by a writer that died", shard_name, name);
-          }
-        } else if (ends_with(name, kLockSuffix) && age > kStaleSeconds &&
-                   is_cache_key(name.substr(0, name.size() - std::strlen(kLockSuffix)))) {
-          // A key's lock only (any other file is not ours). Only removable while nobody holds
-          // it; acquiring and releasing it unlinks it.
-          bool timed_out = false;
-          FileKeyLock::acquire(shard.get(), name, 0, &timed_out, &why);
-        }
-      }
+  // After a publish of `bytes` bytes under just_written: rescans (sweeping what dead writers left)
+  // when this process's count passes the cap, or its last scan is a minute old, or it never
+  // scanned; then evicts down to 90% of the cap if the cache is over it.
+  void keep_under_cap(const std::string& just_written, size_t bytes) {
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      counted_bytes_ += bytes;
+      const bool due = last_scan_ < 0 || counted_bytes_ > max_bytes_ ||
+                       monotonic_seconds() - last_scan_ > kRescanSeconds;
+      if (!due || scanning_) return;
+      scanning_ = true;
     }
-    if (total <= max_bytes_) return;
-    std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    uint64_t total = 0;
+    try {
+      CacheScan scan = scan_cache(root_.get(), host_);
+      total = scan.bytes;
+      if (total > max_bytes_) {
+        const uint64_t target =
+            static_cast<uint64_t>(static_cast<double>(max_bytes_) * kEvictToShareOfCap);
+        const Evicted e = evict(&scan.entries, just_written, total - std::min(total, target));
+        total -= std::min(total, e.bytes);
+        if (e.count > 0)
+          logger().info(
+              "disk cache {}: evicted {} least recently used entries ({} bytes) to stay under {} "
+              "bytes",
+              dir_, e.count, e.bytes, max_bytes_);
+      }
+    } catch (...) {
+    }
+    std::lock_guard<std::mutex> guard(mutex_);
+    counted_bytes_ = total;
+    last_scan_ = monotonic_seconds();
+    scanning_ = false;
+  }
+
+  // A write of `needed` bytes for key found the disk full: evicts least recently used entries
+  // until at least max(needed, 10% of the cache) is free. Returns the bytes freed.
+  uint64_t make_room(size_t needed, const std::string& key) {
+    try {
+      CacheScan scan = scan_cache(root_.get(), host_);
+      const uint64_t goal = std::max<uint64_t>(
+          needed, static_cast<uint64_t>(static_cast<double>(scan.bytes) * kFreeShareWhenFull));
+      const Evicted e = evict(&scan.entries, key, goal);
+      if (e.count > 0)
+        logger().info(
+            "disk cache {}: the disk is full; evicted {} least recently used entries ({} bytes) "
+            "to make room",
+            dir_, e.count, e.bytes);
+      std::lock_guard<std::mutex> guard(mutex_);
+      counted_bytes_ = scan.bytes - std::min(scan.bytes, e.bytes);
+      last_scan_ = monotonic_seconds();
+      return e.bytes;
+    } catch (...) {
+      return 0;
+    }
+  }
+
+  struct Evicted {
+    size_t count = 0;
+    uint64_t bytes = 0;
+  };
+
+  // Deletes the least recently used of entries until `goal` bytes are freed, never the entry of
+  // `keep`, a young one, or one whose build lock someone holds (it is being built or replaced).
+  Evicted evict(std::vector<ScannedEntry>* entries, const std::string& keep, uint64_t goal) {
+    std::sort(entries->begin(), entries->end(), [](const ScannedEntry& a, const ScannedEntry& b) {
       return a.mtime.tv_sec != b.mtime.tv_sec ? a.mtime.tv_sec < b.mtime.tv_sec
                                               : a.mtime.tv_nsec < b.mtime.tv_nsec;
     });
-    size_t evicted = 0;
-    uint64_t freed = 0;
-    for (const Entry& e : entries) {
-      if (total <= max_bytes_) break;
-      if (e.key == just_written || young(e.mtime)) continue;
+    Evicted done;
+    for (const ScannedEntry& e : *entries) {
+      if (done.bytes >= goal) break;
+      if (e.key == keep || young(e.mtime)) continue;
       std::string why;
       Fd shard = open_dir(root_.get(), e.shard, false, &why);
       if (!shard) continue;
-      // Whoever is building or replacing this key holds its lock: never delete under them.
       bool timed_out = false;
       auto held = FileKeyLock::acquire(shard.get(), e.key + kLockSuffix, 0, &timed_out, &why);
       if (held == nullptr) continue;
@@ -522,16 +345,11 @@ class FileCache final : public DiskCache {
           now.st_mtim.tv_nsec != e.mtime.tv_nsec)
         continue;  // replaced or used since the scan
       if (unlinkat(shard.get(), name.c_str(), 0) == 0 || errno == ENOENT) {
-        total -= std::min(total, e.bytes);
-        freed += e.bytes;
-        ++evicted;
+        done.bytes += e.bytes;
+        ++done.count;
       }
     }
-    if (evicted > 0)
-      logger().info(
-          "disk cache {}: evicted {} least recently used entries ({} bytes) to stay "
-          "under {} bytes",
-          dir_, evicted, freed, max_bytes_);
+    return done;
   }
 
   // A bad entry is a miss (the store recompiles and replaces it); warn once per entry. The store
@@ -579,11 +397,13 @@ class FileCache final : public DiskCache {
   }
 
   const std::string dir_;
-  const Fd root_;  // <dir>/v1, opened once: later path swaps cannot redirect us
+  const Fd root_;  // <dir>/v2, opened once: later path swaps cannot redirect us
   const bool writable_;
   const uint64_t max_bytes_;
   const double lock_timeout_;
+  const std::shared_ptr<const MacKey> mac_key_;
   const std::string host_;
+  EntryRules rules_;  // set once in the constructor
   Stats& stats_;
 
   struct FileId {
@@ -597,207 +417,64 @@ class FileCache final : public DiskCache {
     }
   };
 
-  std::mutex mutex_;  // guards the four below
+  std::mutex mutex_;  // guards everything below
   std::set<std::string> warned_entries_;
   std::map<std::string, FileId> faulted_;  // the last bad file seen per key
   bool warned_write_ = false;
   std::set<std::string> rejected_;
+  uint64_t counted_bytes_ = 0;  // the cache's bytes at the last scan, plus those written since
+  double last_scan_ = -1;       // monotonic seconds; -1: never scanned
+  bool scanning_ = false;       // one scan at a time per cache
 };
+
+std::unique_ptr<DiskCache> open_file_cache(const Settings& settings, bool writable, Stats& stats) {
+  const std::string& dir = settings.cache_dir;
+  if (dir.empty()) {
+    logger().info(
+        "no cache directory (MOEJIT_CACHE_DIR and HOME unset, XDG_CACHE_HOME unset or not "
+        "absolute): kernels are compiled and kept in memory only");
+    return nullptr;
+  }
+  auto refuse = [&](const std::string& why) -> std::unique_ptr<DiskCache> {
+    stats.disk_errors.fetch_add(1, std::memory_order_relaxed);
+    logger().warn(
+        "not using the disk cache at \"{}\": {}; kernels are compiled and kept in memory only", dir,
+        why);
+    return nullptr;
+  };
+  OpenedCache cache = open_cache(dir, writable);
+  if (!cache.root) return refuse(cache.why);
+  if (writable && faccessat(cache.root.get(), ".", W_OK | X_OK, AT_EACCESS) != 0) {
+    // Kept before anything else runs: the logger's first use checks whether stderr is a
+    // terminal, which leaves ENOTTY in errno.
+    const int err = errno;
+    stats.disk_errors.fetch_add(1, std::memory_order_relaxed);
+    logger().warn(
+        "the disk cache at \"{}\" is not writable ({}): serving the kernels it holds, keeping new "
+        "ones in memory",
+        dir, error_text(err));
+    writable = false;
+  }
+  return std::make_unique<FileCache>(settings, std::move(cache), writable, stats);
+}
 
 }  // namespace
 
-std::unique_ptr<DiskCache> open_file_cache(const std::string& dir, bool writable,
-                                           uint64_t max_bytes, Stats& stats) {
+std::unique_ptr<DiskCache> open_disk_cache(const Settings& settings, Stats& stats) {
   try {
-    if (dir.empty()) {
-      logger().info(
-          "no cache directory (MOEJIT_CACHE_DIR and HOME unset, XDG_CACHE_HOME unset or not "
-          "absolute): "
-          "kernels are compiled and kept in memory only");
-      return nullptr;
+    switch (settings.cache_mode) {
+      case MOEJIT_CACHE_MODE_DISABLED:
+        return nullptr;
+      // no-compile serves hits only, like read-only: it must never create or write anything.
+      case MOEJIT_CACHE_MODE_READ_ONLY:
+      case MOEJIT_CACHE_MODE_NO_COMPILE:
+        return open_file_cache(settings, false, stats);
+      default:
+        return open_file_cache(settings, true, stats);
     }
-    auto refuse = [&](const std::string& why) -> std::unique_ptr<DiskCache> {
-      stats.disk_errors.fetch_add(1, std::memory_order_relaxed);
-      logger().warn(
-          "not using the disk cache at \"{}\": {}; kernels are compiled and kept in "
-          "memory only",
-          dir, why);
-      return nullptr;
-    };
-    std::string why;
-    bool missing = false;
-    Fd top = open_cache_root(dir, writable, &why, &missing);
-    if (!top) return refuse(why);
-    Fd root = open_dir(top.get(), version_dir_name(), writable, &why, &missing);
-    if (!root) return refuse(why);
-    if (writable && faccessat(root.get(), ".", W_OK | X_OK, AT_EACCESS) != 0) {
-      stats.disk_errors.fetch_add(1, std::memory_order_relaxed);
-      logger().warn(
-          "the disk cache at \"{}\" is not writable ({}): serving the kernels it holds, "
-          "keeping new ones in memory",
-          dir, error_text());
-      writable = false;
-    }
-    return std::make_unique<FileCache>(dir, std::move(root), writable, max_bytes, stats);
   } catch (...) {
     return nullptr;
   }
-}
-
-std::string cache_entry_path(const std::string& dir, const std::string& key) {
-  return dir + "/" + version_dir_name() + "/" + key.substr(0, 2) + "/" + key + kEntrySuffix;
-}
-
-namespace {
-
-// For the tools: an existing cache directory and its v1, both under the runtime's checks;
-// nothing is created. root is empty on failure, with why; missing tells a plain absence.
-struct ExistingCache {
-  Fd top;
-  Fd root;
-  std::string why;
-  bool missing = false;
-};
-ExistingCache open_existing_cache(const std::string& dir) {
-  ExistingCache c;
-  c.top = open_cache_root(dir, false, &c.why, &c.missing);
-  if (c.top) c.root = open_dir(c.top.get(), version_dir_name(), false, &c.why, &c.missing);
-  return c;
-}
-
-}  // namespace
-
-CacheVerifyReport verify_cache_dir(const std::string& dir, bool repair) {
-  CacheVerifyReport report;
-  try {
-    const std::string root_path = dir + "/" + version_dir_name();
-    // The cache directory and v1 pass the runtime's checks (no symlink, owned by this user or
-    // root, not writable by group or others) or nothing is examined: a cache the runtime refuses
-    // is not called valid, and repair never deletes through a symlink. An absent one is empty.
-    const ExistingCache cache = open_existing_cache(dir);
-    if (!cache.root) {
-      if (!cache.missing) report.error = cache.why;
-      return report;
-    }
-    const Fd& root = cache.root;
-    std::string refused;
-    for (const std::string& shard_name : list_dir(root.get())) {
-      if (!is_shard_name(shard_name)) continue;
-      // The runtime's checks here too: the runtime loads nothing from a shard that is a symlink
-      // or writable by group or others (and cannot replace what is there), so its entries are
-      // not valid. The shard is reported, never repaired: that is a permission or a link to fix
-      // by hand, and nothing is deleted through it.
-      bool shard_missing = false;
-      Fd shard = open_dir(root.get(), shard_name, false, &refused, &shard_missing);
-      if (!shard) {
-        if (!shard_missing) report.invalid_paths.push_back(root_path + "/" + shard_name);
-        continue;
-      }
-      for (const std::string& name : list_dir(shard.get())) {
-        if (!ends_with(name, kEntrySuffix)) continue;
-        ++report.entries;
-        const std::string key = name.substr(0, name.size() - std::strlen(kEntrySuffix));
-        std::string why;
-        struct stat st {};
-        // The owner is not checked: the tool may run as another user than the cache's; the
-        // runtime checks it.
-        const bool valid =
-            is_cache_key(key) && key.compare(0, 2, shard_name) == 0 &&
-            read_entry(shard.get(), key, false, false, nullptr, &why, &st) == ReadResult::kOk;
-        if (valid) {
-          ++report.valid;
-          report.bytes += static_cast<uint64_t>(st.st_size);  // the file that was validated
-          continue;
-        }
-        report.invalid_paths.push_back(root_path + "/" + shard_name + "/" + name);
-        if (repair && unlinkat(shard.get(), name.c_str(), 0) == 0) ++report.removed;
-      }
-    }
-  } catch (...) {
-  }
-  return report;
-}
-
-namespace {
-
-// Adds bits to the mode of the file open at fd unless it has them. fchmod needs this user to own
-// it (or root); a failure says why.
-bool add_mode_bits(int fd, mode_t bits, std::string* why) {
-  struct stat st {};
-  if (fstat(fd, &st) != 0) {
-    *why = error_text();
-    return false;
-  }
-  if ((st.st_mode & bits) == bits) return true;
-  if (fchmod(fd, (st.st_mode & 07777) | bits) != 0) {
-    *why = "cannot change its mode: " + error_text();
-    return false;
-  }
-  return true;
-}
-
-}  // namespace
-
-CacheReadableReport make_cache_readable_by_all(const std::string& dir) {
-  CacheReadableReport report;
-  try {
-    const std::string root_path = dir + "/" + version_dir_name();
-    const ExistingCache cache = open_existing_cache(dir);
-    if (!cache.root) {
-      report.error =
-          cache.missing ? "\"" + dir + "\" holds no cache (" + cache.why + ")" : cache.why;
-      return report;
-    }
-    const Fd &top = cache.top, &root = cache.root;
-    std::string refused;
-    auto widen = [&](int fd, mode_t bits, const std::string& path, size_t* count) {
-      std::string why;
-      if (add_mode_bits(fd, bits, &why))
-        ++*count;
-      else
-        report.failed.push_back(path + ": " + why);
-    };
-    widen(top.get(), 0055, dir, &report.directories);
-    widen(root.get(), 0055, root_path, &report.directories);
-    for (const std::string& shard_name : list_dir(root.get())) {
-      if (!is_shard_name(shard_name)) continue;
-      const std::string shard_path = root_path + "/" + shard_name;
-      Fd shard = open_dir(root.get(), shard_name, false, &refused);
-      if (!shard) {
-        report.failed.push_back(shard_path + ": " + refused);
-        continue;
-      }
-      widen(shard.get(), 0055, shard_path, &report.directories);
-      for (const std::string& name : list_dir(shard.get())) {
-        if (!ends_with(name, kEntrySuffix) ||
-            !is_cache_key(name.substr(0, name.size() - std::strlen(kEntrySuffix))))
-          continue;
-        const std::string path = shard_path + "/" + name;
-        // As read_entry opens it: a symlink is not followed, a FIFO does not block. Neither is an
-        // entry the runtime would load (--verify reports them): left as they are.
-        Fd entry(openat(shard.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK));
-        struct stat st {};
-        if (!entry && errno == ELOOP) continue;
-        if (!entry || fstat(entry.get(), &st) != 0)
-          report.failed.push_back(path + ": " + error_text());
-        else if (S_ISREG(st.st_mode))
-          widen(entry.get(), 0044, path, &report.entries);
-      }
-    }
-    // A reader also needs to search every directory on the way there: reported, not changed
-    // (those are not the cache's).
-    std::string above = std::filesystem::absolute(dir).lexically_normal().string();
-    while (above.size() > 1 && above.back() == '/') above.pop_back();
-    for (size_t slash = above.rfind('/'); slash != std::string::npos && slash > 0;
-         slash = above.rfind('/')) {
-      above.resize(slash);
-      struct stat st {};
-      if (stat(above.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && (st.st_mode & S_IXOTH) == 0)
-        report.blocked.push_back(above + " (mode " + mode_text(st.st_mode) + ")");
-    }
-  } catch (...) {
-  }
-  return report;
 }
 
 }  // namespace moejit

@@ -4,12 +4,28 @@
 
 #include "cache_key.h"
 #include "error.h"
+#include "file_cache.h"
+#include "fork_guard.h"
 #include "logging.h"
 
 namespace moejit {
 
+namespace {
+
+// NVRTC's version and architectures are asked once per process (and kept): asked first here,
+// inside the fork gate, so that no fork happens in the middle of that.
+bool ask_nvrtc_in_fork_gate() {
+  ForkGateScope gate;
+  nvrtc_version();
+  nvrtc_supported_archs();
+  return true;
+}
+
+}  // namespace
+
 KernelStore::KernelStore(const Settings& settings, Stats& stats)
-    : settings_(settings),
+    : nvrtc_asked_(ask_nvrtc_in_fork_gate()),
+      settings_(settings),
       stats_(stats),
       templates_(load_templates(settings.template_dir, settings.template_dir_setting)),
       disk_(open_disk_cache(settings, stats)) {}
@@ -121,13 +137,26 @@ std::shared_ptr<const CompiledModule> KernelStore::build(const KernelSpec& spec,
     }
   }
 
+  // A compile that fails counts as one too: it took NVRTC's time like any other.
   const auto start = std::chrono::steady_clock::now();
-  auto module = std::make_shared<CompiledModule>(compile(request));
-  const auto nanos =
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
-          .count();
-  stats_.compiles.fetch_add(1, std::memory_order_relaxed);
-  stats_.compile_nanoseconds.fetch_add(static_cast<uint64_t>(nanos), std::memory_order_relaxed);
+  auto count_compile = [&] {
+    const auto nanos = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - start)
+                           .count();
+    stats_.compiles.fetch_add(1, std::memory_order_relaxed);
+    stats_.compile_nanoseconds.fetch_add(static_cast<uint64_t>(nanos), std::memory_order_relaxed);
+    return nanos;
+  };
+  std::shared_ptr<CompiledModule> module;
+  try {
+    // fork() waits for the compile: NVRTC forked in the middle of one can hang the child.
+    ForkGateScope gate;
+    module = std::make_shared<CompiledModule>(compile(request));
+  } catch (...) {
+    count_compile();
+    throw;
+  }
+  const auto nanos = count_compile();
   logger().info("compiled {} for {} in {:.1f} ms ({} bytes)", spec.describe(), target.name(),
                 static_cast<double>(nanos) * 1e-6, module->image.size());
   if (!module->log.empty()) logger().debug("NVRTC log for {}:\n{}", spec.describe(), module->log);

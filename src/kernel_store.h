@@ -50,6 +50,7 @@ class KernelStore {
   std::shared_ptr<const CompiledModule> build(const KernelSpec& spec, const Target& target,
                                               Source* source);
 
+  const bool nvrtc_asked_;  // first: before the disk cache asks for NVRTC's version
   const Settings settings_;
   Stats& stats_;
   const TemplateSet templates_;

@@ -96,9 +96,20 @@ const LoadedKernels& ModuleCache::get(const KernelSpec& spec) {
     // current: it may not be destroyed while this call uses it. The pointer stays valid.
     entry = slot.get();
   }
+  // Failures seen before waiting: one more when the lock comes means the load this thread waited
+  // for failed, and its error is this call's too.
+  const uint64_t failures_before = entry->failures.load(std::memory_order_acquire);
   std::lock_guard<std::mutex> load_lock(entry->load_mutex);
   if (!entry->ready.load(std::memory_order_acquire)) {
-    load(spec, ctx, *entry);
+    if (entry->failures.load(std::memory_order_relaxed) != failures_before)
+      std::rethrow_exception(entry->failure);
+    try {
+      load(spec, ctx, *entry);
+    } catch (...) {
+      entry->failure = std::current_exception();
+      entry->failures.fetch_add(1, std::memory_order_release);
+      throw;
+    }
     entry->ready.store(true, std::memory_order_release);
   } else {
     stats_.memory_hits.fetch_add(1, std::memory_order_relaxed);

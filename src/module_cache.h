@@ -1,7 +1,8 @@
 // Loaded kernels per (CUDA context, KernelSpec). Modules belong to a context, so the same spec is
 // loaded once in each context that uses it (jitify2 keys its cache the same way). The warm path
 // is one shared-lock lookup; a miss loads (compiling through the KernelStore if needed) exactly
-// once, other threads missing the same key wait for that load. The entries of a context the
+// once, other threads missing the same key wait for that load and share its result, a failure
+// included (a later call tries again). The entries of a context the
 // caller destroyed are forgotten when the next new context is first used, so that a process that
 // creates and destroys contexts does not collect them for the runtime's lifetime.
 #pragma once
@@ -9,6 +10,8 @@
 #include <cuda.h>
 
 #include <atomic>
+#include <cstdint>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -59,6 +62,10 @@ class ModuleCache {
     std::mutex load_mutex;           // held while loading: one loader per key
     std::atomic<bool> ready{false};  // set once kernels is complete; never cleared
     LoadedKernels kernels;
+    // Failed loads so far, and the last one's error (guarded by load_mutex): the threads that
+    // waited on a load that failed share its error instead of each compiling again.
+    std::atomic<uint64_t> failures{0};
+    std::exception_ptr failure;
   };
 
   void load(const KernelSpec& spec, CUcontext context, Entry& entry);

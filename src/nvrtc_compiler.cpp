@@ -1,7 +1,5 @@
 #include "nvrtc_compiler.h"
 
-#include <nvrtc.h>
-
 #include <atomic>
 #include <cstdlib>
 #include <memory>
@@ -10,6 +8,7 @@
 #include <utility>
 
 #include "error.h"
+#include "nvrtc_loader.h"
 
 namespace moejit {
 namespace {
@@ -18,14 +17,14 @@ void check_nvrtc(nvrtcResult result, const char* call) {
   if (result != NVRTC_SUCCESS)
     throw Error(
         result == NVRTC_ERROR_OUT_OF_MEMORY ? MOEJIT_ERROR_OUT_OF_MEMORY : MOEJIT_ERROR_COMPILE,
-        std::string(call) + " failed: " + nvrtcGetErrorString(result));
+        std::string(call) + " failed: " + nvrtc().nvrtcGetErrorString(result));
 }
 
 // Destroys the program on every path out of compile().
 struct ProgramGuard {
   nvrtcProgram program = nullptr;
   ~ProgramGuard() {
-    if (program != nullptr) nvrtcDestroyProgram(&program);
+    if (program != nullptr) nvrtc().nvrtcDestroyProgram(&program);
   }
 };
 
@@ -39,7 +38,7 @@ std::string join(const std::vector<std::string>& items) {
 std::pair<int, int> nvrtc_major_minor() {
   static const std::pair<int, int> version = [] {
     int major = 0, minor = 0;
-    check_nvrtc(nvrtcVersion(&major, &minor), "nvrtcVersion");
+    check_nvrtc(nvrtc().nvrtcVersion(&major, &minor), "nvrtcVersion");
     return std::make_pair(major, minor);
   }();
   return version;
@@ -64,9 +63,10 @@ const std::string& nvrtc_version() {
 const std::vector<int>& nvrtc_supported_archs() {
   static const std::vector<int>& archs = *new std::vector<int>([] {
     int count = 0;
-    check_nvrtc(nvrtcGetNumSupportedArchs(&count), "nvrtcGetNumSupportedArchs");
+    check_nvrtc(nvrtc().nvrtcGetNumSupportedArchs(&count), "nvrtcGetNumSupportedArchs");
     std::vector<int> list(static_cast<size_t>(count));
-    if (count > 0) check_nvrtc(nvrtcGetSupportedArchs(list.data()), "nvrtcGetSupportedArchs");
+    if (count > 0)
+      check_nvrtc(nvrtc().nvrtcGetSupportedArchs(list.data()), "nvrtcGetSupportedArchs");
     return list;
   }());
   return archs;
@@ -122,51 +122,53 @@ CompiledModule compile(const CompileRequest& request) {
                 "cannot compile " + request.program_name + " for " + request.target.name() +
                     ": the process is exiting (NVRTC may already be shut down); only kernels "
                     "already loaded or in the disk cache can run now");
+  const NvrtcApi& n = nvrtc();
   std::vector<const char*> header_names, header_bytes;
   for (const auto& [name, bytes] : request.headers) {
     header_names.push_back(name.c_str());
     header_bytes.push_back(bytes.c_str());
   }
   ProgramGuard guard;
-  check_nvrtc(nvrtcCreateProgram(
+  check_nvrtc(n.nvrtcCreateProgram(
                   &guard.program, request.source.c_str(), request.program_name.c_str(),
                   static_cast<int>(header_names.size()), header_bytes.data(), header_names.data()),
               "nvrtcCreateProgram");
   for (const std::string& expr : request.name_expressions)
-    check_nvrtc(nvrtcAddNameExpression(guard.program, expr.c_str()), "nvrtcAddNameExpression");
+    check_nvrtc(n.nvrtcAddNameExpression(guard.program, expr.c_str()), "nvrtcAddNameExpression");
 
   std::vector<const char*> options;
   for (const std::string& o : request.options) options.push_back(o.c_str());
   const nvrtcResult compiled =
-      nvrtcCompileProgram(guard.program, static_cast<int>(options.size()), options.data());
+      n.nvrtcCompileProgram(guard.program, static_cast<int>(options.size()), options.data());
   note_exit_hook();
 
   CompiledModule out;
   size_t log_size = 0;
-  if (nvrtcGetProgramLogSize(guard.program, &log_size) == NVRTC_SUCCESS && log_size > 1) {
+  if (n.nvrtcGetProgramLogSize(guard.program, &log_size) == NVRTC_SUCCESS && log_size > 1) {
     out.log.resize(log_size);
-    nvrtcGetProgramLog(guard.program, &out.log[0]);
+    n.nvrtcGetProgramLog(guard.program, &out.log[0]);
     out.log.resize(log_size - 1);
   }
   if (compiled != NVRTC_SUCCESS)
     throw Error(MOEJIT_ERROR_COMPILE,
                 "NVRTC failed to compile " + request.program_name + " for " +
-                    request.target.name() + " (" + nvrtcGetErrorString(compiled) +
+                    request.target.name() + " (" + n.nvrtcGetErrorString(compiled) +
                     ")\noptions: " + join(request.options) + "\nlog:\n" + out.log);
 
   size_t size = 0;
   if (request.target.ptx) {
-    check_nvrtc(nvrtcGetPTXSize(guard.program, &size), "nvrtcGetPTXSize");
+    check_nvrtc(n.nvrtcGetPTXSize(guard.program, &size), "nvrtcGetPTXSize");
     out.image.resize(size);
-    check_nvrtc(nvrtcGetPTX(guard.program, &out.image[0]), "nvrtcGetPTX");
+    check_nvrtc(n.nvrtcGetPTX(guard.program, &out.image[0]), "nvrtcGetPTX");
   } else {
-    check_nvrtc(nvrtcGetCUBINSize(guard.program, &size), "nvrtcGetCUBINSize");
+    check_nvrtc(n.nvrtcGetCUBINSize(guard.program, &size), "nvrtcGetCUBINSize");
     out.image.resize(size);
-    check_nvrtc(nvrtcGetCUBIN(guard.program, &out.image[0]), "nvrtcGetCUBIN");
+    check_nvrtc(n.nvrtcGetCUBIN(guard.program, &out.image[0]), "nvrtcGetCUBIN");
   }
   for (const std::string& expr : request.name_expressions) {
     const char* lowered = nullptr;
-    check_nvrtc(nvrtcGetLoweredName(guard.program, expr.c_str(), &lowered), "nvrtcGetLoweredName");
+    check_nvrtc(n.nvrtcGetLoweredName(guard.program, expr.c_str(), &lowered),
+                "nvrtcGetLoweredName");
     out.lowered_names.emplace_back(lowered);
   }
   out.target = request.target;

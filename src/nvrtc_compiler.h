@@ -37,6 +37,9 @@ struct CompiledModule {
   std::string log;            // NVRTC's log (warnings), possibly empty
 };
 
+// NVRTC is loaded on first use (nvrtc_loader.h): every function below that calls it throws
+// Error(MOEJIT_ERROR_NVRTC_NOT_FOUND) when it cannot be loaded.
+
 // "13.0" (major.minor of the loaded NVRTC).
 const std::string& nvrtc_version();
 // Every SM this NVRTC can build real cubins for (e.g. 75 80 86 ... 121), ascending.

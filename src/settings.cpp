@@ -35,7 +35,31 @@ std::string default_cache_dir() {
   return std::string();
 }
 
+constexpr double kDefaultLockTimeoutSeconds = 60;
+
+// A malformed value only warns: the wait is an optimization, and its default is safe.
+double lock_timeout_from_environment() {
+  const char* text = env("MOEJIT_CACHE_LOCK_TIMEOUT");
+  if (text == nullptr) return kDefaultLockTimeoutSeconds;
+  char* end = nullptr;
+  const double v = std::strtod(text, &end);
+  if (end == text || *end != '\0' || !(v >= 0) || v > 86400) {
+    logger().warn("MOEJIT_CACHE_LOCK_TIMEOUT={} is not a number of seconds in [0, 86400]; using {}",
+                  text, kDefaultLockTimeoutSeconds);
+    return kDefaultLockTimeoutSeconds;
+  }
+  return v;
+}
+
 }  // namespace
+
+const char* log_level_from_environment() {
+  return env("MOEJIT_LOG_LEVEL");
+}
+
+NvrtcEnvironment nvrtc_environment() {
+  return {env("MOEJIT_NVRTC_LIBRARY"), env("CUDA_HOME"), env("CUDA_PATH")};
+}
 
 void apply_log_level(const Settings& settings) {
   if (settings.log_level == MOEJIT_LOG_DEFAULT) return;
@@ -64,13 +88,16 @@ Settings resolve_settings(const moejit_runtime_options* options) {
   moejit_runtime_options o;
   moejit_runtime_options_init(&o);
   if (options != nullptr) {
-    // Only the sizes of released versions of the struct (so far one): any size in between would
-    // copy part of a pointer, which the code below would then follow.
-    if (options->struct_size != sizeof(o))
+    // Only the sizes of released versions of the struct: any size in between would copy part of
+    // a pointer, which the code below would then follow. Fields an older caller lacks keep the
+    // defaults.
+    if (options->struct_size != sizeof(o) && options->struct_size != kRuntimeOptionsSizeV02)
       invalid_argument("options->struct_size", std::to_string(options->struct_size),
                        "must be sizeof(moejit_runtime_options) = " + std::to_string(sizeof(o)) +
-                           " for this library version; call moejit_runtime_options_init() first");
+                           " for this library version (" + std::to_string(kRuntimeOptionsSizeV02) +
+                           " for 0.1 and 0.2); call moejit_runtime_options_init() first");
     std::memcpy(&o, options, options->struct_size);
+    o.struct_size = sizeof(o);
   }
 
   Settings s;
@@ -112,6 +139,13 @@ Settings resolve_settings(const moejit_runtime_options* options) {
     invalid_argument("options->log_level", std::to_string(log_level),
                      "must be a moejit_log_level (-1 default, 0 trace .. 4 error, 6 off)");
   s.log_level = static_cast<moejit_log_level>(log_level);
+
+  s.cache_lock_timeout_seconds = lock_timeout_from_environment();
+
+  if (o.cache_key_file != nullptr && *o.cache_key_file != '\0')
+    s.cache_mac_key = read_mac_key_file(o.cache_key_file, "options->cache_key_file");
+  else if (const char* k = env("MOEJIT_CACHE_KEY_FILE"))
+    s.cache_mac_key = read_mac_key_file(k, "MOEJIT_CACHE_KEY_FILE");
 
   if (o.template_dir != nullptr && *o.template_dir != '\0') {
     s.template_dir = o.template_dir;

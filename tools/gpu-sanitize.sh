@@ -5,9 +5,14 @@
 #   racecheck  the tests of the kernels that share lists through shared memory (the token index's
 #              scans, both one-token kernels) and of the launch modes (CUDA graph, dependent launch);
 #              the full matrix under racecheck takes more than five minutes
-# Each run's output goes to OUTDIR/<tool>[-<test>].txt; exits non-zero if any run reports an
-# error or times out.
+# and first a self-check: memcheck must catch a planted out-of-bounds write (the test
+# SanitizerPlant.AnOutputBufferOneRowShort, which runs only with MOEJIT_SANITIZER_PLANT=1: a real
+# combine into an output buffer one row short), or the clean runs after it prove nothing.
+# Each run's output goes to OUTDIR/<tool>[-<test>].txt, and a summary to OUTDIR/summary.txt; exits
+# non-zero if any run reports an error or times out, or if the self-check catches nothing.
 #   tools/gpu-sanitize.sh OUTDIR
+# With MOEJIT_SANITIZER_PLANT=1 in the environment, the plant also runs among the memcheck tests,
+# and the script must then fail (what a real out-of-bounds write in the library would do).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 out=$(mkdir -p "${1:-./gpu-sanitize-out}" && cd "${1:-./gpu-sanitize-out}" && pwd)
@@ -39,19 +44,40 @@ run() {  # tool, gtest filter, output name, seconds[, more compute-sanitizer opt
   [ $rc -eq 124 ] && echo "$3: timed out after $4 s"
   [ $rc -ne 0 ] && failed+=("$3")
   grep -E "OK \]|FAILED|SKIPPED|ERROR SUMMARY|RACECHECK SUMMARY" "$out/$3.txt" | head -n 20
+  echo "$3: exit $rc; $(grep -h -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED  \]" \
+    "$out/$3.txt" | tr '\n' ' ')" >>"$out/summary.txt"
 }
+: >"$out/summary.txt"
+echo "== self-check: memcheck catches a planted out-of-bounds write"
+plant=SanitizerPlant.AnOutputBufferOneRowShort
+MOEJIT_SANITIZER_PLANT=1 timeout 120 compute-sanitizer --error-exitcode 9 --print-limit 30 \
+  --tool memcheck "$tests" --gtest_filter="$plant" >"$out/memcheck-plant.txt" 2>&1
+plant_rc=$?
+if [ $plant_rc -eq 9 ] && grep -q "Invalid __global__ write" "$out/memcheck-plant.txt"; then
+  echo "self-check: caught: $(grep -m1 "Invalid __global__ write" "$out/memcheck-plant.txt")" |
+    tee -a "$out/summary.txt"
+else
+  echo "self-check: memcheck did not catch the planted write (exit $plant_rc; see" \
+    "memcheck-plant.txt)" | tee -a "$out/summary.txt"
+  failed+=("self-check")
+fi
 echo "== memcheck"
-# AModuleOfADestroyedContextIsNeverServedAgain destroys contexts under a live runtime, whose
-# destroy then asks each module's context for its id (cuCtxGetId): CUDA_ERROR_CONTEXT_IS_DESTROYED
-# is the answer that tells it to leave that module alone, which memcheck reports as an API error.
-# That test runs on its own with API errors unreported (memcheck and synccheck); every other test
-# with them reported.
-destroyed=CombineGpu.AModuleOfADestroyedContextIsNeverServedAgain
-run memcheck "*-$destroyed" memcheck 300
-run memcheck "$destroyed" memcheck-destroyed-contexts 60 "--report-api-errors no"
+# Tests that provoke a CUDA error on purpose run on their own with API errors unreported (memcheck
+# and synccheck), every other test with them reported; device-side checks stay on for all:
+#  - AModuleOfADestroyedContextIsNeverServedAgain destroys contexts under a live runtime, whose
+#    destroy then asks each module's context for its id (cuCtxGetId):
+#    CUDA_ERROR_CONTEXT_IS_DESTROYED is the answer that tells it to leave that module alone.
+#  - AStreamOfAnotherContextIsRefused launches on a stream of another context, which the driver
+#    refuses with CUDA_ERROR_INVALID_HANDLE: the refusal is what the test checks.
+# The plant (above) stays out unless MOEJIT_SANITIZER_PLANT=1 asks for it (it skips without).
+provoking=CombineGpu.AModuleOfADestroyedContextIsNeverServedAgain:CombineGpu.AStreamOfAnotherContextIsRefused
+others="*-$provoking"
+[ "${MOEJIT_SANITIZER_PLANT:-}" = 1 ] || others="$others:$plant"
+run memcheck "$others" memcheck 300
+run memcheck "$provoking" memcheck-provoked-errors 60 "--report-api-errors no"
 echo "== synccheck"
-run synccheck "*-$destroyed" synccheck 300
-run synccheck "$destroyed" synccheck-destroyed-contexts 60 "--report-api-errors no"
+run synccheck "*-$provoking:$plant" synccheck 300
+run synccheck "$provoking" synccheck-provoked-errors 60 "--report-api-errors no"
 # racecheck one test per process: each takes seconds, but one run of several tests once stalled
 # for minutes on the first of them (the same test alone: 5 s). Not WalksPastAHotTokensList: its
 # walks of token_idx (8200 tokens on the list path) ran past 100 s under racecheck; memcheck and
@@ -67,7 +93,7 @@ for t in TokenIndexWithAHotToken TokenIndexListsPastOneGridOfRows \
   run racecheck "$t" "racecheck-${t#*.}" 120
 done
 if [ ${#failed[@]} -gt 0 ]; then
-  echo "== failed: ${failed[*]}"
+  echo "== failed: ${failed[*]}" | tee -a "$out/summary.txt"
   exit 1
 fi
-echo "== all tools clean"
+echo "== all tools clean; the self-check caught the planted write" | tee -a "$out/summary.txt"

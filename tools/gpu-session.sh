@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one go (GPU time is scarce): build with tests, the GPU tests,
 # the disk cache across processes, warming with moejit-precompile then serving in no-compile mode,
-# the installed-package check (examples, Python), and the benchmark against peers.
+# the installed-package check (examples, Python), a wheel carried in .whl/ (tools/gpu-wheel-check.sh),
+# and the benchmark against peers.
 #   tools/gpu-session.sh OUTDIR          (NO_BENCH=1: everything but the benchmark)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -29,6 +30,14 @@ for run in 1 2; do
   echo "process $run: $(grep -E 'first call' "$out/cache-run$run.log")"
 done
 
+echo "== moejit-demo in each dtype pair it takes (checked against a float64 reference)"
+for dtypes in "fp16 fp16" "fp32 fp32" "bf16 fp32" "fp16 bf16"; do
+  read -r in_dt out_dt <<<"$dtypes"
+  $demo --tokens 512 --dtype "$in_dt" --out-dtype "$out_dt" >"$out/demo-$in_dt-$out_dt.log" 2>&1 ||
+    failed+=("demo $in_dt->$out_dt")
+  echo "$in_dt -> $out_dt: $(grep -E '^check' "$out/demo-$in_dt-$out_dt.log")"
+done
+
 echo "== moejit-precompile (DeepSeek-V3 config, sm_90), then serve in no-compile mode"
 build-gpu/tools/precompile/moejit-precompile --model-config tools/precompile/configs/deepseek-v3.json \
   --arch sm_90 --cache-dir "$scratch/warm" 2>&1 | tail -n 2
@@ -41,6 +50,15 @@ done
 echo "== package: install, examples, Python"
 BUILD_DIR=build-gpu tools/gpu-check-package.sh >"$out/package.log" 2>&1 || failed+=("package")
 sed -n '/==== summary/,$p' "$out/package.log"
+
+# A wheel built on a development machine (tools/wheel-check.sh), carried in .whl/: installed over
+# this machine's PyTorch environment with the toolkit out of reach.
+wheel=$(ls .whl/moejit-*.whl 2>/dev/null | tail -n 1)
+if [ -n "$wheel" ]; then
+  echo "== wheel: $wheel in the PyTorch environment, toolkit hidden"
+  tools/gpu-wheel-check.sh "$wheel" "$out/wheel" 2>&1 | tail -n 30
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("wheel")
+fi
 
 if [ -z "${NO_BENCH:-}" ]; then
   echo "== benchmark"

@@ -21,9 +21,10 @@ tools/setup-deps.sh
 export PATH="$PATH:/usr/local/cuda/bin"
 extra=()
 [ -e .deps/include/xxhash.h ] && [ ! -e /usr/include/xxhash.h ] && extra+=(-DXXHASH_INCLUDE_DIR="$PWD/.deps/include")
+[ -x build/pytest-venv/bin/python ] && extra+=(-DPython3_EXECUTABLE="$PWD/build/pytest-venv/bin/python")
 # --as-needed: gcc passes it by default except when sanitizing. The build links nothing it does not
-# use (NVRTC by its file, without the driver stub that CUDA::nvrtc carries; api.no_link_dependency_
-# on_libcuda checks it); this keeps a sanitized link as lean as the plain one all the same.
+# use (NVRTC and the driver are dlopen'd; api.link_dependencies_are_system_runtimes checks it);
+# this keeps a sanitized link as lean as the plain one all the same.
 cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=$type -DCMAKE_C_FLAGS="$flags" \
   -DCMAKE_CXX_FLAGS="$flags" -DCMAKE_EXE_LINKER_FLAGS="$flags -Wl,--as-needed" \
   -DCMAKE_SHARED_LINKER_FLAGS="$flags -Wl,--as-needed" "${extra[@]}" >/dev/null

@@ -5,7 +5,9 @@
  *
  * Kernels are specialized for the shapes you call with, compiled with NVRTC, cached (in memory
  * per CUDA context and on disk), and launched with the CUDA Driver API on the stream you pass.
- * The library has no link-time dependency on the CUDA driver: libcuda.so.1 is loaded on first use.
+ * The library has no link-time dependency on the CUDA driver or on NVRTC: libcuda.so.1 is loaded
+ * at the first combine, NVRTC at the first compile (from pip's nvidia-cuda-nvrtc package or a CUDA
+ * toolkit; MOEJIT_NVRTC_LIBRARY names the file to use instead).
  *
  * This header is valid C99 and C++. Every function that can fail returns a moejit_status; on
  * failure a human-readable message (naming the argument, its value and what is allowed, or
@@ -14,6 +16,19 @@
  *
  * Thread safety: every function may be called concurrently from any number of threads, except
  * moejit_runtime_destroy(), which must not race with calls using the same runtime.
+ *
+ * fork() (since 0.3): a child process may call the library with the default runtime (NULL
+ * handle), which starts afresh in the child at its first use (its own caches and statistics),
+ * and with runtimes it creates itself. A runtime created before the fork belongs to the parent:
+ * in the child, moejit_runtime_combine() refuses it with MOEJIT_ERROR_INVALID_ARGUMENT,
+ * moejit_runtime_get_stats() reads the counters it had at the fork, and moejit_runtime_destroy()
+ * accepts it and releases nothing. No call in the child waits for work its parent's other threads
+ * were doing. CUDA itself cannot be used in the child of a process that initialized it (the
+ * driver's rule): there a combine fails with the status and message of the driver's refusal, so
+ * fork before the first combine, or start workers with spawn. fork() waits while other threads of
+ * the process are inside NVRTC (for the compiles under way to end), loading the CUDA driver,
+ * creating the default runtime or writing a log line: a child forked in the middle of an NVRTC
+ * compile can hang.
  */
 #ifndef MOEJIT_MOEJIT_H_
 #define MOEJIT_MOEJIT_H_
@@ -55,6 +70,7 @@ MOEJIT_API const char* moejit_version_string(void);
 /*
  * One table generates the enum, the names and the descriptions. Values are fixed forever and only
  * ever appended. Caller errors (1-3) are separate from environment errors (4 and up).
+ * MOEJIT_ERROR_NVRTC_NOT_FOUND: since 0.3.
  *   X(name, value, description)
  */
 #define MOEJIT_STATUS_TABLE(X)                                                                     \
@@ -76,7 +92,10 @@ MOEJIT_API const char* moejit_version_string(void);
   X(MOEJIT_ERROR_NOT_CACHED, 8,                                                                    \
     "the cache is in no-compile mode and the kernel is not in it: warm it with moejit-precompile") \
   X(MOEJIT_ERROR_OUT_OF_MEMORY, 9, "host memory could not be allocated")                           \
-  X(MOEJIT_ERROR_INTERNAL, 10, "internal error in libmoejit (please report it with the message)")
+  X(MOEJIT_ERROR_INTERNAL, 10, "internal error in libmoejit (please report it with the message)")  \
+  X(MOEJIT_ERROR_NVRTC_NOT_FOUND, 11,                                                              \
+    "NVRTC (libnvrtc.so) could not be loaded: install pip's nvidia-cuda-nvrtc or the CUDA "        \
+    "toolkit's NVRTC; the message lists where it was searched")
 
 #define MOEJIT_STATUS_ENUM_ENTRY_(name, value, description) name = value,
 typedef enum moejit_status { MOEJIT_STATUS_TABLE(MOEJIT_STATUS_ENUM_ENTRY_) } moejit_status;
@@ -357,6 +376,7 @@ typedef enum moejit_log_level {
  *   cache_max_bytes  MOEJIT_CACHE_MAX_BYTES, else 1 GiB
  *   log_level        MOEJIT_LOG_LEVEL (trace | debug | info | warn | error | off)
  *   template_dir     MOEJIT_TEMPLATE_DIR: development override of the embedded kernel templates
+ *   cache_key_file   MOEJIT_CACHE_KEY_FILE, else none (see below)
  */
 typedef struct moejit_runtime_options {
   size_t struct_size;
@@ -365,6 +385,17 @@ typedef struct moejit_runtime_options {
   uint64_t cache_max_bytes;
   moejit_log_level log_level;
   const char* template_dir;
+  /* Since 0.3. A file holding the cache's secret key, for a disk cache that others can write (a
+     shared volume, an image layer): entries are written with an HMAC-SHA256 under the key, and an
+     entry without a valid one is a miss (rebuilt, or MOEJIT_ERROR_NOT_CACHED in no-compile mode)
+     with a warning naming it. The file must be a regular file (a symlink to one is followed)
+     owned by the user the process runs as (its effective uid), with no permission bit for group
+     or others (mode 0600 or 0400), holding 16 to 4096 bytes, all of which are the key (e.g. from
+     head -c 32 /dev/urandom); else moejit_runtime_create() fails with
+     MOEJIT_ERROR_INVALID_ARGUMENT naming the file and the rule. Without a key, entries are
+     neither authenticated nor checked for a MAC. Give moejit-precompile the same key
+     (--cache-key-file). docs/cache.md states what each mode defends against. */
+  const char* cache_key_file;
 } moejit_runtime_options;
 
 /*
@@ -375,8 +406,9 @@ typedef struct moejit_runtime_options {
  * Returns MOEJIT_SUCCESS, or MOEJIT_ERROR_INVALID_ARGUMENT if options is NULL. Needs no GPU.
  * Thread-safe (touches only *options). Since 0.1.
  * As moejit_combine_args_init: a macro over moejit_runtime_options_init_sized() (since 0.2), which
- * writes no more than the caller's struct; the function of that name is the 0.1 entry point (the
- * struct has not changed since).
+ * writes no more than the caller's struct (struct_size: sizeof(moejit_runtime_options) of any
+ * released header, else MOEJIT_ERROR_INVALID_ARGUMENT); the function of that name is the 0.1 entry
+ * point, which fills the fields of the 0.1 and 0.2 headers only (up to template_dir).
  */
 MOEJIT_API moejit_status moejit_runtime_options_init_sized(moejit_runtime_options* options,
                                                            size_t struct_size);
@@ -393,9 +425,9 @@ MOEJIT_API moejit_status(moejit_runtime_options_init)(moejit_runtime_options* op
  *   runtime  receives the handle (NULL on failure); must not be NULL. Release it with
  *            moejit_runtime_destroy().
  * Returns MOEJIT_SUCCESS; MOEJIT_ERROR_INVALID_ARGUMENT for a NULL runtime, a bad struct_size,
- * cache_mode or log_level, a malformed MOEJIT_CACHE_MODE or MOEJIT_CACHE_MAX_BYTES, or an
- * unreadable template directory (the message names it; a malformed MOEJIT_LOG_LEVEL or
- * MOEJIT_CACHE_LOCK_TIMEOUT only warns and keeps its default);
+ * cache_mode or log_level, a malformed MOEJIT_CACHE_MODE or MOEJIT_CACHE_MAX_BYTES, an
+ * unreadable template directory, or a cache key file that breaks its rule (the message names it;
+ * a malformed MOEJIT_LOG_LEVEL or MOEJIT_CACHE_LOCK_TIMEOUT only warns and keeps its default);
  * MOEJIT_ERROR_OUT_OF_MEMORY. Needs no GPU: the driver is first used by the first combine.
  * Thread-safe. Since 0.1.
  */
@@ -459,10 +491,10 @@ typedef struct moejit_stats {
   size_t struct_size;     /* set by the caller: sizeof(moejit_stats) */
   uint64_t memory_hits;   /* kernel lookups served by a module already loaded in the context */
   uint64_t disk_hits;     /* kernels loaded from the on-disk cache */
-  uint64_t compiles;      /* NVRTC compilations */
+  uint64_t compiles;      /* NVRTC compilations, those that failed included (since 0.3) */
   uint64_t disk_errors;   /* cache entries found invalid, or cache reads/writes that failed */
   uint64_t launches;      /* kernels launched */
-  double compile_seconds; /* wall time spent in NVRTC */
+  double compile_seconds; /* wall time spent in NVRTC (failed compilations included) */
   /* Since 0.2. Modules the runtime holds loaded now, over all contexts (not a count of loads).
    * Those of a context the caller destroyed are dropped when the runtime is next used in a
    * context it has not seen (with a driver of CUDA 12.0 or later, which can tell). */

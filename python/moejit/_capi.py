@@ -5,14 +5,18 @@ status names, error messages, library loading) is usable and testable without to
 
 Library lookup, first match wins:
   1. $MOEJIT_LIBRARY: a path to libmoejit.so(.0). If set, it must load; no fallback hides a typo.
-  2. libmoejit.so.0 next to this package (moejit/libmoejit.so.0), for self-contained deployments.
+  2. libmoejit.so.0 next to this package (moejit/libmoejit.so.0): the wheel's.
   3. The system loader: "libmoejit.so.0" through LD_LIBRARY_PATH, ld.so.cache, ...
+Before loading it, this environment's pip NVRTC (nvidia-cuda-nvrtc) is named to it through
+$MOEJIT_NVRTC_LIBRARY unless that is set (moejit._nvrtc).
 """
 
 import _ctypes
 import ctypes
 import os
 import threading
+
+from . import _nvrtc
 
 # ---- Constants, mirroring the header (tests/python/test_capi.py checks them against it) ----------
 
@@ -29,6 +33,7 @@ STATUS_NAMES = {
     8: "MOEJIT_ERROR_NOT_CACHED",
     9: "MOEJIT_ERROR_OUT_OF_MEMORY",
     10: "MOEJIT_ERROR_INTERNAL",
+    11: "MOEJIT_ERROR_NVRTC_NOT_FOUND",
 }
 SUCCESS = 0
 ERROR_INVALID_ARGUMENT = 1
@@ -41,6 +46,7 @@ ERROR_COMPILE = 7
 ERROR_NOT_CACHED = 8
 ERROR_OUT_OF_MEMORY = 9
 ERROR_INTERNAL = 10
+ERROR_NVRTC_NOT_FOUND = 11
 
 DTYPE_FLOAT32 = 0
 DTYPE_FLOAT16 = 1
@@ -101,6 +107,7 @@ class RuntimeOptions(ctypes.Structure):
         ("cache_max_bytes", ctypes.c_uint64),
         ("log_level", ctypes.c_int),
         ("template_dir", ctypes.c_char_p),
+        ("cache_key_file", ctypes.c_char_p),  # since 0.3
     ]
 
 
@@ -200,6 +207,8 @@ def load_library():
         return _lib
     with _lock:
         if _lib is None:
+            # Before the library's first compile, which is when it loads NVRTC.
+            _nvrtc.point_library_at_pip_nvrtc()
             tried = []
             for source, path in library_candidates():
                 try:

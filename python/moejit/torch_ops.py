@@ -1,7 +1,7 @@
 """moejit.combine for torch tensors, and the torch.library custom op "moejit::combine".
 
-Imported lazily by the package (moejit.combine / moejit.combine_op), so `import moejit` never
-imports torch.
+Imported by the package (`import moejit`) when torch can be imported; without torch the package
+still imports, and moejit.combine says that it needs torch.
 
 Two entry points:
   combine(...)     eager, the fastest path: checks, allocates out unless given, launches on
@@ -70,8 +70,11 @@ def _launch(plan, expert_hidden, out):
     return out
 
 
-def combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=None, token_idx=None,
-            gates=None, num_tokens=None, out=None, out_dtype=None, scale=1.0, accumulate=False):
+def combine(expert_hidden: torch.Tensor, *, layout: str = "token_major", top_k: Optional[int] = None,
+            gather_map: Optional[torch.Tensor] = None, token_idx: Optional[torch.Tensor] = None,
+            gates: Optional[torch.Tensor] = None, num_tokens: Optional[int] = None,
+            out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+            scale: float = 1.0, accumulate: bool = False) -> torch.Tensor:
     """out[t, :] (+)= scale * sum of gates[r] * expert_hidden[r, :] over the rows r of token t.
 
     layout="token_major": expert_hidden is [T, K, H] (or [T*K, H] with top_k); gates [T, K].
@@ -140,9 +143,12 @@ def _(expert_hidden, indices, gates, base, layout, top_k, num_tokens, out_dtype,
     return expert_hidden.new_empty(plan.out_shape, dtype=_TORCH_DTYPES[plan.out_dtype_name])
 
 
-def combine_op(expert_hidden, *, layout="token_major", top_k=None, gather_map=None,
-               token_idx=None, gates=None, num_tokens=None, base=None, out_dtype=None,
-               scale=1.0):
+def combine_op(expert_hidden: torch.Tensor, *, layout: str = "token_major",
+               top_k: Optional[int] = None, gather_map: Optional[torch.Tensor] = None,
+               token_idx: Optional[torch.Tensor] = None, gates: Optional[torch.Tensor] = None,
+               num_tokens: Optional[int] = None, base: Optional[torch.Tensor] = None,
+               out_dtype: Optional[torch.dtype] = None,
+               scale: float = 1.0) -> torch.Tensor:
     """Functional combine through torch.ops.moejit.combine: returns a new tensor
     (base + scale * sum ... when base is given, else scale * sum ...). Same arguments as
     combine(), with `base` instead of out/accumulate. Use this inside torch.compile'd code."""

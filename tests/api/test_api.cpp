@@ -4,12 +4,15 @@
 // launch are skipped where a driver is present, since their pointers are fake).
 #include <dlfcn.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <thread>
@@ -150,6 +153,12 @@ const BadCase kBadCases[] = {
      MOEJIT_ERROR_INVALID_ARGUMENT,
      "args->out = [0x7f0020000000, 0x7f0020042000): overlaps "
      "args->indices"},
+    {"out_wraps_past_the_address_space",
+     [](auto& a) {
+       a.out = fake(0xfffffffffffff000);
+       a.expert_hidden = fake(0x1000);
+     },
+     MOEJIT_ERROR_INVALID_ARGUMENT, "past the end of the 64-bit address space"},
     {"workspace_overlaps_out", [](auto& a) { token_index_workspace_at(a, 0x7f0030000000 + 4096); },
      MOEJIT_ERROR_INVALID_ARGUMENT, "args->workspace = [0x7f0030001000"},
     {"expert_misaligned", [](auto& a) { a.expert_hidden = fake(0x7f0000000001); },
@@ -511,10 +520,29 @@ TEST(Api, RuntimeOptions) {
   moejit_runtime_options o;
   ASSERT_EQ(moejit_runtime_options_init(&o), MOEJIT_SUCCESS);
   EXPECT_EQ(o.struct_size, sizeof(o));
+  // The 0.1 entry point fills the fields of the 0.1 and 0.2 headers only (up to template_dir):
+  // a binary built against them has a struct that ends there.
+  const size_t v02 = offsetof(moejit_runtime_options, cache_key_file);
   std::memset(&o, 0xAB, sizeof(o));
-  ASSERT_EQ((moejit_runtime_options_init)(&o), MOEJIT_SUCCESS);  // the 0.1 entry point
-  EXPECT_EQ(o.struct_size, sizeof(o));
+  ASSERT_EQ((moejit_runtime_options_init)(&o), MOEJIT_SUCCESS);
+  EXPECT_EQ(o.struct_size, v02);
   EXPECT_EQ(o.log_level, MOEJIT_LOG_DEFAULT);
+  EXPECT_EQ(o.template_dir, nullptr);
+  unsigned char past[sizeof(o) - v02];
+  std::memcpy(past, reinterpret_cast<const char*>(&o) + v02, sizeof(past));
+  for (unsigned char c : past) EXPECT_EQ(c, 0xAB) << "wrote past the 0.2 struct";
+  moejit_runtime_t old_caller = nullptr;  // such a struct is accepted as it is
+  o.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
+  ASSERT_EQ(moejit_runtime_create(&o, &old_caller), MOEJIT_SUCCESS) << moejit_last_error_message();
+  moejit_runtime_destroy(old_caller);
+  std::memset(&o, 0xAB, sizeof(o));
+  ASSERT_EQ(moejit_runtime_options_init_sized(&o, v02), MOEJIT_SUCCESS);
+  EXPECT_EQ(o.struct_size, v02);
+  std::memcpy(past, reinterpret_cast<const char*>(&o) + v02, sizeof(past));
+  for (unsigned char c : past) EXPECT_EQ(c, 0xAB) << "wrote past the 0.2 struct";
+  ASSERT_EQ(moejit_runtime_options_init(&o), MOEJIT_SUCCESS);
+  EXPECT_EQ(o.struct_size, sizeof(o));
+  EXPECT_EQ(o.cache_key_file, nullptr);
   EXPECT_EQ(moejit_runtime_options_init_sized(&o, sizeof(o) + 8), MOEJIT_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(moejit_last_error_message())
                 .find("invalid argument struct_size = " + std::to_string(sizeof(o) + 8)),
@@ -701,6 +729,78 @@ TEST(Api, TheDefaultRuntimeIsMadeByTheFirstCallThatCan) {
     std::exit(moejit_runtime_get_stats(nullptr, &s) == MOEJIT_SUCCESS ? 0 : 4);
   };
   EXPECT_EXIT(fail_then_succeed(), testing::ExitedWithCode(0), "");
+}
+
+// The cache key file (options->cache_key_file, MOEJIT_CACHE_KEY_FILE): a runtime is created only
+// with a file that keeps the key to its owner. Each broken rule is named, with the path, by the
+// option or variable that gave it.
+TEST(Api, ACacheKeyFileMustBePrivateToItsOwner) {
+  std::string base = (std::filesystem::temp_directory_path() / "moejit-key-XXXXXX").string();
+  ASSERT_NE(mkdtemp(base.data()), nullptr);
+  auto write_key = [&](const std::string& name, const std::string& bytes, mode_t mode) {
+    const std::string path = base + "/" + name;
+    std::ofstream(path, std::ios::binary) << bytes;
+    chmod(path.c_str(), mode);
+    return path;
+  };
+  const std::string good = write_key("good", std::string(32, 's'), 0600);
+  const std::string read_only = write_key("read-only", std::string(16, 's'), 0400);
+  std::filesystem::create_symlink(good, base + "/link");
+  moejit_runtime_options o;
+  moejit_runtime_options_init(&o);
+  o.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
+  moejit_runtime_t rt = nullptr;
+  for (const std::string& path : {good, read_only, base + "/link"}) {
+    o.cache_key_file = path.c_str();
+    EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_SUCCESS)
+        << path << ": " << moejit_last_error_message();
+    moejit_runtime_destroy(rt);
+  }
+  const struct {
+    std::string path, reason;
+  } bad[] = {
+      {write_key("group", std::string(32, 's'), 0640),
+       "is accessible to group or others (mode 0640)"},
+      {write_key("others", std::string(32, 's'), 0604),
+       "is accessible to group or others (mode 0604)"},
+      {write_key("short", std::string(15, 's'), 0600), "holds 15 bytes"},
+      {write_key("empty", "", 0600), "holds 0 bytes"},
+      {base, "is not a regular file"},
+      {base + "/missing", "cannot be opened: No such file or directory"},
+  };
+  for (const auto& b : bad) {
+    o.cache_key_file = b.path.c_str();
+    EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_ERROR_INVALID_ARGUMENT) << b.path;
+    EXPECT_EQ(rt, nullptr);
+    const std::string message = moejit_last_error_message();
+    EXPECT_NE(message.find("options->cache_key_file = \"" + b.path + "\": " + b.reason),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("owned by this user, with no permission for group or others"),
+              std::string::npos)
+        << message;
+  }
+  if (geteuid() == 0) {
+    const std::string theirs = write_key("theirs", std::string(32, 's'), 0600);
+    ASSERT_EQ(chown(theirs.c_str(), 65534, 65534), 0);
+    o.cache_key_file = theirs.c_str();
+    EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(moejit_last_error_message()).find("is owned by uid 65534"),
+              std::string::npos)
+        << moejit_last_error_message();
+  }
+  // From the environment, when the option is unset.
+  o.cache_key_file = nullptr;
+  setenv("MOEJIT_CACHE_KEY_FILE", bad[0].path.c_str(), 1);
+  EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(moejit_last_error_message()).find("MOEJIT_CACHE_KEY_FILE = \""),
+            std::string::npos)
+      << moejit_last_error_message();
+  setenv("MOEJIT_CACHE_KEY_FILE", good.c_str(), 1);
+  EXPECT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_SUCCESS) << moejit_last_error_message();
+  moejit_runtime_destroy(rt);
+  unsetenv("MOEJIT_CACHE_KEY_FILE");
+  std::filesystem::remove_all(base);
 }
 
 TEST(Api, StatsStructSizeIsChecked) {

@@ -87,10 +87,12 @@ inline Target test_target() {
   return Target{90, false};
 }
 
+// The settings of a runtime given these options (the environment supplies the rest, e.g.
+// MOEJIT_CACHE_LOCK_TIMEOUT).
 inline Settings cache_settings(const std::string& dir,
                                moejit_cache_mode mode = MOEJIT_CACHE_MODE_READ_WRITE,
                                uint64_t max_bytes = 1ull << 30) {
-  Settings s;
+  Settings s = resolve_settings(nullptr);
   s.cache_dir = dir;
   s.cache_mode = mode;
   s.cache_max_bytes = max_bytes;

@@ -2,8 +2,12 @@
 // KernelStore pointed at a shared cache directory and prints what happened, one "name=value" per
 // line. Options (all optional except --dir):
 //   --dir D --mode read-write|read-only|no-compile --threads T --keys K --first F
-//   --uid U (drop to this uid/gid first) --fsize BYTES (RLIMIT_FSIZE, SIGXFSZ ignored)
-//   --max-bytes N
+//   --count-warnings 0|1 (1, the default: count the library's warnings, which creates its logger
+//   first; 0: leave the logger to be created by the library's first message)
+//   --uid U (drop to this uid/gid first) --fsize BYTES (RLIMIT_FSIZE; SIGXFSZ keeps its default
+//   action, which kills the process) --max-bytes N
+// MOEJIT_TEST_PAUSE_BEFORE_RENAME=1 in its environment: a writer stops forever with its temp file
+// complete, before the rename (file_cache.h's test hook), so that a test can kill it there.
 // Exit status 0 when every obtain succeeded.
 #include <signal.h>
 #include <sys/resource.h>
@@ -18,13 +22,14 @@
 #include <vector>
 
 #include "cache_test_util.h"
+#include "file_cache.h"
 #include "kernel_store.h"
 
 using namespace moejit;
 
 int main(int argc, char** argv) {
   std::string dir, mode = "read-write";
-  int threads = 1, keys = 1, first = 0;
+  int threads = 1, keys = 1, first = 0, count_warnings = 1;
   long uid = -1, fsize = -1;
   unsigned long long max_bytes = 1ull << 30;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -37,6 +42,8 @@ int main(int argc, char** argv) {
       threads = std::atoi(v.c_str());
     else if (a == "--keys")
       keys = std::atoi(v.c_str());
+    else if (a == "--count-warnings")
+      count_warnings = std::atoi(v.c_str());
     else if (a == "--first")
       first = std::atoi(v.c_str());
     else if (a == "--uid")
@@ -51,13 +58,17 @@ int main(int argc, char** argv) {
     return 3;
   }
   if (fsize >= 0) {
-    signal(SIGXFSZ, SIG_IGN);  // writes past the limit then fail with EFBIG, like a full disk
     struct rlimit lim {
       static_cast<rlim_t>(fsize), static_cast<rlim_t>(fsize)
     };
     setrlimit(RLIMIT_FSIZE, &lim);
   }
-  test::WarningCounter& warnings = test::WarningCounter::install();
+  if (const char* pause_here = std::getenv("MOEJIT_TEST_PAUSE_BEFORE_RENAME"))
+    if (*pause_here != '\0')
+      test_hooks::before_rename = [] {
+        for (;;) pause();
+      };
+  test::WarningCounter* warnings = count_warnings != 0 ? &test::WarningCounter::install() : nullptr;
   moejit_cache_mode m = MOEJIT_CACHE_MODE_READ_WRITE;
   if (mode == "read-only") m = MOEJIT_CACHE_MODE_READ_ONLY;
   if (mode == "no-compile") m = MOEJIT_CACHE_MODE_NO_COMPILE;
@@ -88,7 +99,8 @@ int main(int argc, char** argv) {
       store.has_disk_cache() ? 1 : 0, failed.load(),
       static_cast<unsigned long long>(stats.compiles.load()),
       static_cast<unsigned long long>(stats.disk_hits.load()),
-      static_cast<unsigned long long>(stats.disk_errors.load()), warnings.warnings());
+      static_cast<unsigned long long>(stats.disk_errors.load()),
+      warnings != nullptr ? warnings->warnings() : -1);
   std::fflush(stdout);
   return failed.load() == 0 ? 0 : 1;
 }

@@ -1,9 +1,15 @@
 // A synthetic but well-formed module and its entry, for tests that need no compile.
 #pragma once
 
+#include <cstdint>
+#include <memory>
 #include <string>
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #include "cache_entry.h"
+#include "entry_mac.h"
 #include "nvrtc_compiler.h"
 
 namespace moejit::test {
@@ -27,6 +33,25 @@ inline CompiledModule sample_module() {
   m.nvrtc_version = "13.0";
   m.log = "warning: something harmless";
   return m;
+}
+
+inline void put_u64(std::string* bytes, size_t at, uint64_t v) {
+  for (int i = 0; i < 8; ++i)
+    (*bytes)[at + static_cast<size_t>(i)] = static_cast<char>(v >> (8 * i));
+}
+
+// Recomputes both checksums of an entry, so that damage reaches the checks behind them.
+inline void reseal(std::string* bytes) {
+  const size_t header = kCacheEntryHeaderBytes;
+  put_u64(bytes, kCacheEntryPayloadHashOffset,
+          XXH3_64bits(bytes->data() + header, bytes->size() - header));
+  put_u64(bytes, kCacheEntryHeaderHashOffset,
+          XXH3_64bits(bytes->data(), kCacheEntryHeaderHashOffset));
+}
+
+// A cache key (HMAC key) for tests: 32 fixed bytes.
+inline std::shared_ptr<const MacKey> sample_mac_key(char fill = 'k') {
+  return std::make_shared<const MacKey>(std::string(32, fill), "test-key");
 }
 
 }  // namespace moejit::test

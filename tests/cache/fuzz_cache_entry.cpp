@@ -10,30 +10,39 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
-
-#define XXH_INLINE_ALL
-#include <xxhash.h>
+#include <string_view>
 
 #include "cache_entry.h"
 #include "entry_samples.h"
 
 namespace {
 
+const moejit::MacKey& fuzz_key() {
+  static const auto key = moejit::test::sample_mac_key();
+  return *key;
+}
+
+// With the key, whatever parses must re-encode (authenticated under it) to exactly the same bytes;
+// without, the same once the entry's own MAC field is put back (the parser does not examine it).
 void check(const std::string& bytes) {
   // The key the entry claims, if any, so that inputs can pass the key check.
   std::string key = moejit::test::sample_key();
   if (bytes.size() >= 48) key.assign(bytes, 16, 32);
-  moejit::CompiledModule module;
-  std::string why;
-  if (!moejit::parse_cache_entry(bytes, key, &module, &why)) {
-    if (why.empty()) std::abort();  // every rejection says why
-    return;
+  for (const moejit::MacKey* mac_key : {&fuzz_key(), static_cast<const moejit::MacKey*>(nullptr)}) {
+    moejit::CompiledModule module;
+    std::string why;
+    if (!moejit::parse_cache_entry(bytes, key, &module, &why, mac_key)) {
+      if (why.empty()) std::abort();  // every rejection says why
+      continue;
+    }
+    std::string again = moejit::encode_cache_entry(key, module, -1, mac_key);
+    if (mac_key == nullptr) {
+      again.replace(64, moejit::kCacheEntryHeaderHashOffset - 64, bytes, 64,
+                    moejit::kCacheEntryHeaderHashOffset - 64);  // flags, reserved, MAC
+      moejit::test::reseal(&again);
+    }
+    if (again != bytes) std::abort();
   }
-  if (moejit::encode_cache_entry(key, module) != bytes) std::abort();
-}
-
-void put_u64(std::string* b, size_t at, uint64_t v) {
-  for (int i = 0; i < 8; ++i) (*b)[at + static_cast<size_t>(i)] = static_cast<char>(v >> (8 * i));
 }
 
 }  // namespace
@@ -42,9 +51,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string bytes(reinterpret_cast<const char*>(data), size);
   check(bytes);
   if (bytes.size() >= moejit::kCacheEntryHeaderBytes) {
-    put_u64(&bytes, 48, bytes.size() - moejit::kCacheEntryHeaderBytes);
-    put_u64(&bytes, 56, XXH3_64bits(bytes.data() + 72, bytes.size() - 72));
-    put_u64(&bytes, 64, XXH3_64bits(bytes.data(), 64));
+    moejit::test::put_u64(&bytes, 48, bytes.size() - moejit::kCacheEntryHeaderBytes);
+    moejit::test::reseal(&bytes);
+    check(bytes);
+    // Authenticated under the fuzz key as well, so that mutations reach the payload parser on the
+    // keyed path too.
+    bytes[64] = 1;
+    for (size_t i = 65; i < 72; ++i) bytes[i] = 0;
+    const std::string_view header(bytes.data(), 72);
+    const std::string_view payload(bytes.data() + moejit::kCacheEntryHeaderBytes,
+                                   bytes.size() - moejit::kCacheEntryHeaderBytes);
+    const moejit::Mac mac = fuzz_key().mac(header, payload);
+    bytes.replace(72, mac.size(), reinterpret_cast<const char*>(mac.data()), mac.size());
+    moejit::test::reseal(&bytes);
     check(bytes);
   }
   return 0;

@@ -53,8 +53,9 @@ int main(int argc, char** argv) {
           b.erase(below(b.size()), below(16) + 1);
           break;
         case 5: {  // a length or count field somewhere in the payload: small, huge or off by one
-          if (b.size() < 88) break;
-          const size_t at = 72 + below(b.size() - 80);
+          if (b.size() < moejit::kCacheEntryHeaderBytes + 16) break;
+          const size_t at =
+              moejit::kCacheEntryHeaderBytes + below(b.size() - moejit::kCacheEntryHeaderBytes - 8);
           const uint64_t v = (rng() % 3 == 0)   ? rng()
                              : (rng() % 3 == 1) ? ~0ull >> below(64)
                                                 : below(b.size());

@@ -4,9 +4,6 @@
 
 #include <cstring>
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
-
 #include "cache_entry.h"
 #include "cache_key.h"
 #include "entry_samples.h"
@@ -14,18 +11,11 @@
 namespace moejit {
 namespace {
 
+using test::put_u64;
+using test::reseal;
 using test::sample_key;
 using test::sample_module;
-
-void put_u64(std::string* bytes, size_t at, uint64_t v) {
-  for (int i = 0; i < 8; ++i)
-    (*bytes)[at + static_cast<size_t>(i)] = static_cast<char>(v >> (8 * i));
-}
-// Recomputes both checksums, so that damage reaches the checks behind them.
-void reseal(std::string* bytes) {
-  put_u64(bytes, 56, XXH3_64bits(bytes->data() + 72, bytes->size() - 72));
-  put_u64(bytes, 64, XXH3_64bits(bytes->data(), 64));
-}
+constexpr size_t kHeader = kCacheEntryHeaderBytes;
 bool parses(const std::string& bytes, std::string* why = nullptr) {
   CompiledModule m;
   std::string ignored;
@@ -98,13 +88,13 @@ TEST(CacheEntry, HugeLengthFieldsAreRejectedWithoutAllocating) {
   // A field length inside the payload (the NVRTC version's, after sm and ptx): a consistent
   // header and checksum, so only the bounds check stands between it and a huge allocation.
   std::string field = good;
-  put_u64(&field, 72 + 8, ~0ull);
+  put_u64(&field, kHeader + 8, ~0ull);
   reseal(&field);
   EXPECT_FALSE(parses(field, &why));
   EXPECT_EQ(why, "malformed payload");
   // A huge list count.
   std::string count = good;
-  const size_t options_at = 72 + 8 + 8 + sample_module().nvrtc_version.size();
+  const size_t options_at = kHeader + 8 + 8 + sample_module().nvrtc_version.size();
   for (int i = 0; i < 4; ++i) count[options_at + static_cast<size_t>(i)] = '\xff';
   reseal(&count);
   EXPECT_FALSE(parses(count, &why));
@@ -175,11 +165,11 @@ TEST(CacheEntry, EachCheckRejectsOnItsOwn) {
   reseal(&e);
   EXPECT_EQ(reason(e), "unexpected header size");
   e = good + "x";  // a byte past the last field, inside the payload the header declares
-  put_u64(&e, 48, e.size() - 72);
+  put_u64(&e, 48, e.size() - kHeader);
   reseal(&e);
   EXPECT_EQ(reason(e), "malformed payload");
   e = good;
-  e[72 + 4] = 2;  // the ptx flag: 0 or 1
+  e[kHeader + 4] = 2;  // the ptx flag: 0 or 1
   reseal(&e);
   EXPECT_EQ(reason(e), "implausible target");
 
@@ -214,6 +204,83 @@ TEST(CacheEntry, EachCheckRejectsOnItsOwn) {
   m = sample_module();
   m.lowered_names[1].clear();
   EXPECT_EQ(rejected_for(m), "empty lowered name");
+}
+
+// Authenticated entries (a cache key configured): the MAC covers the header and the payload, so
+// that whoever can write the cache but lacks the key cannot make an entry the runtime serves, even
+// with both checksums recomputed (they are unkeyed, and only catch damage).
+TEST(CacheEntry, AuthenticatedRoundTrips) {
+  const auto key = test::sample_mac_key();
+  const std::string bytes = encode_cache_entry(sample_key(), sample_module(), -1, key.get());
+  CompiledModule out;
+  std::string why;
+  ASSERT_TRUE(parse_cache_entry(bytes, sample_key(), &out, &why, key.get())) << why;
+  EXPECT_EQ(out.image, sample_module().image);
+  // Without a key the MAC is not examined: the entry serves as any other.
+  EXPECT_TRUE(parse_cache_entry(bytes, sample_key(), &out, &why)) << why;
+  // Deterministic: the same module and key give the same bytes (a rebuild writes the same file).
+  EXPECT_EQ(encode_cache_entry(sample_key(), sample_module(), -1, key.get()), bytes);
+}
+
+TEST(CacheEntry, WithAKeyOnlyEntriesAuthenticatedUnderItAreAccepted) {
+  const auto key = test::sample_mac_key('k'), other = test::sample_mac_key('o');
+  CompiledModule out;
+  std::string why;
+  const std::string plain = encode_cache_entry(sample_key(), sample_module());
+  EXPECT_FALSE(parse_cache_entry(plain, sample_key(), &out, &why, key.get()));
+  EXPECT_NE(why.find("carries no MAC"), std::string::npos) << why;
+  const std::string foreign = encode_cache_entry(sample_key(), sample_module(), -1, other.get());
+  EXPECT_FALSE(parse_cache_entry(foreign, sample_key(), &out, &why, key.get()));
+  EXPECT_NE(why.find("MAC does not match the cache key in test-key"), std::string::npos) << why;
+}
+
+// The forgery of the audit: another cubin in a valid entry, both checksums recomputed. Without a
+// key it is served (the checksums cannot tell); with one it never is, whichever byte was changed.
+TEST(CacheEntry, AForgedEntryIsRejectedWhateverByteChanged) {
+  const auto key = test::sample_mac_key();
+  const std::string good = encode_cache_entry(sample_key(), sample_module(), -1, key.get());
+  std::string forged = good;
+  const size_t image = good.find(
+      "\x7f"
+      "ELF");
+  ASSERT_NE(image, std::string::npos);
+  forged[image + 10] = static_cast<char>(forged[image + 10] ^ 0x40);  // another cubin
+  reseal(&forged);
+  CompiledModule out;
+  std::string why;
+  EXPECT_TRUE(parse_cache_entry(forged, sample_key(), &out, &why)) << why;
+  EXPECT_FALSE(parse_cache_entry(forged, sample_key(), &out, &why, key.get()));
+  EXPECT_NE(why.find("MAC does not match"), std::string::npos) << why;
+  for (size_t at = 0; at < good.size(); ++at) {
+    // The checksums themselves: resealing writes them back.
+    if ((at >= kCacheEntryPayloadHashOffset && at < kCacheEntryPayloadHashOffset + 8) ||
+        (at >= kCacheEntryHeaderHashOffset && at < kCacheEntryHeaderBytes))
+      continue;
+    std::string damaged = good;
+    damaged[at] = static_cast<char>(damaged[at] ^ 0x20);
+    reseal(&damaged);
+    EXPECT_FALSE(parse_cache_entry(damaged, sample_key(), &out, &why, key.get())) << "byte " << at;
+  }
+}
+
+TEST(CacheEntry, UnknownFlagsAndAStrayMacAreRejected) {
+  const std::string good = encode_cache_entry(sample_key(), sample_module());
+  std::string why;
+  std::string e = good;
+  e[64] = 2;  // a flag no version defines
+  reseal(&e);
+  EXPECT_FALSE(parses(e, &why));
+  EXPECT_EQ(why, "unknown header flags");
+  e = good;
+  e[68] = 1;  // reserved
+  reseal(&e);
+  EXPECT_FALSE(parses(e, &why));
+  EXPECT_EQ(why, "unknown header flags");
+  e = good;
+  e[80] = 1;  // MAC bytes, but no flag saying they are set
+  reseal(&e);
+  EXPECT_FALSE(parses(e, &why));
+  EXPECT_EQ(why, "a MAC without the flag that says it is set");
 }
 
 TEST(CacheEntry, KeysAreHexOnly) {

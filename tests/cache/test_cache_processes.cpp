@@ -11,9 +11,11 @@
 #include <chrono>
 #include <thread>
 
+#include "cache_admin.h"
+#include "cache_files.h"
 #include "cache_key.h"
 #include "cache_test_util.h"
-#include "disk_cache.h"
+#include "file_cache.h"
 #include "kernel_store.h"
 #include "key_lock.h"
 #include "worker_process.h"
@@ -167,20 +169,39 @@ TEST_F(CacheProcesses, AForkedChildsCopyOfAReleasedLockHoldsNobody) {
   close(dir_fd);
 }
 
+// Makes the cache read-only for the worker: as root, whom permission bits do not stop, by handing
+// it to an unprivileged uid that the worker then runs as (extra gets --uid).
+void make_read_only(const std::string& dir, std::vector<std::string>* extra) {
+  if (geteuid() == 0) {
+    for (auto& e : fs::recursive_directory_iterator(dir))
+      ASSERT_EQ(lchown(e.path().c_str(), 65534, 65534), 0);
+    ASSERT_EQ(lchown(dir.c_str(), 65534, 65534), 0);
+    extra->insert(extra->end(), {"--uid", "65534"});
+  }
+  for (auto& e : fs::recursive_directory_iterator(dir))
+    if (e.is_directory()) chmod(e.path().c_str(), 0500);
+  chmod(dir.c_str(), 0500);
+}
+
+// The warning names the reason the directory is not writable (EACCES here), not the errno that
+// the logger's own first use left behind (its terminal check's ENOTTY, "Inappropriate ioctl for
+// device"). The worker leaves the logger to be created by that warning, as a host process would.
+TEST_F(CacheProcesses, TheNotWritableWarningNamesItsOwnReason) {
+  ASSERT_EQ(test::run_worker(args()).exit_code, 0);
+  std::vector<std::string> extra = {"--count-warnings", "0"};
+  make_read_only(dir_, &extra);
+  const std::string log = scratch_ / "stderr.txt";
+  const test::WorkerResult r = test::run_worker(args(extra), {}, log);
+  EXPECT_EQ(r.exit_code, 0);
+  const std::string said = test::read_file(log);
+  EXPECT_NE(said.find("is not writable (Permission denied)"), std::string::npos) << said;
+  EXPECT_EQ(said.find("Inappropriate ioctl"), std::string::npos) << said;
+}
+
 TEST_F(CacheProcesses, ReadOnlyDirectoryServesHitsAndWritesNothing) {
   ASSERT_EQ(test::run_worker(args()).exit_code, 0);  // warm key 0
-  // Root ignores permission bits, so the reader drops to an unprivileged uid that owns the cache.
-  const bool root = geteuid() == 0;
   std::vector<std::string> extra = {"--keys", "2"};
-  if (root) {
-    for (auto& e : fs::recursive_directory_iterator(dir_))
-      ASSERT_EQ(lchown(e.path().c_str(), 65534, 65534), 0);
-    ASSERT_EQ(lchown(dir_.c_str(), 65534, 65534), 0);
-    extra.insert(extra.end(), {"--uid", "65534"});
-  }
-  for (auto& e : fs::recursive_directory_iterator(dir_))
-    if (e.is_directory()) chmod(e.path().c_str(), 0500);
-  chmod(dir_.c_str(), 0500);
+  make_read_only(dir_, &extra);
   const auto before = test::files_under(dir_);
   const test::WorkerResult r = test::run_worker(args(extra));
   EXPECT_EQ(r.exit_code, 0);
@@ -191,9 +212,13 @@ TEST_F(CacheProcesses, ReadOnlyDirectoryServesHitsAndWritesNothing) {
   EXPECT_EQ(test::files_under(dir_), before);
 }
 
-TEST_F(CacheProcesses, FullDiskFailsTheWriteNotTheCompile) {
-  // RLIMIT_FSIZE makes every write past 1 KiB fail with EFBIG, as a full disk would.
+// A file size limit (RLIMIT_FSIZE) below an entry's size: a write past it raises SIGXFSZ, whose
+// default action kills the process. The library must never be killed by its cache: the write is
+// not attempted, the compile still serves, and nothing is left behind. (The worker keeps SIGXFSZ's
+// default action, as a host process would.)
+TEST_F(CacheProcesses, AFileSizeLimitFailsTheWriteNotTheProcess) {
   const test::WorkerResult r = test::run_worker(args({"--fsize", "1024", "--keys", "2"}));
+  EXPECT_TRUE(r.exited) << "killed by a signal (SIGXFSZ)";
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_EQ(r["compiles"], 2);
   EXPECT_GE(r["disk_errors"], 2);

@@ -6,14 +6,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
-
+#include "cache_admin.h"
 #include "cache_entry.h"
+#include "cache_files.h"
 #include "cache_key.h"
 #include "cache_test_util.h"
-#include "disk_cache.h"
+#include "entry_samples.h"
 #include "error.h"
+#include "file_cache.h"
 #include "kernel_store.h"
 
 namespace moejit {
@@ -59,7 +59,7 @@ TEST_F(CacheStore, ColdCompilesWarmLoads) {
   EXPECT_EQ(cold.disk_errors.load() + warm.disk_errors.load(), 0u);
   EXPECT_EQ(warnings_->warnings(), 0);
 
-  // Layout and permissions: <dir>/v1/<ab>/<key>.moejit, directories 0700, entry 0600.
+  // Layout and permissions: <dir>/v2/<ab>/<key>.moejit, directories 0700, entry 0600.
   const std::string entry = entry_of(0);
   EXPECT_TRUE(fs::is_regular_file(entry)) << entry;
   struct stat st {};
@@ -86,11 +86,7 @@ TEST_F(CacheStore, DamagedEntriesAreMissesThenReplaced) {
   const std::string good = test::read_file(path);
   ASSERT_GT(good.size(), kCacheEntryHeaderBytes);
   auto reseal = [](std::string b) {
-    auto put = [&](size_t at, uint64_t v) {
-      for (int i = 0; i < 8; ++i) b[at + static_cast<size_t>(i)] = static_cast<char>(v >> (8 * i));
-    };
-    put(56, XXH3_64bits(b.data() + 72, b.size() - 72));
-    put(64, XXH3_64bits(b.data(), 64));
+    test::reseal(&b);
     return b;
   };
   CompiledModule module;
@@ -152,7 +148,7 @@ TEST_F(CacheStore, VerifyReportsAndRepairs) {
   CacheVerifyReport report = verify_cache_dir(dir_, false);
   EXPECT_EQ(report.entries, 4u);
   EXPECT_EQ(report.valid, 2u);
-  EXPECT_EQ(report.invalid_paths.size(), 2u);
+  EXPECT_EQ(report.invalid.size(), 2u);
   EXPECT_EQ(report.removed, 0u);
   EXPECT_TRUE(report.error.empty()) << report.error;
   // The bytes are those of the valid entries only.
@@ -183,8 +179,8 @@ TEST_F(CacheStore, VerifyCallsAnEntryInAnotherShardInvalid) {
   CacheVerifyReport report = verify_cache_dir(dir_, false);
   EXPECT_EQ(report.entries, 2u);
   EXPECT_EQ(report.valid, 1u);
-  ASSERT_EQ(report.invalid_paths.size(), 1u);
-  EXPECT_EQ(fs::path(report.invalid_paths[0]), stray);
+  ASSERT_EQ(report.invalid.size(), 1u);
+  EXPECT_EQ(fs::path(report.invalid[0].path), stray);
   report = verify_cache_dir(dir_, true);
   EXPECT_EQ(report.removed, 1u);
   EXPECT_FALSE(fs::exists(stray));
@@ -208,17 +204,17 @@ TEST_F(CacheStore, VerifyRefusesUnsafeDirectoriesAndNeverFollowsSymlinks) {
       EXPECT_EQ(r.entries, 0u) << dir;
       EXPECT_EQ(r.valid, 0u) << dir;
       EXPECT_EQ(r.removed, 0u) << dir;
-      EXPECT_TRUE(r.invalid_paths.empty()) << dir;
+      EXPECT_TRUE(r.invalid.empty()) << dir;
     }
     EXPECT_TRUE(fs::exists(junk));
     EXPECT_TRUE(fs::exists(entry_of(0)));
   };
 
-  // <dir>/v1 a symlink to the junk.
+  // <dir>/v2 a symlink to the junk.
   const std::string linked_v1 = scratch_ / "linked-v1";
   fs::create_directory(linked_v1);
   chmod(linked_v1.c_str(), 0700);
-  fs::create_directory_symlink(elsewhere, linked_v1 + "/v1");
+  fs::create_directory_symlink(elsewhere, linked_v1 + "/" + version_dir_name());
   expect_refused(linked_v1, "symbolic link");
   expect_refused(linked_v1 + "/", "symbolic link");
 
@@ -255,8 +251,8 @@ TEST_F(CacheStore, VerifyReportsShardDirectoriesTheRuntimeRefuses) {
       EXPECT_EQ(r.valid, 0u);
       EXPECT_EQ(r.bytes, 0u);
       EXPECT_EQ(r.removed, 0u);
-      ASSERT_EQ(r.invalid_paths.size(), 1u);
-      EXPECT_EQ(r.invalid_paths[0], shard);
+      ASSERT_EQ(r.invalid.size(), 1u);
+      EXPECT_EQ(r.invalid[0].path, shard);
       EXPECT_TRUE(fs::exists(entry_now));
     }
     Stats miss;
@@ -385,7 +381,7 @@ TEST_F(CacheStore, PathThatIsAFileFallsBackToMemory) {
 TEST_F(CacheStore, VersionDirThatIsAFileFallsBackToMemory) {
   fs::create_directory(dir_);
   chmod(dir_.c_str(), 0700);
-  test::write_file(dir_ + "/v1", "");
+  test::write_file(dir_ + "/" + version_dir_name(), "");
   expect_memory_fallback(dir_, warnings_, "not a directory");
 }
 
@@ -397,7 +393,7 @@ TEST_F(CacheStore, WorldOrGroupWritableDirectoryIsRefused) {
     expect_memory_fallback(dir_, warnings_, "writable by group or others");
   }
   chmod(dir_.c_str(), 0700);
-  chmod((dir_ + "/v1").c_str(), 0777);
+  chmod((dir_ + "/" + version_dir_name()).c_str(), 0777);
   expect_memory_fallback(dir_, warnings_, "writable by group or others");
 }
 
@@ -596,6 +592,120 @@ TEST_F(CacheStore, OptionsFallBackToTheEnvironmentOnlyWhereUnset) {
     else
       ::unsetenv(name.c_str());
   }
+}
+
+// With a cache key, only entries authenticated under it are served: one written without a key,
+// with another key, or forged (another cubin, both checksums recomputed, as anyone who can write
+// the cache can) is a miss with a warning naming the entry, rebuilt and replaced by an
+// authenticated one; in no-compile mode it is MOEJIT_ERROR_NOT_CACHED. Without a key, an
+// authenticated entry serves as any other.
+TEST_F(CacheStore, WithACacheKeyOnlyAuthenticatedEntriesAreServed) {
+  const auto key = test::sample_mac_key('k');
+  auto with_key = [&](const std::shared_ptr<const MacKey>& k,
+                      moejit_cache_mode mode = MOEJIT_CACHE_MODE_READ_WRITE) {
+    Settings settings = test::cache_settings(dir_, mode);
+    settings.cache_mac_key = k;
+    return settings;
+  };
+  auto obtain_with = [&](const Settings& settings, Stats* stats) {
+    KernelStore store(settings, *stats);
+    Source source;
+    store.obtain(test::small_spec(0), test::test_target(), &source);
+    return source;
+  };
+  const std::string path = entry_of(0);
+  std::string why;
+  auto expect_rebuilt = [&](const char* reason) {
+    SCOPED_TRACE(reason);
+    warnings_->reset();
+    Stats miss, hit;
+    EXPECT_EQ(obtain_with(with_key(key), &miss), Source::kCompiled);
+    EXPECT_EQ(miss.disk_errors.load(), 1u);
+    EXPECT_EQ(warnings_->warnings(), 1);
+    EXPECT_NE(warnings_->last().find(path), std::string::npos) << warnings_->last();
+    EXPECT_NE(warnings_->last().find(reason), std::string::npos) << warnings_->last();
+    EXPECT_TRUE(parse_cache_entry(test::read_file(path), key_of(0), nullptr, &why, key.get()))
+        << "replaced by an authenticated entry: " << why;
+    EXPECT_EQ(obtain_with(with_key(key), &hit), Source::kDisk);
+  };
+
+  Stats plain;
+  ASSERT_EQ(obtain(0, &plain), Source::kCompiled);  // written without a key
+  expect_rebuilt("carries no MAC");
+  const std::string authenticated = test::read_file(path);
+
+  Stats other;
+  test::write_file(path, "");
+  ASSERT_EQ(obtain_with(with_key(test::sample_mac_key('o')), &other), Source::kCompiled);
+  expect_rebuilt("its MAC does not match the cache key in test-key");
+
+  std::string forged = authenticated;
+  const size_t image = forged.find(
+      "\x7f"
+      "ELF");
+  ASSERT_NE(image, std::string::npos);
+  forged[image + 64] = static_cast<char>(forged[image + 64] ^ 1);
+  test::reseal(&forged);
+  test::write_file(path, forged);
+  Stats unkeyed;
+  EXPECT_EQ(obtain(0, &unkeyed), Source::kDisk) << "without a key the checksums cannot tell";
+  expect_rebuilt("its MAC does not match");
+
+  // No-compile mode: an entry it may not trust is not cached, as far as it is concerned.
+  test::write_file(path, forged);
+  Stats nc;
+  KernelStore store(with_key(key, MOEJIT_CACHE_MODE_NO_COMPILE), nc);
+  try {
+    store.obtain(test::small_spec(0), test::test_target());
+    ADD_FAILURE() << "a forged entry was served in no-compile mode";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), MOEJIT_ERROR_NOT_CACHED) << e.what();
+  }
+  EXPECT_EQ(nc.compiles.load(), 0u);
+  EXPECT_EQ(test::read_file(path), forged) << "no-compile mode writes nothing";
+
+  // verify checks the MAC when given the key, and only then.
+  test::write_file(path, authenticated);
+  EXPECT_EQ(verify_cache_dir(dir_, false, key.get()).valid, 1u);
+  EXPECT_EQ(verify_cache_dir(dir_, false, test::sample_mac_key('o').get()).valid, 0u);
+  test::write_file(path, forged);
+  EXPECT_EQ(verify_cache_dir(dir_, false).valid, 1u);
+  const CacheVerifyReport r = verify_cache_dir(dir_, false, key.get());
+  ASSERT_EQ(r.invalid.size(), 1u);
+  EXPECT_NE(r.invalid[0].why.find("MAC does not match"), std::string::npos) << r.invalid[0].why;
+}
+
+// --verify runs as a tool, often as another user than the runtime that serves the cache: it judges
+// the entries as the runtime running as this user would, owner included. An entry another user
+// owns is refused by the runtime, so it is not valid (root may own entries: it can write anywhere
+// anyway).
+TEST_F(CacheStore, VerifyCallsAnotherUsersEntryInvalid) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to give an entry to another uid";
+  Stats s;
+  obtain(0, &s);
+  ASSERT_EQ(chown(entry_of(0).c_str(), 65534, 65534), 0);
+  const CacheVerifyReport r = verify_cache_dir(dir_, false);
+  EXPECT_EQ(r.valid, 0u);
+  ASSERT_EQ(r.invalid.size(), 1u);
+  EXPECT_NE(r.invalid[0].why.find("is owned by uid 65534"), std::string::npos) << r.invalid[0].why;
+  Stats miss;
+  EXPECT_EQ(obtain(0, &miss), Source::kCompiled) << "the runtime refuses it too";
+}
+
+// Only the cache directory, its version directory and its shards must not be symlinks: a symlink
+// in a directory above the cache (a home on another volume, /home -> /data/home) is followed, as
+// every program follows it, and docs/cache.md says so.
+TEST_F(CacheStore, ASymlinkAboveTheCacheDirectoryIsFollowed) {
+  const std::string real = scratch_ / "volume";
+  fs::create_directories(real);
+  const std::string link = scratch_ / "home";
+  fs::create_directory_symlink(real, link);
+  dir_ = link + "/cache";
+  Stats cold, warm;
+  EXPECT_EQ(obtain(0, &cold), Source::kCompiled);
+  EXPECT_EQ(obtain(0, &warm), Source::kDisk);
+  EXPECT_EQ(cold.disk_errors.load() + warm.disk_errors.load(), 0u);
+  EXPECT_TRUE(fs::exists(real + "/cache/" + version_dir_name()));
 }
 
 TEST_F(CacheStore, NonKeysNeverBecomePaths) {

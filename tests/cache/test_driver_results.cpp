@@ -6,11 +6,17 @@
 #include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <vector>
@@ -294,12 +300,19 @@ TEST_F(DriverResults, ConcurrentFirstCallsBuildAndLoadEachModuleOnce) {
                                         moejit_test::fake_gather_map_args(33, 2, 512),
                                         moejit_test::fake_gather_map_args(33, 4, 256), token_index};
   const int loads = driver_.module_load_calls();
-  std::atomic<int> succeeded{0};
+  std::atomic<int> succeeded{0}, ready{0};
+  std::atomic<bool> go{false};
   std::vector<std::thread> threads;
   for (int i = 0; i < 8; ++i)
     threads.emplace_back([&, i] {
+      // A start barrier: all eight call at once, or the test could pass with calls that ran one
+      // after another.
+      ++ready;
+      while (!go.load()) std::this_thread::yield();
       if (moejit_runtime_combine(rt, &shapes[i % 4], nullptr) == MOEJIT_SUCCESS) ++succeeded;
     });
+  while (ready.load() < 8) std::this_thread::yield();
+  go = true;
   for (auto& t : threads) t.join();
   EXPECT_EQ(succeeded.load(), 8);
   const moejit_stats s = stats_of(rt);
@@ -308,4 +321,131 @@ TEST_F(DriverResults, ConcurrentFirstCallsBuildAndLoadEachModuleOnce) {
   EXPECT_EQ(s.launches, 2u * (3 + 3));
   EXPECT_EQ(s.loaded_modules, 5u);
   moejit_runtime_destroy(rt);
+}
+
+namespace {
+
+// Templates that fail to compile, slowly: the real ones, with a long run of declarations and an
+// #error at the end of the combine template, so that a compile takes long enough for every thread
+// of a test to be waiting on it.
+std::string broken_templates(const std::string& dir) {
+  const std::string out = dir + "/broken-templates";
+  fs::create_directories(out);
+  for (const auto& e : fs::directory_iterator(MOEJIT_TEMPLATES_SOURCE)) {
+    std::ifstream in(e.path(), std::ios::binary);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (e.path().filename() == "combine_params.h") {
+      for (int i = 0; i < 200000; ++i)
+        text += "static const int moejit_test_padding_" + std::to_string(i) + " = " +
+                std::to_string(i) + ";\n";
+      text += "#error deliberately broken template\n";
+    }
+    std::ofstream(out + "/" + e.path().filename().string(), std::ios::binary) << text;
+  }
+  return out;
+}
+
+}  // namespace
+
+// Threads that waited on a compile that failed share its failure: six threads released at once
+// onto one broken shape give one NVRTC compile, not six one after another; a later call (a retry)
+// compiles again. Failed compiles count in stats.compiles.
+TEST_F(DriverResults, ThreadsWaitingOnAFailedCompileShareItsFailure) {
+  const std::string templates = broken_templates(dir_.path());
+  moejit_runtime_options o;
+  moejit_runtime_options_init(&o);
+  o.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
+  o.template_dir = templates.c_str();
+  o.log_level = MOEJIT_LOG_OFF;
+  moejit_runtime_t rt = nullptr;
+  ASSERT_EQ(moejit_runtime_create(&o, &rt), MOEJIT_SUCCESS) << moejit_last_error_message();
+  const moejit_combine_args a = gather_map_args();
+  constexpr int kThreads = 6;
+  std::atomic<int> ready{0}, failed{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i)
+    threads.emplace_back([&] {
+      ++ready;
+      while (!go.load()) std::this_thread::yield();  // released together
+      if (moejit_runtime_combine(rt, &a, nullptr) == MOEJIT_ERROR_COMPILE &&
+          std::string(moejit_last_error_message()).find("deliberately broken template") !=
+              std::string::npos)
+        ++failed;
+    });
+  while (ready.load() < kThreads) std::this_thread::yield();
+  go = true;
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failed.load(), kThreads) << "every thread gets the compile's error";
+  moejit_stats s = stats_of(rt);
+  EXPECT_EQ(s.compiles, 1u) << "one compile for all the threads that waited on it";
+  EXPECT_GT(s.compile_seconds, 0.0);
+  EXPECT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_ERROR_COMPILE);
+  EXPECT_EQ(stats_of(rt).compiles, 2u) << "a later call tries again";
+  moejit_runtime_destroy(rt);
+}
+
+// fork() while another thread compiles, as a Python worker pool started by fork does: the child
+// calls the same shape and must get an answer (its default runtime starts afresh), never wait for
+// the parent's compile, whose thread does not exist in the child. A runtime the parent created is
+// refused in the child, and destroying it there returns. The alarm is a safety net: it fires only
+// if the child hangs.
+TEST_F(DriverResults, AChildForkedWhileAnotherThreadCompilesNeverHangs) {
+  ::setenv("MOEJIT_CACHE_MODE", "disabled", 1);  // the default runtime's, in parent and child
+  ::setenv("MOEJIT_LOG_LEVEL", "off", 1);
+  moejit_runtime_t parents = runtime_on(dir_.path(), MOEJIT_CACHE_MODE_DISABLED);
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    // A shape neither runtime has built: its first call compiles (a few hundred milliseconds).
+    const moejit_combine_args a = moejit_test::fake_gather_map_args(33, 2, 2048 + 256 * attempt);
+    std::atomic<int> done{0};
+    std::thread on_default([&] {
+      moe_combine(&a, nullptr);
+      ++done;
+    });
+    std::thread on_explicit([&] {
+      moejit_runtime_combine(parents, &a, nullptr);
+      ++done;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (done.load() == 2) {  // both compiled before the fork: nothing tested; another shape
+      on_default.join();
+      on_explicit.join();
+      continue;
+    }
+    const pid_t child = fork();
+    if (child == 0) {
+      alarm(60);
+      int rc = 0;
+      if (moe_combine(&a, nullptr) != MOEJIT_SUCCESS) rc |= 1;
+      if (moejit_runtime_combine(parents, &a, nullptr) != MOEJIT_ERROR_INVALID_ARGUMENT) rc |= 2;
+      if (std::string(moejit_last_error_message())
+              .find("was created before this process was "
+                    "forked") == std::string::npos)
+        rc |= 4;
+      moejit_stats s{};
+      s.struct_size = sizeof(s);
+      if (moejit_runtime_get_stats(parents, &s) != MOEJIT_SUCCESS) rc |= 8;
+      if (moejit_runtime_destroy(parents) != MOEJIT_SUCCESS) rc |= 16;
+      moejit_runtime_t own = runtime_on(dir_.path(), MOEJIT_CACHE_MODE_DISABLED);
+      if (own == nullptr || moejit_runtime_combine(own, &a, nullptr) != MOEJIT_SUCCESS) rc |= 32;
+      // exit_group itself, not _exit: ThreadSanitizer would report the parent's threads, copied
+      // into the child's view of them, as leaked, and exit with its own status.
+      syscall(SYS_exit_group, rc);
+    }
+    ASSERT_GT(child, 0);
+    on_default.join();
+    on_explicit.join();
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    EXPECT_FALSE(WIFSIGNALED(status))
+        << "the child was killed by signal " << WTERMSIG(status) << " (14, SIGALRM: it hung)";
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "the child's checks that failed (bits of rc): " << WEXITSTATUS(status);
+    EXPECT_EQ(moejit_runtime_combine(parents, &a, nullptr), MOEJIT_SUCCESS)
+        << "the parent's runtime still serves the parent";
+    moejit_runtime_destroy(parents);
+    return;
+  }
+  moejit_runtime_destroy(parents);
+  FAIL() << "every compile finished within 20 ms, before the fork: the case was not reached";
 }

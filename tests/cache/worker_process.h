@@ -1,6 +1,7 @@
 // Starting cache_worker (see cache_worker.cpp) from a test and reading its report.
 #pragma once
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -29,14 +30,20 @@ struct WorkerResult {
   }
 };
 
-// env: extra "NAME=value" settings for the child only.
+// env: extra "NAME=value" settings for the child only. stderr_path: where its stderr goes (the
+// test's own stderr if empty).
 inline Worker start_worker(const std::vector<std::string>& args,
-                           const std::vector<std::string>& env = {}) {
+                           const std::vector<std::string>& env = {},
+                           const std::string& stderr_path = "") {
   int fds[2];
   if (pipe(fds) != 0) return {};
   const pid_t pid = fork();
   if (pid == 0) {
     dup2(fds[1], 1);
+    if (!stderr_path.empty()) {
+      const int err = open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      if (err >= 0) dup2(err, 2);
+    }
     close(fds[0]);
     close(fds[1]);
     for (const std::string& e : env) putenv(const_cast<char*>(e.c_str()));
@@ -72,8 +79,9 @@ inline WorkerResult finish_worker(const Worker& w) {
 }
 
 inline WorkerResult run_worker(const std::vector<std::string>& args,
-                               const std::vector<std::string>& env = {}) {
-  return finish_worker(start_worker(args, env));
+                               const std::vector<std::string>& env = {},
+                               const std::string& stderr_path = "") {
+  return finish_worker(start_worker(args, env, stderr_path));
 }
 
 }  // namespace moejit::test

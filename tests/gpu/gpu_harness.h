@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "driver_probe.h"
 #include "moejit/moejit.h"
 
 namespace moejit_test {
@@ -22,12 +23,17 @@ namespace moejit_test {
     ASSERT_EQ(err_, cudaSuccess) << #call << ": " << cudaGetErrorString(err_); \
   } while (0)
 
-// Empty string if a GPU is usable; otherwise why not (the skip reason).
+// Empty string if a GPU is usable; otherwise why not (the skip reason), in the library's own words:
+// the driver is asked first (moejit::probe_driver, shared with the library and the tools), since
+// the CUDA runtime calls a missing driver an "insufficient" one; then the runtime, which the tests
+// use for memory and streams.
 inline std::string gpu_unavailable_reason() {
+  const moejit::DriverProbe probe = moejit::probe_driver();
+  if (probe.status != MOEJIT_SUCCESS) return "no usable CUDA GPU: " + probe.message;
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) return std::string("no usable CUDA GPU: ") + cudaGetErrorString(err);
-  if (count == 0) return "no CUDA GPU found";
+  if (err != cudaSuccess)
+    return std::string("no usable CUDA GPU: the CUDA runtime says: ") + cudaGetErrorString(err);
   return "";
 }
 
@@ -170,6 +176,39 @@ inline double tolerance(moejit_dtype out, double magnitude_sum, double ref, int 
       break;
   }
   return accumulation + rounding + 1e-30;
+}
+
+// Device buffers of a bf16 token-major combine of T tokens x K rows of H: T * K rows of zeros,
+// and out_rows rows of output (T, unless a test means otherwise). Freed with the object.
+struct TokenMajorBf16 {
+  int64_t T = 0, K = 0, H = 0;
+  void* rows = nullptr;
+  void* out = nullptr;
+  moejit_combine_args args() const {
+    moejit_combine_args a;
+    moejit_combine_args_init(&a);
+    a.layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
+    a.num_tokens = T;
+    a.top_k = K;
+    a.num_rows = T * K;
+    a.hidden_dim = H;
+    a.expert_hidden = rows;
+    a.expert_dtype = MOEJIT_DTYPE_BFLOAT16;
+    a.out = out;
+    a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+    return a;
+  }
+  ~TokenMajorBf16() {
+    cudaFree(out);
+    cudaFree(rows);
+  }
+};
+inline void allocate(TokenMajorBf16* b, int64_t T, int64_t K, int64_t H, int64_t out_rows) {
+  b->T = T, b->K = K, b->H = H;
+  const size_t row = static_cast<size_t>(H) * 2;
+  CUDA_OK(cudaMalloc(&b->rows, row * static_cast<size_t>(T * K)));
+  CUDA_OK(cudaMemset(b->rows, 0, row * static_cast<size_t>(T * K)));
+  CUDA_OK(cudaMalloc(&b->out, row * static_cast<size_t>(out_rows)));
 }
 
 }  // namespace moejit_test

@@ -9,12 +9,9 @@
 #include <set>
 #include <thread>
 
-#include "cache_key.h"
-#include "combine_plan.h"
-#include "disk_cache.h"
+#include "cache_entry.h"
 #include "gtest/gtest.h"
-#include "kernel_sources.h"
-#include "kernel_store.h"
+#include "moejit_internal.h"
 #include "precompile_inputs.h"
 #include "tool_runner.h"
 
@@ -110,7 +107,7 @@ class WarmedCache : public ::testing::Test {
     const CacheVerifyReport r = verify_cache_dir(cache_, false);
     EXPECT_EQ(r.entries, entries);
     EXPECT_EQ(r.valid, entries);
-    EXPECT_TRUE(r.invalid_paths.empty()) << r.invalid_paths.front();
+    EXPECT_TRUE(r.invalid.empty()) << r.invalid.front().path << ": " << r.invalid.front().why;
   }
 
   static std::string scratch_, cache_;
@@ -145,6 +142,19 @@ TEST_F(WarmedCache, SecondRunCompilesNothingAndIsFast) {
   EXPECT_LT(second_seconds, 0.5 * first_seconds_)
       << "first " << first_seconds_ << " s, second " << second_seconds << " s";
   expect_cache_valid(expected_entries_);
+}
+
+// A second run over a warm cache prints its one-line summary and nothing else: no progress line
+// per kernel found in the cache (stderr is not a terminal here, as in CI logs).
+TEST_F(WarmedCache, SecondRunPrintsOneLine) {
+  const test::ToolRun r =
+      test::run_tool("-j 2 --arch sm_90 --model-config '" + configs("qwen3-30b-a3b.json") +
+                         "' --cache-dir '" + cache_ + "'" + kNarrow,
+                     scratch_);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
+  EXPECT_NE(r.out.find("0 compiled, 3 already cached, 0 failed"), std::string::npos) << r.out;
 }
 
 TEST_F(WarmedCache, DryRunReportsEverythingCached) {
@@ -248,6 +258,163 @@ TEST_F(WarmedCache, VerifyReportsAndRepairsInvalidEntries) {
   expect_cache_valid(expected_entries_);
 }
 
+// ---- exit 0 means "servable by the runtime from this cache, as this user" -----------------------
+
+const char* kOneModule = "--arch sm_90 --hidden 64 --topk 2 --dtype bf16 --layout token_major";
+
+std::string only_key(const test::ToolRun& r) {
+  const json j = parse_json(r);
+  return j.contains("jobs") && j["jobs"].size() == 1 ? j["jobs"][0]["key"].get<std::string>() : "";
+}
+
+// A shard directory others can write: the runtime loads nothing from it (and cannot replace what
+// is there), so a run that leaves an entry there must not exit 0, whatever file exists.
+TEST(Servable, AnEntryInAShardOthersCanWriteFailsTheRun) {
+  const std::string scratch = test::make_temp_dir("pc-servable-shard");
+  const std::string cache = scratch + "/cache";
+  const std::string args = std::string(kOneModule) + " --cache-dir '" + cache + "'";
+  test::ToolRun r = test::run_tool(args + " --json", scratch);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const std::string key = only_key(r);
+  const std::string entry = cache_entry_path(cache, key);
+  const std::string shard = std::filesystem::path(entry).parent_path().string();
+  ASSERT_EQ(chmod(shard.c_str(), 0777), 0);
+  r = test::run_tool(args, scratch);
+  EXPECT_EQ(r.rc, 3) << r.out << r.err;
+  EXPECT_NE(r.err.find("the runtime would not serve " + entry), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("writable by group or others (mode 0777)"), std::string::npos) << r.err;
+  EXPECT_NE(r.out.find("1 not servable by the runtime"), std::string::npos) << r.out;
+  r = test::run_tool(args + " --json", scratch);
+  EXPECT_EQ(r.rc, 3);
+  EXPECT_EQ(parse_json(r)["jobs"][0]["status"], "unservable") << r.out;
+  test::remove_tree(scratch);
+}
+
+// Runs the tool with dir mounted read-only (a mount namespace of its own): an entry there cannot
+// be replaced, even by root. Empty when this machine does not let the test mount.
+std::string read_only_mount_prefix(const std::string& dir) {
+  if (std::system("unshare -m true >/dev/null 2>&1") != 0) return "";
+  return "unshare -m sh -c 'mount --make-rprivate / && mount --bind \"" + dir + "\" \"" + dir +
+         "\" && mount -o remount,bind,ro \"" + dir + "\" && exec \"$0\" \"$@\"' ";
+}
+
+// A damaged entry that the tool cannot replace (a read-only volume): the runtime would miss it,
+// so the run fails and names it (it said "warm" before). --verify --repair cannot remove it either,
+// and says so instead of "removed".
+TEST(Servable, ADamagedEntryTheToolCannotReplaceFailsTheRun) {
+  const std::string scratch = test::make_temp_dir("pc-servable-ro");
+  const std::string cache = scratch + "/cache";
+  const std::string prefix = read_only_mount_prefix(cache);
+  if (prefix.empty()) {
+    test::remove_tree(scratch);
+    GTEST_SKIP() << "cannot mount the cache read-only here (unshare -m needs root or "
+                    "CAP_SYS_ADMIN)";
+  }
+  const std::string args = std::string(kOneModule) + " --cache-dir '" + cache + "'";
+  test::ToolRun r = test::run_tool(args + " --json", scratch);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const std::string entry = cache_entry_path(cache, only_key(r));
+  const std::string bytes = test::slurp(entry);
+  test::write_file(entry, bytes.substr(0, bytes.size() - 1) + "!");
+  r = test::run_tool(args, scratch, prefix);
+  EXPECT_EQ(r.rc, 3) << r.out << r.err;
+  EXPECT_NE(r.err.find("the runtime would not serve " + entry + ": payload checksum mismatch"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("Read-only file system"), std::string::npos) << r.err;  // the warning
+
+  r = test::run_tool("--verify --repair --cache-dir '" + cache + "'", scratch, prefix);
+  EXPECT_EQ(r.rc, 4) << r.out << r.err;
+  EXPECT_EQ(r.out.find("removed invalid entry"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("invalid entry " + entry +
+                       ": payload checksum mismatch; not removed: Read-only file system"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.err.find("1 invalid entries could not be removed"), std::string::npos) << r.err;
+  EXPECT_TRUE(std::filesystem::exists(entry));
+  test::remove_tree(scratch);
+}
+
+// --verify judges entries as the runtime running as this user would: one another user owns is
+// refused by the runtime, so it is invalid (exit 4), not "valid".
+TEST(Verify, AnotherUsersEntryIsInvalid) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to give an entry to another uid";
+  const std::string scratch = test::make_temp_dir("pc-verify-owner");
+  const std::string cache = scratch + "/cache";
+  test::ToolRun r =
+      test::run_tool(std::string(kOneModule) + " --json --cache-dir '" + cache + "'", scratch);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const std::string entry = cache_entry_path(cache, only_key(r));
+  ASSERT_EQ(chown(entry.c_str(), 65534, 65534), 0);
+  r = test::run_tool("--verify --cache-dir '" + cache + "'", scratch);
+  EXPECT_EQ(r.rc, 4) << r.out << r.err;
+  EXPECT_NE(r.out.find("invalid entry " + entry + ": is owned by uid 65534"), std::string::npos)
+      << r.out;
+  test::remove_tree(scratch);
+}
+
+// --verify on a path that is a file, not a directory, says so (it said "does not exist").
+TEST(Verify, AFileIsNotACacheDirectory) {
+  const std::string scratch = test::make_temp_dir("pc-verify-file");
+  test::write_file(scratch + "/file", "not a cache");
+  test::ToolRun r = test::run_tool("--verify --cache-dir '" + scratch + "/file'", scratch);
+  EXPECT_EQ(r.rc, 3) << r.out << r.err;
+  EXPECT_NE(r.err.find("exists and is not a directory"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("does not exist"), std::string::npos) << r.err;
+  r = test::run_tool("--verify --cache-dir '" + scratch + "/nothing'", scratch);
+  EXPECT_EQ(r.rc, 3) << r.out << r.err;
+  EXPECT_NE(r.err.find("does not exist"), std::string::npos) << r.err;
+  test::remove_tree(scratch);
+}
+
+// With a cache key the tool writes authenticated entries, which a runtime with that key serves;
+// --verify with the key checks their MAC. A key file others may read is refused (exit 2).
+TEST(CacheKey, EntriesAreWrittenAndVerifiedUnderTheKey) {
+  const std::string scratch = test::make_temp_dir("pc-key");
+  const std::string cache = scratch + "/cache";
+  const std::string key_file = scratch + "/key", other_key = scratch + "/other";
+  test::write_file(key_file, std::string(32, 'k'));
+  test::write_file(other_key, std::string(32, 'o'));
+  chmod(key_file.c_str(), 0600);
+  chmod(other_key.c_str(), 0600);
+  const std::string args = std::string(kOneModule) + " --cache-dir '" + cache + "'";
+  test::ToolRun r = test::run_tool(args + " --json --cache-key-file '" + key_file + "'", scratch);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(parse_json(r)["authenticated"], true);
+  const std::string key = only_key(r);
+
+  // Authenticated under that key, and only that one.
+  const auto mac_key = read_mac_key_file(key_file, "test");
+  const auto wrong_key = read_mac_key_file(other_key, "test");
+  std::string why;
+  const std::string entry = test::slurp(cache_entry_path(cache, key));
+  EXPECT_TRUE(parse_cache_entry(entry, key, nullptr, &why, mac_key.get())) << why;
+  EXPECT_FALSE(parse_cache_entry(entry, key, nullptr, &why, wrong_key.get()));
+
+  r = test::run_tool("--verify --cache-dir '" + cache + "' --cache-key-file '" + key_file + "'",
+                     scratch);
+  EXPECT_EQ(r.rc, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("1 valid (authenticated)"), std::string::npos) << r.out;
+  r = test::run_tool("--verify --cache-dir '" + cache + "' --cache-key-file '" + other_key + "'",
+                     scratch);
+  EXPECT_EQ(r.rc, 4) << r.out << r.err;
+  EXPECT_NE(r.out.find("its MAC does not match the cache key in " + other_key), std::string::npos)
+      << r.out;
+  r = test::run_tool("--verify --cache-dir '" + cache + "'", scratch);  // no key: not examined
+  EXPECT_EQ(r.rc, 0) << r.out << r.err;
+
+  // A run with another key: the entry is not servable under it, so it is rebuilt and replaced.
+  r = test::run_tool(args + " --json", scratch, "MOEJIT_CACHE_KEY_FILE='" + other_key + "' ");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(parse_json(r)["compiled"], 1) << r.out;
+
+  chmod(key_file.c_str(), 0644);
+  r = test::run_tool(args + " --cache-key-file '" + key_file + "'", scratch);
+  EXPECT_EQ(r.rc, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("is accessible to group or others (mode 0644)"), std::string::npos) << r.err;
+  test::remove_tree(scratch);
+}
+
 // A symlinked version directory: the runtime refuses it, so --verify reports an unusable cache
 // (exit 3) and --repair deletes nothing through it.
 TEST(Verify, SymlinkedVersionDirectoryIsUnusableAndNeverRepaired) {
@@ -257,7 +424,8 @@ TEST(Verify, SymlinkedVersionDirectoryIsUnusableAndNeverRepaired) {
   std::filesystem::create_directories(scratch + "/elsewhere/ab");
   test::write_file(junk, "junk, not an entry");
   ASSERT_EQ(mkdir(cache.c_str(), 0700), 0);
-  std::filesystem::create_directory_symlink(scratch + "/elsewhere", cache + "/v1");
+  std::filesystem::create_directory_symlink(scratch + "/elsewhere",
+                                            cache + "/" + version_dir_name());
   for (const char* args : {"--verify", "--verify --repair", "--verify --repair --json"}) {
     const test::ToolRun r =
         test::run_tool(std::string(args) + " --cache-dir '" + cache + "'", scratch);
@@ -289,7 +457,7 @@ TEST(Concurrency, ParallelJobsAndTwoProcessesIntoOneDirectory) {
   const CacheVerifyReport v = verify_cache_dir(scratch + "/cache", false);
   EXPECT_EQ(v.entries, expected);
   EXPECT_EQ(v.valid, expected);
-  EXPECT_TRUE(v.invalid_paths.empty());
+  EXPECT_TRUE(v.invalid.empty());
   test::remove_tree(scratch);
 }
 
@@ -392,7 +560,8 @@ TEST(ReadableByAll, AnotherUserReadsACacheWarmedByRoot) {
   test::ToolRun r = test::run_tool(args + " -q", scratch);
   ASSERT_EQ(r.rc, 0) << r.err;
   const std::string key = parse_json(test::run_tool(args + " --json", scratch))["jobs"][0]["key"];
-  const std::string shard = cache + "/v1/" + key.substr(0, 2);
+  const std::string v2 = cache + "/" + version_dir_name();
+  const std::string shard = v2 + "/" + key.substr(0, 2);
   const std::string entry = shard + "/" + key + ".moejit";
   EXPECT_EQ(mode_of(cache), 0700u);
   EXPECT_EQ(mode_of(shard), 0700u);
@@ -429,7 +598,7 @@ TEST(ReadableByAll, AnotherUserReadsACacheWarmedByRoot) {
   EXPECT_TRUE(readable["failed"].empty()) << readable.dump();
   for (const json& blocked : readable["blocked"])
     EXPECT_EQ(blocked.get<std::string>().find(scratch), std::string::npos) << blocked;
-  for (const std::string& dir : {cache, cache + "/v1", shard}) EXPECT_EQ(mode_of(dir), 0755u);
+  for (const std::string& dir : {cache, v2, shard}) EXPECT_EQ(mode_of(dir), 0755u);
   EXPECT_EQ(mode_of(entry), 0644u);
   EXPECT_EQ(mode_of(shard + "/notes.txt"), 0600u);
   EXPECT_EQ(mode_of(scratch + "/elsewhere"), 0600u);
@@ -474,13 +643,14 @@ TEST(ReadableByAll, APartItCannotChangeExitsThree) {
   const std::string other_shard = key.substr(0, 2) == "ff" ? "fe" : "ff";
   ASSERT_TRUE(std::filesystem::create_directory(scratch + "/elsewhere"));
   ASSERT_EQ(chmod((scratch + "/elsewhere").c_str(), 0700), 0);
-  std::filesystem::create_directory_symlink(scratch + "/elsewhere", cache + "/v1/" + other_shard);
+  const std::string v2 = cache + "/" + version_dir_name();
+  std::filesystem::create_directory_symlink(scratch + "/elsewhere", v2 + "/" + other_shard);
 
   r = test::run_tool(args + " --readable-by-all --json", scratch);
   EXPECT_EQ(r.rc, 3) << r.out << r.err;
   const json readable = parse_json(r)["readable_by_all"];
   ASSERT_EQ(readable["failed"].size(), 1u) << readable.dump();
-  EXPECT_NE(readable["failed"][0].get<std::string>().find(cache + "/v1/" + other_shard),
+  EXPECT_NE(readable["failed"][0].get<std::string>().find(v2 + "/" + other_shard),
             std::string::npos)
       << readable.dump();
   EXPECT_EQ(readable["entries"], 1) << readable.dump();  // the rest is still made readable

@@ -42,6 +42,7 @@ int main(void) {
   FIELD(moejit_runtime_options, cache_max_bytes)
   FIELD(moejit_runtime_options, log_level)
   FIELD(moejit_runtime_options, template_dir)
+  FIELD(moejit_runtime_options, cache_key_file)
   first = 1;
   printf("}},\n \"moejit_stats\": {\"sizeof\": %zu, \"fields\": {", sizeof(moejit_stats));
   FIELD(moejit_stats, struct_size)

@@ -213,6 +213,18 @@ def test_last_error_is_per_thread():
     assert "hidden_dim" in _capi.last_error_message()
 
 
+# Makes `import torch` fail in a subprocess, as in an environment without torch.
+BLOCK_TORCH = "import sys\nsys.modules['torch'] = None\n"
+
+
+def package_env(package_dir):
+    """A subprocess's environment for the package under test and its library."""
+    env = {"PYTHONPATH": str(package_dir.parent)}
+    if os.environ.get("MOEJIT_LIBRARY"):
+        env["MOEJIT_LIBRARY"] = os.environ["MOEJIT_LIBRARY"]
+    return env
+
+
 def run_python(code, env_update, cwd):
     env = {k: v for k, v in os.environ.items() if k not in ("MOEJIT_LIBRARY", "PYTHONPATH")}
     env.update(env_update)
@@ -220,22 +232,26 @@ def run_python(code, env_update, cwd):
                           text=True)
 
 
-def test_missing_library_names_what_was_tried(tmp_path):
+def test_missing_library_names_what_was_tried(tmp_path, package_dir):
     r = run_python("import moejit; moejit.version()",
                    {"MOEJIT_LIBRARY": str(tmp_path / "nope.so"),
-                    "PYTHONPATH": str(REPO / "python")}, tmp_path)
+                    "PYTHONPATH": str(package_dir.parent)}, tmp_path)
     assert r.returncode != 0
     assert "LibraryNotFoundError" in r.stderr and "nope.so" in r.stderr
     assert "MOEJIT_LIBRARY" in r.stderr
 
 
-def test_library_next_to_the_package(tmp_path):
-    lib = os.environ.get("MOEJIT_LIBRARY")
+# The package's Python files alone, as in the checkout (the wheel's library and tool left out).
+PYTHON_FILES_ONLY = shutil.ignore_patterns("__pycache__", "libmoejit.so*", "moejit-precompile",
+                                           "precompile-configs")
+
+
+def test_library_next_to_the_package(tmp_path, package_dir, library_file):
+    lib = library_file
     if not lib:
         pytest.skip("MOEJIT_LIBRARY not set: no built library to copy")
     pkg = tmp_path / "moejit"
-    shutil.copytree(REPO / "python" / "moejit", pkg,
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(package_dir, pkg, ignore=PYTHON_FILES_ONLY)
     shutil.copy(lib, pkg / "libmoejit.so.0")
     r = run_python("import moejit, moejit._capi as c; moejit.version(); "
                    "print(c.load_library()._name)", {"PYTHONPATH": str(tmp_path)}, tmp_path)
@@ -243,7 +259,7 @@ def test_library_next_to_the_package(tmp_path):
     assert r.stdout.strip() == str(pkg / "libmoejit.so.0")
 
 
-def test_a_library_without_this_packages_functions_is_skipped(tmp_path):
+def test_a_library_without_this_packages_functions_is_skipped(tmp_path, package_dir):
     # Loads, but lacks the package's functions (as a libmoejit older than the package would):
     # named in what was tried, then the next candidate; never a bare AttributeError.
     import ctypes.util
@@ -253,7 +269,7 @@ def test_a_library_without_this_packages_functions_is_skipped(tmp_path):
     r = run_python("import moejit._capi as c\n"
                    "try:\n    c.load_library(); print('loaded another candidate')\n"
                    "except c.LibraryNotFoundError as e:\n    print(e)",
-                   {"MOEJIT_LIBRARY": libc, "PYTHONPATH": str(REPO / "python")}, tmp_path)
+                   {"MOEJIT_LIBRARY": libc, "PYTHONPATH": str(package_dir.parent)}, tmp_path)
     assert r.returncode == 0, r.stderr
     assert "AttributeError" not in r.stderr
     # MOEJIT_LIBRARY is the only candidate: a load that succeeds accepted libc.
@@ -261,16 +277,16 @@ def test_a_library_without_this_packages_functions_is_skipped(tmp_path):
     assert "too old for this package" in r.stdout and libc in r.stdout
 
 
-def test_an_old_library_next_to_the_package_falls_back_to_the_system_one(tmp_path):
+def test_an_old_library_next_to_the_package_falls_back_to_the_system_one(tmp_path, package_dir,
+                                                                        library_file):
     # The old library carries the same SONAME: unless it is unloaded, the system loader's
     # candidate ("libmoejit.so.0", no slash) resolves to it again and the newer one is never tried.
-    lib = os.environ.get("MOEJIT_LIBRARY")
+    lib = library_file
     cc = shutil.which(os.environ.get("CC", "cc"))
     if not lib or cc is None:
         pytest.skip("needs MOEJIT_LIBRARY (a built library) and a C compiler")
     pkg = tmp_path / "moejit"
-    shutil.copytree(REPO / "python" / "moejit", pkg,
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(package_dir, pkg, ignore=PYTHON_FILES_ONLY)
     (tmp_path / "old.c").write_text("int moejit_version(void) { return 100; }\n")
     subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libmoejit.so.0", str(tmp_path / "old.c"),
                     "-o", str(pkg / "libmoejit.so.0")], check=True)
@@ -284,15 +300,14 @@ def test_an_old_library_next_to_the_package_falls_back_to_the_system_one(tmp_pat
     assert r.stdout.split()[0] == "libmoejit.so.0" and r.stdout.split()[1] != "100"
 
 
-def test_star_import_does_not_import_torch(tmp_path):
-    r = run_python("import sys\nfrom moejit import *\nprint('torch' in sys.modules, "
-                   "'combine' in dir())",
-                   {"PYTHONPATH": str(REPO / "python")}, tmp_path)
+def test_star_import_works_without_torch(tmp_path, package_dir):
+    r = run_python(BLOCK_TORCH + "from moejit import *\nprint('combine' in dir(), version())",
+                   package_env(package_dir), tmp_path)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "False False"
+    assert r.stdout.split()[0] == "False"
 
 
-def test_torch_without_custom_op_is_named(tmp_path):
+def test_torch_without_custom_op_is_named(tmp_path, package_dir):
     # torch before 2.4 has no torch.library.custom_op: say so, not "module 'torch.library' has no
     # attribute 'custom_op'" from moejit.combine's lookup. A stand-in torch, so no torch is needed.
     stub = tmp_path / "stub" / "torch"
@@ -302,20 +317,58 @@ def test_torch_without_custom_op_is_named(tmp_path):
     (stub / "library.py").write_text("")
     r = run_python("import moejit\ntry:\n    moejit.combine\nexcept ImportError as e:\n"
                    "    print(e)",
-                   {"PYTHONPATH": os.pathsep.join([str(tmp_path / "stub"), str(REPO / "python")])},
+                   {"PYTHONPATH": os.pathsep.join([str(tmp_path / "stub"), str(package_dir.parent)])},
                    tmp_path)
     assert r.returncode == 0, r.stderr
     assert "needs torch 2.4 or newer" in r.stdout and "torch 2.3.1" in r.stdout
 
 
-def test_import_does_not_import_torch(tmp_path):
-    r = run_python("import sys, moejit; moejit.version(); moejit.stats(); "
-                   "print('torch' in sys.modules)",
-                   {"PYTHONPATH": str(REPO / "python"),
-                    "MOEJIT_LIBRARY": os.environ.get("MOEJIT_LIBRARY", "libmoejit.so.0")},
+
+
+def test_import_works_without_torch(tmp_path, package_dir):
+    r = run_python(BLOCK_TORCH + "import moejit; moejit.version(); moejit.stats(); print('ok')",
+                   package_env(package_dir), tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
+def test_combine_without_torch_says_torch_is_needed(tmp_path, package_dir):
+    r = run_python(BLOCK_TORCH + "import moejit\n"
+                   "for name in ('combine', 'combine_op'):\n"
+                   "    try:\n        getattr(moejit, name)\n"
+                   "    except ImportError as e:\n        print(e.name, '|', e)\n"
+                   "try:\n    from moejit import combine\n"
+                   "except ImportError as e:\n    print(e.name, '|', e)",
+                   {"PYTHONPATH": str(package_dir.parent)}, tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 3, r.stdout
+    for line, name in zip(lines, ("combine", "combine_op", "combine")):
+        assert line.startswith(f"torch | moejit.{name} works on torch tensors and needs PyTorch")
+        assert "pip install torch" in line
+
+
+def test_torch_op_is_registered_on_import_when_torch_is_importable(tmp_path, package_dir):
+    # A stand-in torch whose torch.library.custom_op records what is registered: importing moejit
+    # alone registers moejit::combine (an engine may call torch.ops.moejit.combine first).
+    stub = tmp_path / "stub" / "torch"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text(
+        "__version__ = '2.11.0'\nfloat32 = float16 = bfloat16 = 'dtype'\nTensor = dtype = object\n"
+        "from . import library\n")
+    (stub / "library.py").write_text(
+        "registered = []\n"
+        "class _Op:\n    def __init__(self, f): self.f = f\n"
+        "    def register_fake(self, g): return g\n"
+        "def custom_op(name, mutates_args):\n"
+        "    def wrap(f):\n        registered.append(name)\n        return _Op(f)\n"
+        "    return wrap\n")
+    r = run_python("import moejit, torch.library\nprint(torch.library.registered, "
+                   "callable(moejit.combine), 'combine' in moejit.__all__)",
+                   {"PYTHONPATH": os.pathsep.join([str(tmp_path / "stub"), str(package_dir.parent)])},
                    tmp_path)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "False"
+    assert r.stdout.strip() == "['moejit::combine'] True True"
 
 
 def test_error_survives_pickling_and_copy():

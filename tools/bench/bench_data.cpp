@@ -1,6 +1,6 @@
 #include "bench_data.h"
 
-#include "kernel_spec.h"
+#include "moejit_internal.h"
 
 #include <algorithm>
 #include <atomic>

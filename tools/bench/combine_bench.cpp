@@ -1,6 +1,6 @@
 #include "combine_bench.h"
 
-#include "kernel_spec.h"
+#include "moejit_internal.h"
 
 #include <cstring>
 #include <stdexcept>

@@ -3,7 +3,7 @@
 #include <chrono>
 #include <stdexcept>
 
-#include "driver.h"
+#include "moejit_internal.h"
 #include "producer_source.h"
 
 namespace moejit_bench {

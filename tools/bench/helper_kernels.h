@@ -13,7 +13,7 @@
 #include <cstddef>
 #include <string>
 
-#include "nvrtc_compiler.h"
+#include "moejit_internal.h"
 
 namespace moejit_bench {
 

@@ -14,13 +14,8 @@
 #include <vector>
 
 #include "bench_cuda.h"
-#include "combine_plan.h"
-#include "driver.h"
-#include "kernel_store.h"
-#include "module_cache.h"
 #include "moejit/moejit.h"
-#include "settings.h"
-#include "stats.h"
+#include "moejit_internal.h"
 
 namespace moejit_bench {
 namespace {

@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "nvrtc_compiler.h"
+#include "moejit_internal.h"
 
 namespace moejit_bench {
 

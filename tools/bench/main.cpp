@@ -2,9 +2,10 @@
 // in the same run (copy ceiling, empty kernel), plus the JIT costs (--jit). See
 // tools/bench/README.md for the method and the output format.
 //
-// Exit codes: 0 success (also: no GPU found, after saying so), 1 environment or CUDA failure,
-// 2 bad command line, 3 a case failed its check (NaN or Inf in the output, an error over the
-// bound, a token over its own, non-deterministic output, or moe_combine returned an error).
+// Exit codes: 0 success, 1 environment or CUDA failure (also no GPU found, after saying so: nothing
+// was measured; except with --jit-only, whose compile figures need no GPU), 2 bad command line, 3 a
+// case failed its check (NaN or Inf in the output, an error over the bound, a token over its own,
+// non-deterministic output, or moe_combine returned an error).
 #include <cuda_runtime.h>
 #include <unistd.h>
 
@@ -26,7 +27,7 @@
 #include "jit_bench.h"
 #include "json_writer.h"
 #include "moejit/moejit.h"
-#include "nvrtc_compiler.h"
+#include "moejit_internal.h"
 #include "skew_bench.h"
 
 namespace moejit_bench {
@@ -95,8 +96,8 @@ void usage(FILE* to) {
       "  --awkward-h                     H 1000, 1001, 2880, 5000, 7000, 7169 at T6000 K8 in\n"
       "                                  fp32, fp16 and bf16 (at least 64 MB moved each)\n"
       "  --json PATH                     write every figure as JSON\n"
-      "Exit: 0 ok (or no GPU found), 1 CUDA/environment failure, 2 usage, 3 a check "
-      "failed.\n");
+      "Exit: 0 ok, 1 CUDA/environment failure or no GPU found (--jit-only: 0, the compile\n"
+      "figures need no GPU), 2 usage, 3 a check failed.\n");
 }
 
 std::vector<Shape> builtin_cases(bool quick, bool extra) {
@@ -697,16 +698,30 @@ void print_drop_notice(const Options& o) {
                 p.c_str());
 }
 
+// Empty if a GPU is usable, else why not: the driver's own answer first (the probe the library
+// and the GPU tests share), since the CUDA runtime calls a missing driver an "insufficient" one;
+// then the runtime's, which the benchmark uses for memory, copies and events.
+std::string no_gpu_reason() {
+  const moejit::DriverProbe probe = moejit::probe_driver();
+  if (probe.status != MOEJIT_SUCCESS) {
+    std::string why = probe.message;
+    if (!why.empty() && why.back() == '.') why.pop_back();  // it ends inside parentheses here
+    return why;
+  }
+  int devices = 0;
+  const cudaError_t err = cudaGetDeviceCount(&devices);
+  if (err != cudaSuccess)
+    return std::string("the CUDA runtime says: ") + cudaGetErrorName(err) + ": " +
+           cudaGetErrorString(err);
+  return devices > 0 ? "" : "the CUDA runtime sees no device";
+}
+
 int run(const Options& o) {
   print_drop_notice(o);
   JitFigures jit;
   if (o.jit) disable_compute_cache_for_jit(&jit);  // before CUDA or NVRTC reads the environment
-  int devices = 0;
-  const cudaError_t probe = cudaGetDeviceCount(&devices);
-  if (probe != cudaSuccess || devices == 0) {
-    const std::string why = probe != cudaSuccess ? std::string(cudaGetErrorName(probe)) + ": " +
-                                                       cudaGetErrorString(probe)
-                                                 : "no devices";
+  const std::string why = no_gpu_reason();
+  if (!why.empty()) {
     std::printf("moejit-bench: no GPU found (%s); nothing to measure.\n", why.c_str());
     if (o.jit) {
       // Compiling needs no GPU: report what can be measured here, for sm_90 (the H200).
@@ -719,7 +734,8 @@ int run(const Options& o) {
     }
     if (!o.json_path.empty())
       write_json(o.json_path, "", Floors{}, {}, o.jit ? &jit : nullptr, "no GPU found: " + why);
-    return 0;
+    // --jit-only asked for the compile figures, which need no GPU; anything else measured nothing.
+    return o.jit_only ? 0 : kExitEnvironment;
   }
 
   BENCH_CUDA(cudaSetDevice(0));

@@ -8,7 +8,6 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "combine_dispatch.h"
 
 namespace moejit {
 namespace precompile {

@@ -12,9 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "kernel_spec.h"
 #include "moejit/moejit.h"
-#include "nvrtc_compiler.h"
+#include "moejit_internal.h"
 
 namespace moejit {
 namespace precompile {

@@ -10,6 +10,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -20,13 +21,8 @@
 #include <thread>
 #include <vector>
 
-#include "cache_key.h"
-#include "disk_cache.h"
-#include "driver.h"
-#include "error.h"
-#include "kernel_store.h"
+#include "moejit_internal.h"
 #include "precompile_inputs.h"
-#include "settings.h"
 
 namespace moejit {
 namespace precompile {
@@ -58,6 +54,7 @@ struct Options {
   std::vector<std::string> manifests;
   std::string arch;
   std::string cache_dir;
+  std::string cache_key_file;
   unsigned jobs = 0;
   bool quiet = false;
   bool dry_run = false;
@@ -91,15 +88,22 @@ Targets: --arch sm_90,sm_100 (or 90; compute_90 for PTX) or 'all' (every arch of
 from sm_70 up). Without --arch: the GPU of device 0; with no GPU, --arch is required.
 
 Exit codes:
-  0  every specialization is in the cache (or --verify found every entry valid)
+  0  every requested kernel is servable by the runtime from this cache, as this user: its entry
+     passes the runtime's own checks (owner and mode, checksums, the MAC when a cache key is
+     given) when the run ends (--verify: every entry valid)
   1  a compilation failed (the NVRTC log is printed)
   2  bad input or usage: unreadable file, invalid JSON, missing field, unknown dtype, unsupported
-     arch, no GPU and no --arch
+     arch, no GPU and no --arch, a cache key file that breaks its rule
   3  the cache directory is unusable (cannot be created or written, or one the runtime refuses:
-     a symlink, not owned by this user or root, writable by group or others), or an entry did
-     not land or was evicted before the run ended (a cache size cap, MOEJIT_CACHE_MAX_BYTES,
-     smaller than the set being precompiled), or --readable-by-all could not change a part of it
+     a symlink, not owned by this user or root, writable by group or others), or a kernel is not
+     servable from it: its entry did not land, the runtime would refuse it (each one is listed
+     with the reason), or it was evicted before the run ended (a cache size cap,
+     MOEJIT_CACHE_MAX_BYTES, smaller than the set being precompiled),
+     or --readable-by-all could not change a part of it
   4  --verify found invalid entries (without --repair, or some could not be removed)
+
+Cache key: --cache-key-file (else MOEJIT_CACHE_KEY_FILE) names the cache's secret key, as the
+runtime's; entries are then written with a MAC under it, and --verify checks it (docs/cache.md).
 )";
 
 std::vector<int> supported_archs() {
@@ -216,43 +220,46 @@ std::vector<KernelSpec> collect_specs(const Options& o) {
   return specs;
 }
 
-// Progress on stderr: one self-overwriting line on a terminal, plain lines otherwise (CI logs).
+// Progress on stderr: one self-overwriting line on a terminal, erased at the end; otherwise a line
+// per kernel compiled (CI logs). A kernel found in the cache prints nothing of its own: a second
+// run over a warm cache prints its one-line summary only.
 class Progress {
  public:
   Progress(size_t total, bool quiet)
       : total_(total), quiet_(quiet), tty_(isatty(STDERR_FILENO) != 0) {}
 
-  // A job found failed after every job finished (its entry evicted since): the error only.
+  // A job found failed after every job finished (its entry refused or evicted since): the error.
   void failed_later(const std::string& what, const std::string& error) {
     std::lock_guard<std::mutex> lock(mutex_);
     std::fprintf(stderr, "FAILED %s:\n%s\n", what.c_str(), error.c_str());
   }
 
-  void done(const std::string& what, const char* status, double seconds, const std::string& error) {
+  void done(const std::string& what, const std::string& status, double seconds,
+            const std::string& error) {
     std::lock_guard<std::mutex> lock(mutex_);
     ++finished_;
-    if (std::string(status) == "compiled") ++compiled_;
-    if (std::string(status) == "cached") ++cached_;
+    if (status == "compiled") ++compiled_;
+    if (status == "cached") ++cached_;
     if (!error.empty()) ++failed_;
     if (!error.empty()) {
       if (tty_ && !quiet_) std::fprintf(stderr, "\r\033[K");
       std::fprintf(stderr, "FAILED %s:\n%s\n", what.c_str(), error.c_str());
     }
     if (quiet_) return;
-    char counts[160];
-    std::snprintf(counts, sizeof(counts), "[%zu/%zu] compiled %zu, cached %zu, failed %zu",
-                  finished_, total_, compiled_, cached_, failed_);
     if (tty_) {
-      // One line that fits the terminal: a wrapped line could not be overwritten by '\r'.
+      char counts[160];
+      std::snprintf(counts, sizeof(counts), "[%zu/%zu] compiled %zu, cached %zu, failed %zu",
+                    finished_, total_, compiled_, cached_, failed_);
+      // One line that fits the terminal: a wrapped line could not be overwritten by '\r'. The
+      // summary replaces it at the end.
       std::string line = std::string(counts) + "  (" + what + ")";
       struct winsize ws {};
       const size_t width =
           ioctl(STDERR_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 10 ? ws.ws_col : 80;
       if (line.size() >= width) line = line.substr(0, width - 4) + "...";
-      std::fprintf(stderr, "\r\033[K%s", line.c_str());
-      if (finished_ == total_) std::fprintf(stderr, "\n");
-    } else {
-      std::fprintf(stderr, "[%zu/%zu] %s %s (%.2f s)\n", finished_, total_, status, what.c_str(),
+      std::fprintf(stderr, "\r\033[K%s", finished_ == total_ ? "" : line.c_str());
+    } else if (status == "compiled") {
+      std::fprintf(stderr, "[%zu/%zu] compiled %s (%.2f s)\n", finished_, total_, what.c_str(),
                    seconds);
     }
     std::fflush(stderr);
@@ -267,7 +274,8 @@ class Progress {
 };
 
 struct JobResult {
-  std::string status;  // compiled | cached | failed | not_written | evicted | missing (dry run)
+  // compiled | cached | failed | not_written | unservable | evicted | missing (dry run)
+  std::string status;
   std::string key;
   std::string error;
   uint64_t bytes = 0;        // written by this run
@@ -280,15 +288,44 @@ struct Job {
   Target target;
 };
 
-uint64_t file_size(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) ? static_cast<uint64_t>(st.st_size)
-                                                               : 0;
-}
-
 bool is_directory(const std::string& path) {
   struct stat st;
   return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+// What the runtime checks of an entry it loads (check_entry()), but the refresh of its last use.
+EntryRules rules_of(const Settings& settings) {
+  EntryRules rules;
+  rules.mac_key = settings.cache_mac_key.get();
+  rules.nvrtc_version = nvrtc_version();
+  return rules;
+}
+
+std::string not_served(const std::string& path, const std::string& why) {
+  return "the runtime would not serve " + path + ": " + why;
+}
+
+// Whether the runtime, as this user, would serve key's entry from the cache.
+struct Servable {
+  EntryCheck check = EntryCheck::kMissing;
+  std::string error;   // for kInvalid: what the runtime would say, with the entry's path
+  uint64_t bytes = 0;  // the entry's size, when servable
+};
+Servable servable(const Settings& settings, const std::string& key) {
+  Servable s;
+  const ServableReport r = check_servable(settings.cache_dir, {key}, rules_of(settings));
+  const std::string path = cache_entry_path(settings.cache_dir, key);
+  if (!r.error.empty()) {
+    s.check = EntryCheck::kInvalid;
+    s.error = not_served(path, "the cache directory " + r.error);
+    return s;
+  }
+  s.check = r.results.at(0);
+  if (s.check == EntryCheck::kInvalid) s.error = not_served(path, r.why.at(0));
+  struct stat st;
+  if (s.check == EntryCheck::kOk && ::stat(path.c_str(), &st) == 0)
+    s.bytes = static_cast<uint64_t>(st.st_size);
+  return s;
 }
 
 Settings cache_settings(const Options& o, moejit_cache_mode mode) {
@@ -296,6 +333,7 @@ Settings cache_settings(const Options& o, moejit_cache_mode mode) {
   moejit_runtime_options_init(&ro);
   ro.cache_mode = mode;
   if (!o.cache_dir.empty()) ro.cache_dir = o.cache_dir.c_str();
+  if (!o.cache_key_file.empty()) ro.cache_key_file = o.cache_key_file.c_str();
   Settings s = resolve_settings(&ro);
   if (s.cache_dir.empty())
     throw Fatal{kExitCacheUnusable,
@@ -316,32 +354,51 @@ json job_json(const Job& job, const JobResult& r) {
 
 int run_verify(const Options& o) {
   const Settings s = cache_settings(o, MOEJIT_CACHE_MODE_READ_WRITE);
-  if (!is_directory(s.cache_dir))
+  struct stat st {};
+  if (::lstat(s.cache_dir.c_str(), &st) != 0 && errno == ENOENT)
     throw Fatal{kExitCacheUnusable, "cache directory \"" + s.cache_dir + "\" does not exist"};
-  const CacheVerifyReport r = verify_cache_dir(s.cache_dir, o.repair);
-  // A directory the runtime would refuse (a symlink, another user's, writable by group or others):
-  // its entries were neither examined nor removed.
+  const CacheVerifyReport r = verify_cache_dir(s.cache_dir, o.repair, s.cache_mac_key.get());
+  // A directory the runtime would refuse (a symlink, not a directory, another user's, writable by
+  // group or others): its entries were neither examined nor removed.
   if (!r.error.empty())
     throw Fatal{kExitCacheUnusable, "cache directory \"" + s.cache_dir + "\" is unusable: " +
                                         r.error + " (the runtime would not use it)"};
-  const size_t left = r.invalid_paths.size() - std::min(r.removed, r.invalid_paths.size());
+  const size_t left = r.invalid.size() - std::min(r.removed, r.invalid.size());
   if (o.json) {
-    std::cout << json{{"cache_dir", s.cache_dir},   {"entries", r.entries}, {"valid", r.valid},
-                      {"invalid", r.invalid_paths}, {"removed", r.removed}, {"bytes", r.bytes}}
+    json invalid = json::array();
+    for (const InvalidEntry& e : r.invalid) {
+      json j{{"path", e.path}, {"why", e.why}, {"removed", e.removed}};
+      if (!e.not_removed.empty()) j["not_removed"] = e.not_removed;
+      invalid.push_back(j);
+    }
+    std::cout << json{{"cache_dir", s.cache_dir}, {"authenticated", s.cache_mac_key != nullptr},
+                      {"entries", r.entries},     {"valid", r.valid},
+                      {"invalid", invalid},       {"removed", r.removed},
+                      {"bytes", r.bytes}}
                      .dump(2)
               << "\n";
   } else {
-    for (const std::string& p : r.invalid_paths)
-      std::cout << (o.repair ? "removed invalid entry " : "invalid entry ") << p << "\n";
+    for (const InvalidEntry& e : r.invalid) {
+      if (e.removed)
+        std::cout << "removed invalid entry " << e.path << ": " << e.why << "\n";
+      else if (o.repair)
+        std::cout << "invalid entry " << e.path << ": " << e.why << "; not removed: "
+                  << (e.not_removed.empty() ? "a directory is fixed by hand" : e.not_removed)
+                  << "\n";
+      else
+        std::cout << "invalid entry " << e.path << ": " << e.why << "\n";
+    }
     if (!o.quiet)
       std::cout << "moejit-precompile --verify: " << s.cache_dir << ": " << r.entries
-                << " entries, " << r.valid << " valid, " << r.invalid_paths.size() << " invalid, "
-                << r.removed << " removed, " << r.bytes << " bytes valid\n";
+                << " entries, " << r.valid << " valid"
+                << (s.cache_mac_key != nullptr ? " (authenticated)" : "") << ", "
+                << r.invalid.size() << " invalid, " << r.removed << " removed, " << r.bytes
+                << " bytes valid\n";
   }
-  if (!o.repair && !r.invalid_paths.empty() && !o.quiet && !o.json)
+  if (!o.repair && !r.invalid.empty() && !o.quiet && !o.json)
     std::cerr << "run again with --repair to remove the invalid entries\n";
   if (o.repair && left != 0) std::cerr << left << " invalid entries could not be removed\n";
-  return (o.repair ? left == 0 : r.invalid_paths.empty()) ? kExitOk : kExitInvalidEntries;
+  return (o.repair ? left == 0 : r.invalid.empty()) ? kExitOk : kExitInvalidEntries;
 }
 
 int run_precompile(const Options& o) {
@@ -425,27 +482,29 @@ int run_precompile(const Options& o) {
       try {
         KernelStore::Source source = KernelStore::Source::kCompiled;
         store->obtain(job.spec, job.target, &source);
-        if (source == KernelStore::Source::kCompiled) {
-          // The store never fails a compile for I/O: check the entry really landed, so a full
-          // disk or a size cap smaller than the set is reported instead of a silent cold start.
-          r.bytes = file_size(cache_entry_path(settings.cache_dir, r.key));
-          r.status = r.bytes != 0 ? "compiled" : "not_written";
-          if (r.bytes == 0)
-            r.error = "compiled, but no cache entry appeared at " +
-                      cache_entry_path(settings.cache_dir, r.key) +
-                      " (disk full, cache size cap (MOEJIT_CACHE_MAX_BYTES), or permissions)";
-          r.entry_bytes = r.bytes;
-        } else {
-          r.status = "cached";
-          r.entry_bytes = file_size(cache_entry_path(settings.cache_dir, r.key));
+        r.status = source == KernelStore::Source::kCompiled ? "compiled" : "cached";
+        // The store never fails for I/O: look at the entry as the runtime would, so that a write
+        // that failed (full disk, file size limit, permissions) or an entry the runtime would
+        // refuse (another user's, a shard others can write) is reported, not a silent cold start.
+        const Servable now = servable(settings, r.key);
+        r.entry_bytes = now.bytes;
+        if (source == KernelStore::Source::kCompiled) r.bytes = now.bytes;
+        if (now.check == EntryCheck::kMissing && source == KernelStore::Source::kCompiled) {
+          r.status = "not_written";
+          r.error = "compiled, but no cache entry appeared at " +
+                    cache_entry_path(settings.cache_dir, r.key) +
+                    " (disk full, file size limit, cache size cap (MOEJIT_CACHE_MAX_BYTES), or "
+                    "permissions: see the warning above)";
+        } else if (now.check != EntryCheck::kOk) {
+          r.status = "unservable";
+          r.error = now.error;
         }
       } catch (const std::exception& e) {
         r.status = "failed";
         r.error = e.what();
       }
       r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      progress.done(job.target.name() + " " + job.spec.describe(), r.status.c_str(), r.seconds,
-                    r.error);
+      progress.done(job.target.name() + " " + job.spec.describe(), r.status, r.seconds, r.error);
     }
   };
   std::vector<std::thread> pool;
@@ -453,86 +512,106 @@ int run_precompile(const Options& o) {
   work();
   for (std::thread& t : pool) t.join();
 
+  // After every entry has landed, so that the whole set is covered; on every run, so that a run
+  // over a cache another one filled (0700 / 0600) opens it up too.
+  CacheReadableReport readable;
+  if (o.readable_by_all) {
+    readable = make_cache_readable_by_all(settings.cache_dir);
+    if (!readable.error.empty())
+      std::cerr << "moejit-precompile: error: --readable-by-all: " << readable.error << "\n";
+    for (const std::string& f : readable.failed)
+      std::cerr << "moejit-precompile: error: --readable-by-all: " << f << "\n";
+    for (const std::string& b : readable.blocked)
+      std::cerr << "moejit-precompile: warning: --readable-by-all: other users cannot search " << b
+                << ", so they cannot reach the cache under it\n";
+  }
+
   // Each store evicts least recently used entries while the cache is over its size cap, and a hit
   // does not always refresh an entry's last use: with a cap smaller than the set, later jobs of
-  // this run can evict entries that earlier ones compiled or found. Look again now, so that exit
-  // status 0 means every entry is in the cache when the run ends.
+  // this run can evict entries that earlier ones compiled or found. Look at every entry again
+  // now, as the runtime would load it: exit status 0 means that every kernel is servable when
+  // the run ends.
   uint64_t set_bytes = 0;
   for (const JobResult& r : results) set_bytes += r.entry_bytes;
+  std::vector<std::string> keys;
+  for (const JobResult& r : results) keys.push_back(r.key);
+  const ServableReport final_check = check_servable(settings.cache_dir, keys, rules_of(settings));
   for (size_t i = 0; i < jobs.size(); ++i) {
     JobResult& r = results[i];
     if (r.status != "compiled" && r.status != "cached") continue;
+    const EntryCheck check =
+        final_check.error.empty() ? final_check.results[i] : EntryCheck::kInvalid;
+    if (check == EntryCheck::kOk) continue;
     const std::string path = cache_entry_path(settings.cache_dir, r.key);
-    if (file_size(path) != 0) continue;
-    r.error = std::string(r.status == "compiled" ? "compiled" : "found in the cache") +
-              ", but evicted before the run ended (" + path +
-              " is gone): the cache size cap (MOEJIT_CACHE_MAX_BYTES or cache_max_bytes, " +
-              std::to_string(settings.cache_max_bytes) +
-              " bytes) is smaller than the set being precompiled (at least " +
-              std::to_string(set_bytes) + " bytes); raise MOEJIT_CACHE_MAX_BYTES to at least that";
-    r.status = "evicted";
+    if (check == EntryCheck::kMissing) {
+      r.error = std::string(r.status == "compiled" ? "compiled" : "found in the cache") +
+                ", but evicted before the run ended (" + path +
+                " is gone): the cache size cap (MOEJIT_CACHE_MAX_BYTES or cache_max_bytes, " +
+                std::to_string(settings.cache_max_bytes) +
+                " bytes) is smaller than the set being precompiled (at least " +
+                std::to_string(set_bytes) +
+                " bytes); raise MOEJIT_CACHE_MAX_BYTES to at least that";
+      r.status = "evicted";
+    } else {
+      r.error =
+          not_served(path, final_check.error.empty() ? final_check.why[i]
+                                                     : "the cache directory " + final_check.error);
+      r.status = "unservable";
+    }
     progress.failed_later(jobs[i].target.name() + " " + jobs[i].spec.describe(), r.error);
   }
 
-  size_t compiled = 0, cached = 0, failed = 0, not_written = 0, evicted = 0;
+  size_t compiled = 0, cached = 0, failed = 0, unservable = 0, evicted = 0;
   uint64_t bytes = 0;
   for (const JobResult& r : results) {
     compiled += r.status == "compiled";
     cached += r.status == "cached";
     failed += r.status == "failed";
-    not_written += r.status == "not_written";
+    unservable += r.status == "not_written" || r.status == "unservable";
     evicted += r.status == "evicted";
     bytes += r.bytes;
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-  // After every entry has landed, so that the whole set is covered; on every run, so that a run
-  // over a cache another one filled (0700 / 0600) opens it up too.
-  CacheReadableReport r;
-  if (o.readable_by_all) {
-    r = make_cache_readable_by_all(settings.cache_dir);
-    if (!r.error.empty())
-      std::cerr << "moejit-precompile: error: --readable-by-all: " << r.error << "\n";
-    for (const std::string& f : r.failed)
-      std::cerr << "moejit-precompile: error: --readable-by-all: " << f << "\n";
-    for (const std::string& b : r.blocked)
-      std::cerr << "moejit-precompile: warning: --readable-by-all: other users cannot search " << b
-                << ", so they cannot reach the cache under it\n";
-  }
-
   std::ostringstream summary;
   summary << "moejit-precompile: " << jobs.size() << " kernels (" << specs.size()
           << " specializations x " << targets.size()
           << (targets.size() == 1 ? " target" : " targets") << "): " << compiled << " compiled, "
-          << cached << " already cached, " << failed + not_written + evicted << " failed";
+          << cached << " already cached, " << failed + unservable + evicted << " failed";
+  if (unservable != 0)
+    summary << " (" << unservable << " not servable by the runtime from the cache: listed above)";
   if (evicted != 0) summary << " (" << evicted << " evicted by the cache size cap)";
   summary << ", " << bytes << " bytes written, " << std::fixed;
   summary.precision(2);
-  summary << seconds << " s (cache " << settings.cache_dir << ")";
-  const bool readable_ok = r.error.empty() && r.failed.empty();
+  summary << seconds << " s (cache " << settings.cache_dir
+          << (settings.cache_mac_key != nullptr ? ", authenticated" : "") << ")";
+  const bool readable_ok = readable.error.empty() && readable.failed.empty();
   if (o.readable_by_all && readable_ok)
-    summary << "; readable by all users: " << r.directories << " directories, " << r.entries
-            << " entries";
+    summary << "; readable by all users: " << readable.directories << " directories, "
+            << readable.entries << " entries";
   if (o.json) {
     json list = json::array();
     std::vector<std::string> target_names;
     for (const Target& t : targets) target_names.push_back(t.name());
     for (size_t i = 0; i < jobs.size(); ++i) list.push_back(job_json(jobs[i], results[i]));
     std::cout << json{{"cache_dir", settings.cache_dir},
+                      {"authenticated", settings.cache_mac_key != nullptr},
                       {"targets", target_names},
                       {"total", jobs.size()},
                       {"compiled", compiled},
                       {"cached", cached},
-                      {"failed", failed + not_written + evicted},
+                      {"failed", failed + unservable + evicted},
+                      {"unservable", unservable},
                       {"evicted", evicted},
                       {"bytes_written", bytes},
                       {"seconds", seconds},
-                      {"readable_by_all", o.readable_by_all ? json{{"directories", r.directories},
-                                                                   {"entries", r.entries},
-                                                                   {"failed", r.failed},
-                                                                   {"blocked", r.blocked}}
-                                                            : json(nullptr)},
+                      {"readable_by_all", o.readable_by_all
+                                              ? json{{"directories", readable.directories},
+                                                     {"entries", readable.entries},
+                                                     {"failed", readable.failed},
+                                                     {"blocked", readable.blocked}}
+                                              : json(nullptr)},
                       {"jobs", list}}
                      .dump(2)
               << "\n";
@@ -541,7 +620,7 @@ int run_precompile(const Options& o) {
     std::cout << summary.str() << "\n";
   }
   if (failed != 0) return kExitCompileFailed;
-  if (not_written != 0 || evicted != 0 || !readable_ok) return kExitCacheUnusable;
+  if (unservable != 0 || evicted != 0 || !readable_ok) return kExitCacheUnusable;
   return kExitOk;
 }
 
@@ -568,6 +647,11 @@ int main_impl(int argc, char** argv) {
   app.add_option("--cache-dir", o.cache_dir,
                  "cache directory (default: as the library, e.g. ~/.cache/moejit)")
       ->type_name("DIR");
+  app.add_option("--cache-key-file", o.cache_key_file,
+                 "the cache's secret key (default: MOEJIT_CACHE_KEY_FILE): entries are written "
+                 "with a MAC under it, and --verify checks it; a file owned by this user, mode "
+                 "0600 or 0400, 16 to 4096 bytes")
+      ->type_name("PATH");
   app.add_option("-j,--jobs", o.jobs,
                  "parallel compilations (default: number of cores); --verify compiles nothing and "
                  "ignores it")

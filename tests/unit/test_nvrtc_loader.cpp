@@ -1,0 +1,121 @@
+// Where NVRTC is looked for and what a failed search says (src/nvrtc_loader.h). Host only: the
+// candidates are files on this machine; the last test loads the real NVRTC the build uses.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "error.h"
+#include "nvrtc_loader.h"
+
+namespace moejit {
+namespace {
+
+// Sets (or unsets, for nullptr) an environment variable for the life of the object.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) {
+      old_ = old;
+      had_ = true;
+    }
+    if (value != nullptr)
+      setenv(name, value, 1);
+    else
+      unsetenv(name);
+  }
+  ~ScopedEnv() {
+    if (had_)
+      setenv(name_.c_str(), old_.c_str(), 1);
+    else
+      unsetenv(name_.c_str());
+  }
+
+ private:
+  std::string name_, old_;
+  bool had_ = false;
+};
+
+size_t index_of(const std::vector<NvrtcCandidate>& list, const std::string& file) {
+  for (size_t i = 0; i < list.size(); ++i)
+    if (list[i].file == file) return i;
+  return list.size();
+}
+
+TEST(NvrtcLoader, TheVariableIsTheOnlyCandidate) {
+  ScopedEnv env("MOEJIT_NVRTC_LIBRARY", "/opt/x/libnvrtc.so.13");
+  const std::vector<NvrtcCandidate> list = nvrtc_candidates();
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_EQ(list[0].file, "/opt/x/libnvrtc.so.13");
+  EXPECT_EQ(list[0].origin, "$MOEJIT_NVRTC_LIBRARY");
+}
+
+TEST(NvrtcLoader, PipBeforeTheToolkitAndCuda13BeforeCuda12) {
+  ScopedEnv unset("MOEJIT_NVRTC_LIBRARY", "");  // empty counts as unset
+  ScopedEnv home("CUDA_HOME", "/opt/cuda-home");
+  ScopedEnv path("CUDA_PATH", nullptr);
+  const std::vector<NvrtcCandidate> list = nvrtc_candidates();
+  // pip's packages beside the directory of the file holding the library's code: this program,
+  // <build>/tests/unit/moejit_unit_tests, so <build>/tests/nvidia/... (in a wheel:
+  // site-packages/moejit/libmoejit.so.0, so site-packages/nvidia/...).
+  char exe[4096] = {};
+  ASSERT_GT(readlink("/proc/self/exe", exe, sizeof exe - 1), 0);
+  std::string site = exe;
+  site = site.substr(0, site.rfind('/'));
+  site = site.substr(0, site.rfind('/'));
+  ASSERT_GE(list.size(), 2u);
+  EXPECT_EQ(list[0].file, site + "/nvidia/cu13/lib/libnvrtc.so.13");
+  EXPECT_EQ(list[1].file, site + "/nvidia/cuda_nvrtc/lib/libnvrtc.so.12");
+  const size_t home13 = index_of(list, "/opt/cuda-home/lib64/libnvrtc.so.13");
+  const size_t home12 = index_of(list, "/opt/cuda-home/lib64/libnvrtc.so.12");
+  const size_t loader = index_of(list, "libnvrtc.so.13");
+  const size_t usr = index_of(list, "/usr/local/cuda/lib64/libnvrtc.so.13");
+  EXPECT_LT(1u, home13);
+  EXPECT_LT(home13, home12);
+  EXPECT_LT(home12, loader);
+  EXPECT_LT(loader, usr);
+  EXPECT_LT(usr, list.size());
+  for (const NvrtcCandidate& c : list) EXPECT_FALSE(c.origin.empty()) << c.file;
+}
+
+TEST(NvrtcLoader, AFailedSearchNamesEveryPlaceAndWhy) {
+  const std::vector<NvrtcCandidate> list = {{"/nonexistent-moejit/libnvrtc.so.13", "first place"},
+                                            {"libnvrtc-moejit-none.so.13", "the dynamic loader"},
+                                            // Loads, but is no NVRTC.
+                                            {"libc.so.6", "a library without NVRTC's functions"}};
+  try {
+    load_nvrtc(list);
+    FAIL() << "load_nvrtc succeeded";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(e.status(), MOEJIT_ERROR_NVRTC_NOT_FOUND);
+    EXPECT_NE(m.find("NVRTC (libnvrtc.so) could not be loaded"), std::string::npos) << m;
+    EXPECT_NE(m.find("/nonexistent-moejit/libnvrtc.so.13 (first place): No such file or directory"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("libnvrtc-moejit-none.so.13 (the dynamic loader): "), std::string::npos) << m;
+    EXPECT_NE(m.find("libc.so.6 (a library without NVRTC's functions): loaded, but it lacks "
+                     "nvrtcGetErrorString"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("pip install nvidia-cuda-nvrtc"), std::string::npos) << m;
+  }
+}
+
+TEST(NvrtcLoader, TheFirstCandidateThatLoadsIsTaken) {
+  // The NVRTC this process uses (its search succeeded, or the unit tests could not compile).
+  const NvrtcApi& real = nvrtc();
+  const NvrtcApi found =
+      load_nvrtc({{"/nonexistent-moejit/libnvrtc.so.13", "nowhere"}, {real.path, "the real one"}});
+  EXPECT_EQ(found.path, real.path);
+  EXPECT_EQ(found.origin, "the real one");
+  int major = 0, minor = 0;
+  ASSERT_EQ(found.nvrtcVersion(&major, &minor), NVRTC_SUCCESS);
+  EXPECT_GE(major, 12);
+}
+
+}  // namespace
+}  // namespace moejit
