@@ -974,11 +974,14 @@ TEST_F(EpilogueGpu, ThePathsOfGpusWithoutClustersFromTheirPtx) {
   settings.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
   moejit::Stats stats;
   moejit::KernelStore store(settings, stats);
-  std::vector<Case> cases;
+  // (target, T): sm_80 the decode split (its one-block kernel) and one block per token; sm_89 a
+  // split of another size. Each case's modules are built and JIT-compiled by the driver afresh.
+  std::vector<std::pair<int, Case>> cases;
   uint64_t seed = 9000;
   for (moejit_layout layout :
        {MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_LAYOUT_TOKEN_MAJOR})
-    for (int64_t tokens : {1, 33, 200})
+    for (const auto& [sm, tokens] :
+         {std::pair{80, int64_t{1}}, std::pair{80, int64_t{200}}, std::pair{89, int64_t{33}}})
       for (int ep = 0; ep < 5; ++ep) {
         Case c;
         c.layout = layout;
@@ -990,33 +993,32 @@ TEST_F(EpilogueGpu, ThePathsOfGpusWithoutClustersFromTheirPtx) {
         c.top_k = 8;
         c.tokens = tokens;
         c.seed = seed++;
-        cases.push_back(vary(c));
+        cases.emplace_back(sm, vary(c));
       }
   Scratch s;
   CUDA_OK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
-  for (const int sm : {80, 89})
-    for (const Case& c : cases) {
-      SCOPED_TRACE("sm_" + std::to_string(sm) + " " + c.name());
-      const Prepared pr = prepare(c, s);
-      const moejit::CombinePlan plan = moejit::plan_combine(&pr.args);
-      OlderTarget older;
-      ASSERT_NO_FATAL_FAILURE(load_for(store, plan.spec, sm, &older.kernels, &older.modules));
-      if (const auto helpers = moejit::companion_module(plan.spec)) {
-        ASSERT_NO_FATAL_FAILURE(load_for(store, *helpers, sm, &older.helpers, &older.modules));
-        older.kernels.companion = &older.helpers;
-      }
-      Results got;
-      auto launch = [&] {
-        try {
-          moejit::launch_combine(plan, older.kernels, s.stream, stats);
-        } catch (const std::exception& e) {
-          return std::string(e.what());
-        }
-        return std::string();
-      };
-      ASSERT_EQ(run_once(c, pr, s, launch, &got), "");
-      EXPECT_EQ(check(c, pr, expect(c, pr), got), "") << plan.spec.describe();
+  for (const auto& [sm, c] : cases) {
+    SCOPED_TRACE("sm_" + std::to_string(sm) + " " + c.name());
+    const Prepared pr = prepare(c, s);
+    const moejit::CombinePlan plan = moejit::plan_combine(&pr.args);
+    OlderTarget older;
+    ASSERT_NO_FATAL_FAILURE(load_for(store, plan.spec, sm, &older.kernels, &older.modules));
+    if (const auto helpers = moejit::companion_module(plan.spec)) {
+      ASSERT_NO_FATAL_FAILURE(load_for(store, *helpers, sm, &older.helpers, &older.modules));
+      older.kernels.companion = &older.helpers;
     }
+    Results got;
+    auto launch = [&] {
+      try {
+        moejit::launch_combine(plan, older.kernels, s.stream, stats);
+      } catch (const std::exception& e) {
+        return std::string(e.what());
+      }
+      return std::string();
+    };
+    ASSERT_EQ(run_once(c, pr, s, launch, &got), "");
+    EXPECT_EQ(check(c, pr, expect(c, pr), got), "") << plan.spec.describe();
+  }
 }
 
 }  // namespace
