@@ -180,6 +180,15 @@ __device__ __forceinline__ void load_values(const typename Elem<DT>::storage* ro
   }
 }
 
+// The same for a thread's slot that may lie past the row's slots (then zeros).
+template <int DT, int VEC, int HIDDEN, bool CACHED = false>
+__device__ __forceinline__ void load_values_if(bool in_row, const typename Elem<DT>::storage* row,
+                                               int slot, float (&x)[VEC]) {
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) x[e] = 0.0f;
+  if (in_row) load_values<DT, VEC, HIDDEN, CACHED>(row, slot, x);
+}
+
 // Stores VEC values into slot `slot` of a row of DT elements (fp32, fp16, bf16), each rounded
 // once; past the row nothing.
 template <int DT, int VEC, int HIDDEN>
@@ -290,9 +299,7 @@ struct EpilogueRow {
     for (int u = 0; u < UPT; ++u) {
       const int sl = first_slot + u * TPT;
       float old[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) old[e] = 0.0f;
-      if (p.accumulate != 0 && sl < kSlots) load_values<OUT_DT, VEC, HIDDEN>(out_row, sl, old);
+      load_values_if<OUT_DT, VEC, HIDDEN>(p.accumulate != 0 && sl < kSlots, out_row, sl, old);
 #pragma unroll
       for (int e = 0; e < VEC; ++e)
         c[u][e] = sl * VEC + e < HIDDEN ? fmaf(sum[u][e], p.scale, old[e]) : 0.0f;
@@ -339,12 +346,9 @@ struct EpilogueRow {
       typedef typename Elem<kResDt>::storage ResS;
       const ResS* row = static_cast<const ResS*>(p.residual) + tok * p.residual_stride;
 #pragma unroll
-      for (int u = 0; u < UPT; ++u) {
-        const int sl = first_slot + u * TPT;
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) x[u][e] = 0.0f;
-        if (sl < kSlots) load_values<kResDt, VEC, HIDDEN>(row, sl, x[u]);
-      }
+      for (int u = 0; u < UPT; ++u)
+        load_values_if<kResDt, VEC, HIDDEN>(first_slot + u * TPT < kSlots, row,
+                                            first_slot + u * TPT, x[u]);
     } else {
       values(p, tok, first_slot, x);
     }
@@ -413,9 +417,7 @@ struct EpilogueRow {
     for (int u = 0; u < UPT; ++u) {
       const int sl = first_slot + u * TPT;
       float w[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) w[e] = 0.0f;
-      if (sl < kSlots) load_values<kWDt, VEC, HIDDEN, true>(weight, sl, w);
+      load_values_if<kWDt, VEC, HIDDEN, true>(sl < kSlots, weight, sl, w);
 #pragma unroll
       for (int e = 0; e < VEC; ++e)
         x[u][e] = round_to<kModel>(mul_rn(round_to<kModel>(mul_rn(x[u][e], r)), w[e]));

@@ -25,6 +25,15 @@
 //   The single launch pays while each of its threads reads at most kScanMaxRowsPerThread entries of
 //   token_idx and all its blocks together at most kScanMaxBytes (re-read from L2).
 //
+//   Calls with an epilogue (a residual, a norm weight or an fp8 out) come first: the norm needs a
+//   token's whole row in blocks that can meet (combine_epilogue.cpp: the geometry):
+//   any layout   kEpilogueCluster<L>   T <= kDecodeMaxTokens and the row splits into 2..8 slices
+//                                      the row's slices on a thread-block cluster (sm_90+; before,
+//                                      the module's one-block kernel); no cluster without a norm
+//                kEpilogue<L>          every other epilogue call
+//                                      a token's row in one block (slices one after another)
+//   The token index's are launched after the list helpers, as kTokenIndexLists is.
+//
 // Geometry (choose_geometry; slots = vectors per row; decode: T <= 64; mid-size: T * slots <= 2^21;
 // prefill: larger, or T unknown):
 //   - one slot per thread in 128-thread blocks; rows shorter than 128 slots share a block between

@@ -25,12 +25,8 @@ constexpr uintptr_t kFakeScales = 0x7f0070000000;
 constexpr uintptr_t kFakeWorkspace = 0x7f0080000000;
 constexpr size_t kArgsSizeV02 = offsetof(moejit_combine_args, residual);
 constexpr size_t kArgsSizeV01 = offsetof(moejit_combine_args, dependent_launch);
-
-template <typename E>
-void set_c_enum(E& field, int value) {
-  static_assert(sizeof(E) == sizeof(int), "C enums are int-sized here");
-  std::memcpy(&field, &value, sizeof(field));
-}
+using moejit_test::driver_present;
+using moejit_test::set_c_enum;
 
 // A valid gather-map combine (T 33, K 2, H 4096, bf16, gates) with a bf16 residual and norm
 // weight: the rows of out (and of the residual) span 0x42000 bytes.
@@ -50,12 +46,6 @@ moejit_combine_args fp8_args() {
   a.out_dtype = MOEJIT_DTYPE_FLOAT8_E4M3;
   a.out_scales = static_cast<float*>(fake(kFakeScales));
   return a;
-}
-
-bool driver_present() {
-  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (h != nullptr) dlclose(h);
-  return h != nullptr;
 }
 
 struct BadCase {

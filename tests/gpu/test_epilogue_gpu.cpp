@@ -637,16 +637,6 @@ std::string check(const Case& c, const Prepared& pr, const Expected& e, const Re
   return problems.str();
 }
 
-moejit_runtime_t memory_only_runtime() {
-  moejit_runtime_options o;
-  moejit_runtime_options_init(&o);
-  o.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
-  moejit_runtime_t rt = nullptr;
-  if (moejit_runtime_create(&o, &rt) != MOEJIT_SUCCESS)
-    throw std::runtime_error(moejit_last_error_message());
-  return rt;
-}
-
 // Runs a case through moe_combine twice: bitwise equal runs, each equal to the expectation.
 std::string run_case(const Case& c, moejit_runtime_t rt, Scratch& s) {
   const Prepared pr = prepare(c, s);
@@ -668,36 +658,11 @@ std::string run_case(const Case& c, moejit_runtime_t rt, Scratch& s) {
 // Runs cases on worker threads sharing one memory-only runtime; reports every failure.
 void expect_cases_pass(const std::vector<Case>& cases, unsigned threads) {
   moejit_runtime_t rt = memory_only_runtime();
-  std::atomic<size_t> next{0};
-  std::mutex mutex;
-  std::vector<std::string> failures;
-  std::vector<std::thread> workers;
-  for (unsigned w = 0; w < threads; ++w)
-    workers.emplace_back([&] {
-      bind_device();
-      Scratch s;
-      cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking);
-      for (size_t i = next++; i < cases.size(); i = next++) {
-        std::string result;
-        try {
-          result = run_case(cases[i], rt, s);
-        } catch (const std::exception& e) {
-          result = e.what();
-        }
-        if (!result.empty()) {
-          std::lock_guard<std::mutex> lock(mutex);
-          failures.push_back(cases[i].name() + ": " + result);
-        }
-      }
-    });
-  for (auto& w : workers) w.join();
+  const std::vector<std::string> failures = run_on_workers<Scratch>(
+      cases, threads, [&](const Case& c, Scratch& s) { return run_case(c, rt, s); });
   for (size_t i = 0; i < failures.size() && i < 40; ++i) ADD_FAILURE() << failures[i];
   EXPECT_EQ(failures.size(), 0u) << "of " << cases.size() << " cases";
   moejit_runtime_destroy(rt);
-}
-
-unsigned worker_count() {
-  return std::min(16u, std::max(2u, std::thread::hardware_concurrency()));
 }
 
 void sort_big_first(std::vector<Case>& cases) {

@@ -37,6 +37,22 @@ int max_vec(int in_dtype, int out_dtype) {
   return 16 / widest;
 }
 
+// The module of an epilogue call of T tokens (K 8, H 7168, bf16 rows, residual and norm weight,
+// fp8 out, 16-byte vectors).
+KernelSpec normed_fp8_spec(moejit_layout layout, int64_t tokens) {
+  CallShape c;
+  c.layout = layout;
+  c.in_dtype = MOEJIT_DTYPE_BFLOAT16;
+  c.out_dtype = MOEJIT_DTYPE_FLOAT8_E4M3;
+  c.res_dtype = c.weight_dtype = MOEJIT_DTYPE_BFLOAT16;
+  c.hidden = 7168;
+  c.vec = 8;
+  c.top_k = 8;
+  c.num_tokens = tokens;
+  c.num_rows = tokens * 8;
+  return choose_kernel(c);
+}
+
 // The epilogue's modules (combine_epilogue.cuh): each layout x epilogue (residual; residual +
 // norm; residual + norm + fp8; norm alone; fp8 alone) in its prefill (one block per token) and
 // decode (split, cluster) variant, with dtype pairs, hidden sizes, vector widths and archs rotated;
@@ -451,20 +467,7 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
     return spec_for_shape(layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32,
                           hidden, top_k, 256, tokens);
   };
-  // An epilogue call: a bf16 residual and norm weight, fp8 out.
-  auto normed = [](moejit_layout layout, int64_t tokens) {
-    CallShape c;
-    c.layout = layout;
-    c.in_dtype = MOEJIT_DTYPE_BFLOAT16;
-    c.out_dtype = MOEJIT_DTYPE_FLOAT8_E4M3;
-    c.res_dtype = c.weight_dtype = MOEJIT_DTYPE_BFLOAT16;
-    c.hidden = 7168;
-    c.vec = 8;
-    c.top_k = 8;
-    c.num_tokens = tokens;
-    c.num_rows = tokens * 8;
-    return choose_kernel(c);
-  };
+  auto normed = normed_fp8_spec;
   const KernelSpec decode_index = shape(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, 1);
   const KernelSpec single = single_launch_spec(decode_index, 1);
   ASSERT_EQ(single_launch_for_rows(single, 1).kind, KernelKind::kTokenIndexSmallScan);
@@ -535,17 +538,7 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
 // the results would differ from moejit.h's.
 TEST(KernelCompile, TheEpilogueUsesClustersAndFp8ConversionsWhereTheGpuHasThem) {
   MemoryStore memory;
-  CallShape c;
-  c.layout = MOEJIT_LAYOUT_GATHER_MAP;
-  c.in_dtype = MOEJIT_DTYPE_BFLOAT16;
-  c.out_dtype = MOEJIT_DTYPE_FLOAT8_E4M3;
-  c.res_dtype = c.weight_dtype = MOEJIT_DTYPE_BFLOAT16;
-  c.hidden = 7168;
-  c.vec = 8;
-  c.top_k = 8;
-  c.num_tokens = 1;
-  c.num_rows = 8;
-  const KernelSpec split = choose_kernel(c);
+  const KernelSpec split = normed_fp8_spec(MOEJIT_LAYOUT_GATHER_MAP, 1);
   ASSERT_EQ(split.kind, KernelKind::kEpilogueClusterGatherMap);
   ASSERT_EQ(split.name_expressions().size(), 2u);
   auto ptx = [&](int arch) {
