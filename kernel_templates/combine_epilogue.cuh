@@ -279,9 +279,46 @@ struct EpilogueRow {
                 "fp8 groups within a slot column (or one group for the whole row)");
   static_assert(LAYOUT != kLayoutTokenIndex || LIST_CAP >= ROWS, "a list, at least HELD long");
 
+  // out's prior contents (accumulate) or zeros, for this thread's UPT slots.
+  static __device__ __forceinline__ void load_old(const CombineParams& p, long long tok,
+                                                  int first_slot, float (&old)[UPT][VEC]) {
+    const OutS* out_row = static_cast<const OutS*>(p.out) + tok * p.out_stride;
+#pragma unroll
+    for (int u = 0; u < UPT; ++u)
+      load_values_if<OUT_DT, VEC, HIDDEN>(p.accumulate != 0 && first_slot + u * TPT < kSlots,
+                                          out_row, first_slot + u * TPT, old[u]);
+  }
+
+  // The residual's values of this thread's UPT slots (zeros past the row).
+  static __device__ __forceinline__ void load_residual(const CombineParams& p, long long tok,
+                                                       int first_slot, float (&r)[UPT][VEC]) {
+    typedef typename Elem<kResDt>::storage ResS;
+    const ResS* row = static_cast<const ResS*>(p.residual) + tok * p.residual_stride;
+#pragma unroll
+    for (int u = 0; u < UPT; ++u)
+      load_values_if<kResDt, VEC, HIDDEN>(first_slot + u * TPT < kSlots, row, first_slot + u * TPT,
+                                          r[u]);
+  }
+
+  // The norm weight at this thread's UPT slots (zeros past the row).
+  static __device__ __forceinline__ void load_weights(const CombineParams& p, int first_slot,
+                                                      float (&w)[UPT][VEC]) {
+    typedef typename Elem<kWDt>::storage WS;
+#pragma unroll
+    for (int u = 0; u < UPT; ++u)
+      load_values_if<kWDt, VEC, HIDDEN, true>(first_slot + u * TPT < kSlots,
+                                              static_cast<const WS*>(p.norm_weight),
+                                              first_slot + u * TPT, w[u]);
+  }
+
   // c = fma(sum, scale, old) for this thread's UPT slots (first_slot + u * TPT), 0 past the row.
+  // EARLY: out's prior contents are loaded before the rows, not slot by slot after their sums (at
+  // decode sizes one round trip fewer on the kernel's path; at prefill the registers matter more).
+  template <bool EARLY>
   static __device__ __forceinline__ void combine(const CombineParams& p, long long tok,
                                                  int first_slot, float (&c)[UPT][VEC]) {
+    float early_old[EARLY ? UPT : 1][VEC];
+    if constexpr (EARLY) load_old(p, tok, first_slot, early_old);
     float sum[UPT][VEC];
     clear_sums(sum);
     if constexpr (LAYOUT == kLayoutTokenIndex) {
@@ -299,7 +336,12 @@ struct EpilogueRow {
     for (int u = 0; u < UPT; ++u) {
       const int sl = first_slot + u * TPT;
       float old[VEC];
-      load_values_if<OUT_DT, VEC, HIDDEN>(p.accumulate != 0 && sl < kSlots, out_row, sl, old);
+      if constexpr (EARLY) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) old[e] = early_old[u][e];
+      } else {
+        load_values_if<OUT_DT, VEC, HIDDEN>(p.accumulate != 0 && sl < kSlots, out_row, sl, old);
+      }
 #pragma unroll
       for (int e = 0; e < VEC; ++e)
         c[u][e] = sl * VEC + e < HIDDEN ? fmaf(sum[u][e], p.scale, old[e]) : 0.0f;
@@ -308,10 +350,14 @@ struct EpilogueRow {
 
   // The slice's values: the combine c; with a residual, the residual updated (v = r + c, stored
   // rounded). With a norm v becomes x, the value the norm reads (v rounded to the model dtype);
-  // without one it stays c, what out receives.
+  // without one it stays c, what out receives. EARLY: the residual (and out's prior contents) are
+  // loaded before the rows, else slot by slot after the sums.
+  template <bool EARLY = false>
   static __device__ __forceinline__ void values(const CombineParams& p, long long tok,
                                                 int first_slot, float (&v)[UPT][VEC]) {
-    combine(p, tok, first_slot, v);
+    float early_r[kResidual && EARLY ? UPT : 1][VEC];
+    if constexpr (kResidual && EARLY) load_residual(p, tok, first_slot, early_r);
+    combine<EARLY>(p, tok, first_slot, v);
     if constexpr (kResidual) {
       typedef typename Elem<kResDt>::storage ResS;
       ResS* row = static_cast<ResS*>(p.residual) + tok * p.residual_stride;
@@ -320,7 +366,12 @@ struct EpilogueRow {
         const int sl = first_slot + u * TPT;
         if (sl >= kSlots) continue;
         float h[VEC];
-        load_values<kResDt, VEC, HIDDEN>(row, sl, h);
+        if constexpr (EARLY) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) h[e] = early_r[u][e];
+        } else {
+          load_values<kResDt, VEC, HIDDEN>(row, sl, h);
+        }
 #pragma unroll
         for (int e = 0; e < VEC; ++e) h[e] = add_rn(h[e], v[u][e]);
         store_values<kResDt, VEC, HIDDEN>(row, sl, h);
@@ -406,22 +457,25 @@ struct EpilogueRow {
     return lanes_sum<32>(pairwise_sum(s), 0xffffffffu);
   }
 
-  // x -> n = round_m(round_m(x * r) * w), r = 1 / sqrt(ssq / H + eps).
+  // x -> n = round_m(round_m(x * r) * w), r = 1 / sqrt(ssq / H + eps); w: load_weights().
   static __device__ __forceinline__ void normalize(const CombineParams& p, float ssq,
-                                                   int first_slot, float (&x)[UPT][VEC]) {
-    typedef typename Elem<kWDt>::storage WS;
+                                                   const float (&w)[UPT][VEC],
+                                                   float (&x)[UPT][VEC]) {
     const float r =
         div_rn(1.0f, sqrt_rn(add_rn(div_rn(ssq, static_cast<float>(HIDDEN)), p.norm_eps)));
-    const WS* weight = static_cast<const WS*>(p.norm_weight);
 #pragma unroll
-    for (int u = 0; u < UPT; ++u) {
-      const int sl = first_slot + u * TPT;
-      float w[VEC];
-      load_values_if<kWDt, VEC, HIDDEN, true>(sl < kSlots, weight, sl, w);
+    for (int u = 0; u < UPT; ++u)
 #pragma unroll
       for (int e = 0; e < VEC; ++e)
-        x[u][e] = round_to<kModel>(mul_rn(round_to<kModel>(mul_rn(x[u][e], r)), w[e]));
-    }
+        x[u][e] = round_to<kModel>(mul_rn(round_to<kModel>(mul_rn(x[u][e], r)), w[u][e]));
+  }
+
+  // normalize() with the weights loaded here (the one-block kernel: they come from L1 or L2).
+  static __device__ __forceinline__ void load_and_normalize(const CombineParams& p, float ssq,
+                                                            int first_slot, float (&x)[UPT][VEC]) {
+    float w[UPT][VEC];
+    load_weights(p, first_slot, w);
+    normalize(p, ssq, w, x);
   }
 
   // Stores the values out receives: rounded to out's dtype, or fp8 with the groups' scales.
@@ -532,7 +586,7 @@ __global__ void __launch_bounds__(TPT* TPB, EpilogueMinBlocks<TPT * TPB>::value)
   if constexpr (SPLIT == 1 && !Row::kShared) {
     float v[UPT][VEC];
     Row::values(p, tok, lane, v);
-    if constexpr (Row::kNorm) Row::normalize(p, Row::row_squares_in_lanes(v), lane, v);
+    if constexpr (Row::kNorm) Row::load_and_normalize(p, Row::row_squares_in_lanes(v), lane, v);
     Row::store(p, tok, lane, 0, v, s_amax);
   } else if constexpr (SPLIT == 1 || !Row::kNorm) {
     // Every slice on its own: the row never needs to be whole, or it is held whole.
@@ -545,7 +599,7 @@ __global__ void __launch_bounds__(TPT* TPB, EpilogueMinBlocks<TPT * TPB>::value)
         Row::segment_squares(v, 0, s_segments);
         __syncthreads();
         const float ssq = Row::row_squares_of_segments([&](int j) { return s_segments[j]; });
-        Row::normalize(p, ssq, first_slot, v);
+        Row::load_and_normalize(p, ssq, first_slot, v);
       }
       Row::store(p, tok, first_slot, slice, v, s_amax);
     }
@@ -565,7 +619,7 @@ __global__ void __launch_bounds__(TPT* TPB, EpilogueMinBlocks<TPT * TPB>::value)
       const int first_slot = slice * Row::kSliceSlots + lane;
       float v[UPT][VEC];
       Row::values_again(p, tok, first_slot, v);
-      Row::normalize(p, ssq, first_slot, v);
+      Row::load_and_normalize(p, ssq, first_slot, v);
       Row::store(p, tok, first_slot, slice, v, s_amax);
     }
   }
@@ -595,8 +649,12 @@ __global__ void __launch_bounds__(TPT* TPB) combine_epilogue_cluster(const Combi
     detail::prefetch_slot_routing<LAYOUT, IdxT, ROWS>(p, tok, slice, static_cast<int>(threadIdx.x));
     detail::wait_for_predecessor();
   }
+  // Decode sizes: every independent load goes out with the rows' (the residual, out's prior
+  // contents, the weight), so that the rows' round trip is the only one before the exchange.
+  float w[Row::kNorm ? UPT : 1][VEC];
+  if constexpr (Row::kNorm) Row::load_weights(p, first_slot, w);
   float v[UPT][VEC];
-  Row::values(p, tok, first_slot, v);
+  Row::template values<true>(p, tok, first_slot, v);
   if constexpr (Row::kNorm) {
     Row::segment_squares(v, 0, s_segments);
     detail::cluster_arrive();  // release: the segment sums are visible to the cluster
@@ -607,7 +665,7 @@ __global__ void __launch_bounds__(TPT* TPB) combine_epilogue_cluster(const Combi
                                         static_cast<unsigned>(j / Row::kSegments));
     });
     detail::cluster_arrive();  // done reading the others' shared memory
-    Row::normalize(p, ssq, first_slot, v);
+    Row::normalize(p, ssq, w, v);
     Row::store(p, tok, first_slot, 0, v, s_amax);
     detail::cluster_wait();  // no block leaves while another may still read its shared memory
   } else {
