@@ -549,9 +549,9 @@ struct EpilogueRow {
 
 }  // namespace detail
 
-// Blocks per SM the one-block kernel's launch bounds promise: at least 512 threads' worth. Left
-// to itself ptxas spilled a few bytes at 40 registers in some looped (SPLIT > 1) modules; with
-// no floor it took 182 registers for the token index's (one 224-thread block per SM).
+// Blocks per SM the kernels' launch bounds promise: at least 512 threads' worth. Left to itself
+// ptxas spilled a few bytes at 40 registers in some modules (looped ones, 512-thread splits);
+// with no floor it took 182 registers for the token index's (one 224-thread block per SM).
 template <int THREADS>
 struct EpilogueMinBlocks {
   enum { value = THREADS >= 512 ? 1 : 512 / THREADS };
@@ -633,7 +633,8 @@ __global__ void __launch_bounds__(TPT* TPB, EpilogueMinBlocks<TPT * TPB>::value)
 // the kernel is launched without a cluster.
 template <int LAYOUT, int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int ROWS, int TPT,
           int TPB, int UPT, int LIST_CAP, int SPLIT, int RES_DT, int W_DT>
-__global__ void __launch_bounds__(TPT* TPB) combine_epilogue_cluster(const CombineParams p) {
+__global__ void __launch_bounds__(TPT* TPB, EpilogueMinBlocks<TPT * TPB>::value)
+    combine_epilogue_cluster(const CombineParams p) {
   typedef detail::EpilogueRow<LAYOUT, IN_DT, OUT_DT, IdxT, HIDDEN, VEC, ROWS, TPT, TPB, UPT,
                               LIST_CAP, SPLIT, RES_DT, W_DT>
       Row;

@@ -18,11 +18,12 @@
 // of max(32, 128 / vec) slots):
 //   - rows of fewer than 32 slots: one slot per thread, groups of the row's slots rounded up to a
 //     power of two (at least 4), 128-thread blocks of several tokens.
-//   - otherwise up to 32 values per thread (upt = 32 / vec slots, fewer where the row is shorter),
-//     tpt the row's slots over upt rounded up to whole slices' alignment; past 512 threads the row
-//     takes several slices (passes). 32-thread groups share a block four to one.
+//   - otherwise up to 32 fp32 values and 8 slots per thread (16 values in groups of more than 256
+//     threads), tpt the row's slots over upt rounded up to whole slices' alignment; past 512
+//     threads the row takes several slices (passes). 32-thread groups share a block four to one.
 //   - decode (T <= kDecodeMaxTokens): the row split into about 128 / T slices (8 at most, a power
-//     of two: the portable cluster size), each in one block of up to 512 threads.
+//     of two: the portable cluster size), each in one block of up to 512 threads holding what
+//     the rule above allows (else one block per token, with passes).
 // Figures: docs/performance.md#epilogue.
 #include "combine_epilogue.h"
 
@@ -33,7 +34,13 @@
 namespace moejit {
 namespace {
 
-constexpr int kValuesPerThread = 32;  // a thread's slice in registers, fp32 values
+// A thread's slice in registers: at most this many slots and fp32 values, and half of each in
+// blocks of more than kWideBlock threads (ptxas has 128 registers per thread there at most; a
+// sweep of the modules spilled at 32 values in 512-thread blocks, at 32 one-element slots, and
+// at 8 slots of the token index in 448-thread blocks).
+constexpr int kValuesPerThread = 32;
+constexpr int kMaxSlotsPerThread = 8;
+constexpr int kWideBlock = 256;
 constexpr int kMaxRowThreads = 512;   // threads per token group before the row takes passes
 constexpr int kMaxClusterBlocks = 8;  // the portable cluster size
 // Decode: blocks over the batch's tokens the slices aim for (about one wave of a 132-SM GPU).
@@ -69,9 +76,10 @@ KernelKind cluster_kind(int layout) {
                                               : KernelKind::kEpilogueClusterTokenIndex;
 }
 
-// Slots a thread holds: up to kValuesPerThread fp32 values (at least one slot).
-int max_upt(const KernelSpec& s) {
-  return std::max(1, kValuesPerThread / s.vec);
+// Slots a thread of a tpt-thread group may hold (at least one).
+int max_upt(const KernelSpec& s, int tpt) {
+  const int wide = tpt > kWideBlock ? 2 : 1;
+  return std::max(1, std::min(kMaxSlotsPerThread / wide, kValuesPerThread / wide / s.vec));
 }
 
 // A token's row in one block (or TPT threads of one): see the table above.
@@ -85,8 +93,12 @@ void row_geometry(KernelSpec* s) {
     return;
   }
   const int align = slice_alignment(*s);
-  s->upt = static_cast<int>(std::min<int64_t>(max_upt(*s), ceil_div(slots, align)));
+  s->upt = static_cast<int>(std::min<int64_t>(max_upt(*s, align), ceil_div(slots, align)));
   s->tpt = round_up(ceil_div(slots, s->upt), align);
+  if (s->upt > max_upt(*s, s->tpt)) {  // a wide block: fewer slots each
+    s->upt = max_upt(*s, s->tpt);
+    s->tpt = round_up(ceil_div(slots, s->upt), align);
+  }
   if (s->tpt > kMaxRowThreads) {
     s->split = static_cast<int>(ceil_div(slots, int64_t{kMaxRowThreads} * s->upt));
     s->tpt = round_up(ceil_div(slots, int64_t{s->split} * s->upt), align);
@@ -105,7 +117,7 @@ bool cluster_geometry(KernelSpec* s, int64_t num_tokens) {
   s->tpb = 1;
   s->split = static_cast<int>(ceil_div(slots, int64_t{s->tpt} * s->upt));
   // A slice too long for registers: the one-block variant's passes instead.
-  return s->split >= 2 && s->upt <= max_upt(*s);
+  return s->split >= 2 && s->upt <= max_upt(*s, s->tpt);
 }
 
 }  // namespace

@@ -241,7 +241,8 @@ TEST(CombineEpilogue, GeometryKeepsTheKernelsRules) {
         ASSERT_EQ(check_spec(s), "") << what;
         ASSERT_LE(s.tpt * s.tpb, 1024) << what;
         ASSERT_EQ(s.tpt * s.tpb % 32, 0) << what;
-        ASSERT_LE(s.upt * s.vec, std::max(32, s.vec)) << what;
+        ASSERT_LE(s.upt, s.tpt > 256 ? 4 : 8) << what;
+        ASSERT_LE(s.upt * s.vec, s.tpt > 256 ? std::max(16, s.vec) : std::max(32, s.vec)) << what;
         ASSERT_LE(s.tpt, 512) << what;
         ASSERT_GE(int64_t{s.split} * s.tpt * s.upt, s.slots()) << what;
         // No slice wholly past the row.
@@ -298,8 +299,9 @@ TEST(CombineEpilogue, DecodeSplitsLongRowsAcrossACluster) {
             "upt=4 split=1 res=bf16 weight=bf16");
   // Rows too long for one block's registers take passes.
   const KernelSpec long_rows = plan_for(4096, 65536, normed).spec;
-  EXPECT_EQ(long_rows.split, 4);
+  EXPECT_EQ(long_rows.split, 8);  // 8192 slots: 512 threads x 2 slots (16 values) per pass
   EXPECT_EQ(long_rows.tpt, 512);
+  EXPECT_EQ(long_rows.upt, 2);
 }
 
 // The vector width also fits the residual (row starts and element size) and the weight.
