@@ -105,6 +105,10 @@ void append_epilogue_matrix(std::vector<Case>* cases) {
   cases->push_back({spec(2, 0, 0, epilogues[3], 65536, 4, 4096), 80});
   cases->push_back({spec(1, 2, 2, epilogues[2], 2880, 1, 4096), 89});
   cases->push_back({spec(0, 1, 1, epilogues[4], 2880, 2, 33), 90});
+  // Wide blocks (more than 256 threads), where ptxas has at most 128 registers: the token index's
+  // passes in 2-element vectors, and a 512-thread decode split in 1-element ones.
+  cases->push_back({spec(2, 0, 0, epilogues[3], 33000, 2, 4096), 89});
+  cases->push_back({spec(2, 1, 0, epilogues[0], 2880, 1, 1), 89});
   for (const Epilogue& e : epilogues)
     for (int sm : archs) cases->push_back({spec(1, 2, 2, e, 7168, 8, 1), sm});
 }
