@@ -83,7 +83,12 @@ step() {  # step NAME COMMAND...: output to OUTDIR/NAME.log, its tail on failure
 
 venv=$scratch/venv
 py=$venv/bin/python
+# python3 may itself be a venv (the GPU machine's PyTorch lives in one): --system-site-packages
+# would then see the base interpreter's packages, not its. A .pth file in the new venv names the
+# site-packages of the python3 on PATH, so torch, pip's NVRTC and pytest come from there.
+parent_site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
 step install bash -c "python3 -m venv --system-site-packages '$venv' &&
+  echo '$parent_site' >\"\$('$py' -c 'import site; print(site.getsitepackages()[0])')/parent-env.pth\" &&
   '$py' -m pip install --no-deps --no-index '$wheel' && '$py' -m pip list 2>/dev/null |
   grep -Ei '^(moejit|torch|nvidia-cuda-nvrtc|pytest) '"
 [ ${#failed[@]} -eq 0 ] || exit 1
