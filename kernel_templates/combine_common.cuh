@@ -133,6 +133,10 @@ struct alignas(sizeof(S) * N) Pack {
   asm("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p " OP ".u32 %0, [%1];\n}" \
       : "+r"(u[0])                                                             \
       : "l"(ptr), "r"(on))
+#define MOEJIT_PRED_LOAD_U16(OP)                                               \
+  asm("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p " OP ".u16 %0, [%1];\n}" \
+      : "+h"(*reinterpret_cast<unsigned short*>(&v))                           \
+      : "l"(ptr), "r"(on))
 
 template <bool CACHED, typename P>
 __device__ __forceinline__ void load_pack_if(bool pred, const P* ptr, P& v) {
@@ -153,6 +157,11 @@ __device__ __forceinline__ void load_pack_if(bool pred, const P* ptr, P& v) {
       MOEJIT_PRED_LOAD_V1("ld.global");
     else
       MOEJIT_PRED_LOAD_V1("ld.global.nc.L1::no_allocate");
+  } else if constexpr (sizeof(P) == 2) {  // one 16-bit element: rows of odd hidden sizes
+    if constexpr (CACHED)
+      MOEJIT_PRED_LOAD_U16("ld.global");
+    else
+      MOEJIT_PRED_LOAD_U16("ld.global.nc.L1::no_allocate");
   } else {
     if (pred) v = *ptr;
   }
@@ -160,6 +169,7 @@ __device__ __forceinline__ void load_pack_if(bool pred, const P* ptr, P& v) {
 #undef MOEJIT_PRED_LOAD_V4
 #undef MOEJIT_PRED_LOAD_V2
 #undef MOEJIT_PRED_LOAD_V1
+#undef MOEJIT_PRED_LOAD_U16
 
 // Slot `slot` of a row, at address `at`, into v where `pred` holds (v keeps its value
 // elsewhere): a full vector, or the partial tail element by element.
@@ -293,10 +303,10 @@ __device__ __forceinline__ void store_row_slots(typename Elem<OUT_DT>::storage* 
 // waits for this whole kernel before touching memory). The wait is a no-op for a plain launch and
 // on older GPUs, but not free at decode sizes, so a call's first kernel waits only when the caller
 // asked for the dependent launch (a uniform branch on p.dependent_launch).
-// Only the chain's helpers (token_index_clear, token_index_assign) allow their dependents, which
-// are the chain's next kernels. The combine kernels never allow the caller's next kernel early:
-// a combine that did slowed the caller's next kernel more than it gained (at its start, and just
-// before its stores). Figures: docs/performance.md#dependent-launch.
+// Only the chain's helpers (token_index_clear, token_index_assign, token_index_heavy) allow their
+// dependents, which are the chain's next kernels. The combine kernels never allow the caller's
+// next kernel early: a combine that did slowed the caller's next kernel more than it gained (at
+// its start, and just before its stores). Figures: docs/performance.md#dependent-launch.
 __device__ __forceinline__ void wait_for_predecessor() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -331,6 +341,14 @@ __device__ __forceinline__ void prefetch_l2_line(const void* first, long long by
 // Rows in flight per thread: enough independent 16-byte loads to cover memory latency without
 // spilling the loaded vectors.
 enum { kBatch = 8 };  // an enum, not a variable: see kScanBatch (token_index_rows.cuh)
+// Rows per batch at UPT slots per thread: kBatch 16-byte vectors in flight, kBatch / UPT rows;
+// with vectors of 4 bytes or less (rows whose starts allow no wider access: odd hidden sizes)
+// every load takes one register whatever its width, so a batch keeps kBatch rows at any UPT
+// (kBatch * UPT loads, as many registers as kBatch 16-byte vectors at UPT = 4).
+template <int VEC_BYTES, int UPT>
+struct BatchRows {
+  enum { value = VEC_BYTES <= 4 ? kBatch : kBatch / UPT > 0 ? kBatch / UPT : 1 };
+};
 // Fixed layouts with kBatch < TOP_K <= kWideBatch, and the token index holding that many rows
 // (one slot per thread): every row in one batch, one round trip (combine_fixed.cuh,
 // combine_one_token.cuh); the fixed layouts under a launch bound of half the blocks.

@@ -19,7 +19,9 @@
 //
 // Template parameters (the common ones: combine_common.cuh):
 //   ROWS      token-major, gather map: TOP_K; token index: HELD (its rows come from the lists that
-//             token_index_assign built, through add_listed_token_rows)
+//             token_index_assign built, through add_listed_token_rows; a token past its list from
+//             token_index_heavy's ranks and pieces, which the module's own token_index_heavy
+//             leaves without its finish step: add_heavy_token)
 //   LIST_CAP  token index: rows per token list (0 for the fixed layouts)
 //   SPLIT     slices per row (see above)
 //   RES_DT    the residual's element type code, -1: no residual
@@ -326,6 +328,14 @@ struct EpilogueRow {
       add_listed_token_rows<IN_DT, IdxT, HIDDEN, VEC, ROWS, TPT, UPT, LIST_CAP, false, false>(
           p, static_cast<const InS*>(p.expert), tok, first_slot, p.token_rows + tok * LIST_CAP,
           count, sum);
+      // A token past its list (the lists added nothing): this module's token_index_heavy ranked
+      // its rows and summed its pieces; its sum in the plain combine's order (moejit.h).
+      if (count > LIST_CAP) {
+        const HeavyWork heavy = heavy_work<HIDDEN>(p, 0);  // the heavy count is not needed here
+        add_heavy_token<IN_DT, VEC, HIDDEN, UPT, TPT,
+                        WalkBatch<ROWS, UPT, VecBytes<InS, VEC>::value>::value>(
+            p, heavy, tok, count, first_slot, sum);
+      }
     } else {
       add_fixed_token_rows<LAYOUT, IN_DT, IdxT, HIDDEN, VEC, ROWS, TPT, UPT, false>(
           p, static_cast<const IdxT*>(p.indices), static_cast<const InS*>(p.expert), tok,
@@ -574,7 +584,8 @@ __global__ void __launch_bounds__(TPT* TPB, EpilogueMinBlocks<TPT * TPB>::value)
   const int lane = static_cast<int>(threadIdx.x) % TPT;
   const long long tok = static_cast<long long>(blockIdx.x) * TPB + sub;
   // The routing, rows, residual and (accumulating) out may be the previous kernel's output: a
-  // dependent launch waits before any memory access; the list path always (token_index_assign).
+  // dependent launch waits before any memory access; after the list helpers always (the module's
+  // token_index_heavy, after token_index_assign).
   if constexpr (LAYOUT == kLayoutTokenIndex) {
     detail::wait_for_predecessor();
   } else if (p.dependent_launch != 0) {

@@ -42,14 +42,13 @@ __device__ __forceinline__ void read_slot_routing(const CombineParams& p,
   }
 }
 
-// Rows loaded together: kBatch 16-byte vectors in flight per thread, whatever UPT is; with 9-16
-// slots per token at one slot per thread all of them in one batch, one round trip.
-template <int TOP_K, int UPT>
+// Rows loaded together: kBatch 16-byte vectors in flight per thread, whatever UPT is (BatchRows,
+// VEC_BYTES the rows' vector); with 9-16 slots per token at one slot per thread all of them in one
+// batch, one round trip.
+template <int TOP_K, int UPT, int VEC_BYTES>
 struct FixedBatch {
   enum {
-    rows = WideBatch<TOP_K, UPT>::value ? TOP_K
-           : kBatch / UPT > 0           ? kBatch / UPT
-                                        : 1,
+    rows = WideBatch<TOP_K, UPT>::value ? TOP_K : BatchRows<VEC_BYTES, UPT>::value,
     // The first batch's routing is held in registers; later slots are read as they come. A batch
     // is never larger than the held slots: absent ones would cost their adds (zeros times weight
     // 0, which the compiler must keep).
@@ -65,8 +64,9 @@ __device__ __forceinline__ void add_fixed_token_rows(const CombineParams& p,
                                                      const IdxT* __restrict__ indices,
                                                      const S* __restrict__ expert, long long tok,
                                                      int first_slot, float (&sum)[UPT][VEC]) {
-  constexpr int kRowsPerBatch = FixedBatch<TOP_K, UPT>::rows;
-  constexpr int kHeld = FixedBatch<TOP_K, UPT>::held;
+  typedef FixedBatch<TOP_K, UPT, static_cast<int>(sizeof(S)) * VEC> Batch;
+  constexpr int kRowsPerBatch = Batch::rows;
+  constexpr int kHeld = Batch::held;
   int row[kHeld];
   bool mapped[kHeld];
   float gate[kHeld];
@@ -113,24 +113,29 @@ __device__ __forceinline__ void add_fixed_token_rows(const CombineParams& p,
 // fitted them into 32 registers by issuing a batch's row loads one or two at a time instead of all
 // back to back. With 9-16 slots in one batch (kWideBatch) the routing and the rows take up to
 // about 110 registers: four blocks, the same bytes in flight per SM. The gather map with four slots
-// per thread promises ten (it keeps 48 registers, no spill, loads back to back). Two slots per
-// thread already had their loads back to back; token-major with four slots spilled under a
-// promise, and smaller blocks keep ptxas's choice. Measured:
-// docs/performance.md#geometry-within-a-variant.
-template <int LAYOUT, int TOP_K, int TPT, int TPB, int UPT>
+// per thread in 16-byte vectors promises ten (it keeps 48 registers, no spill, loads back to
+// back). Two slots per thread already had their loads back to back; token-major with four slots
+// spilled under a promise; smaller blocks keep ptxas's choice. Vectors of 4 bytes or less
+// (eight rows of UPT slots, a register each) promise eight: left to itself ptxas gave some 40
+// registers and spilled. Measured: docs/performance.md#geometry-within-a-variant.
+template <int LAYOUT, int TOP_K, int TPT, int TPB, int UPT, int VEC_BYTES>
 struct FixedMinBlocks {
   enum {
-    value = TPT * TPB < 128 ? 0
-            : UPT == 1      ? (detail::WideBatch<TOP_K, UPT>::value ? 512 : 1024) / (TPT * TPB)
-            : UPT == 4 && LAYOUT == kLayoutGatherMap ? 1280 / (TPT * TPB)
-                                                     : 0
+    value = TPT * TPB < 128  ? 0
+            : UPT == 1       ? (detail::WideBatch<TOP_K, UPT>::value ? 512 : 1024) / (TPT * TPB)
+            : VEC_BYTES <= 4 ? 1024 / (TPT * TPB)
+            : UPT == 4 && LAYOUT == kLayoutGatherMap && VEC_BYTES == 16 ? 1280 / (TPT * TPB)
+                                                                        : 0
   };
 };
 
 // The combine of the fixed layouts: one block per work item (detail::work_item).
 template <int LAYOUT, int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT,
           int TPB, int UPT, int GRID, bool CACHED>
-__global__ void __launch_bounds__(TPT* TPB, (FixedMinBlocks<LAYOUT, TOP_K, TPT, TPB, UPT>::value))
+__global__ void __launch_bounds__(
+    TPT* TPB,
+    (FixedMinBlocks<LAYOUT, TOP_K, TPT, TPB, UPT,
+                    static_cast<int>(sizeof(typename detail::Elem<IN_DT>::storage)) * VEC>::value))
     combine_fixed(const CombineParams p) {
   static_assert(LAYOUT == kLayoutTokenMajor || LAYOUT == kLayoutGatherMap, "a fixed layout");
   static_assert(TOP_K > 0, "fixed top_k");

@@ -1,28 +1,49 @@
 // The token index's kernels: an arbitrary token_idx[R] names each row's token. Either two small
 // helpers list every token's rows first (token_index_clear, token_index_assign: the list path,
 // combine_lists), or one launch finds them itself (combine_scan: every block scans all of
-// token_idx for its own tokens). Either way a token's rows are summed in ascending row order,
-// whatever order the lists arrived in: the result is bitwise the same on every path. Template
-// parameters: see combine_common.cuh; the host's choice among them: src/combine_dispatch.cpp.
+// token_idx for its own tokens). Either way a token's rows are summed in ascending row order
+// (in pieces of kPieceRows past that many, token_index_workspace.h), whatever order the lists
+// arrived in: the result is bitwise the same on every path. Template parameters: see
+// combine_common.cuh; the host's choice among them: src/combine_dispatch.cpp.
 #ifndef MOEJIT_COMBINE_TOKEN_INDEX_CUH_
 #define MOEJIT_COMBINE_TOKEN_INDEX_CUH_
 
 #include "combine_common.cuh"
+#include "token_index_heavy.cuh"
 #include "token_index_rows.cuh"
 
 namespace moejit {
 namespace detail {
 
-// Rows per batch of the held path: kBatch 16-byte vectors in flight per thread, whatever UPT is;
-// with 12 or 16 rows held at one slot per thread, all of them (one round trip).
-template <int HELD, int UPT>
+// Rows per batch of the held path: kBatch 16-byte vectors in flight per thread, whatever UPT is
+// (BatchRows, VEC_BYTES the rows' vector); with 12 or 16 rows held at one slot per thread, all of
+// them (one round trip).
+template <int HELD, int UPT, int VEC_BYTES>
 struct HeldBatch {
   enum {
-    rows_per_batch = WideBatch<HELD, UPT>::value ? HELD
-                     : kBatch / UPT > 0          ? kBatch / UPT
-                                                 : 1,
+    rows_per_batch = WideBatch<HELD, UPT>::value ? HELD : BatchRows<VEC_BYTES, UPT>::value,
     value = rows_per_batch < HELD ? rows_per_batch : HELD
   };
+};
+
+// Rows per round trip of the single launch's walk past a token's list: a whole batch (BatchRows)
+// where the held path keeps at most two rows of one slot, else half the held batch, at least two
+// (the walk keeps a piece's sum and the step's matches in registers besides the rows: a whole
+// batch beside eight held rows, or of several slots, spilled).
+template <int HELD, int UPT, int VEC_BYTES>
+struct WalkBatch {
+  enum {
+    held = HeldBatch<HELD, UPT, VEC_BYTES>::value,
+    value = HELD <= 2 && UPT == 1 ? BatchRows<VEC_BYTES, UPT>::value
+            : held / 2 > 2        ? held / 2
+                                  : 2
+  };
+};
+
+// The bytes of one vector of S.
+template <typename S, int VEC>
+struct VecBytes {
+  enum { value = static_cast<int>(sizeof(S)) * VEC };
 };
 
 // From list position held_from on: -1 past the token's count (no row), and each row's gate.
@@ -41,14 +62,15 @@ __device__ __forceinline__ void held_gates(const CombineParams& p, int count, in
 // batch where the token has at most HELD rows; otherwise (a skewed routing) the slower paths add
 // them, in the same ascending order. The entries are read together with the count, not after it
 // (entries past the count are stale but inside the list): one round trip before the rows, as for
-// a gather map.
+// a gather map. Past LIST_CAP rows the single launch walks token_idx; the list path adds nothing
+// for such a token (token_index_heavy sums it).
 template <int IN_DT, typename IdxT, int HIDDEN, int VEC, int HELD, int TPT, int UPT, int LIST_CAP,
           bool CACHED, bool IN_SHARED, typename S>
 __device__ __forceinline__ void add_listed_token_rows(const CombineParams& p,
                                                       const S* __restrict__ expert, long long tok,
                                                       int first_slot, const int* list, int count,
                                                       float (&sum)[UPT][VEC]) {
-  constexpr int kBatchRows = HeldBatch<HELD, UPT>::value;
+  constexpr int kBatchRows = HeldBatch<HELD, UPT, VecBytes<S, VEC>::value>::value;
   Pack<S, VEC> v[kBatchRows][UPT];  // the batch's rows in flight
   bool present[kBatchRows];
   const bool held_all = count <= HELD;
@@ -73,10 +95,10 @@ __device__ __forceinline__ void add_listed_token_rows(const CombineParams& p,
   if (!held_all) {
     if (count <= LIST_CAP)
       add_listed_rows_in_order<IN_DT, VEC, HIDDEN, UPT, TPT>(p, list, count, first_slot, sum);
-    else if constexpr (TPT % 32 == 0)
-      add_rows_by_warp_walk<IN_DT, VEC, HIDDEN, UPT, TPT, IdxT>(p, tok, first_slot, sum);
-    else
-      add_rows_by_walk<IN_DT, VEC, HIDDEN, UPT, TPT, IdxT>(p, tok, first_slot, sum);
+    else if constexpr (IN_SHARED)
+      add_rows_by_ordered_walk<IN_DT, VEC, HIDDEN, UPT, TPT,
+                               WalkBatch<HELD, UPT, VecBytes<S, VEC>::value>::value, IdxT>(
+          p, tok, first_slot, sum);
   }
 }
 
@@ -90,7 +112,7 @@ __device__ __forceinline__ void combine_small_call_token(const CombineParams& p,
                                                          const S* __restrict__ expert,
                                                          long long tok, int first_slot) {
   constexpr int kScanWindow = LIST_CAP / HELD * HELD;
-  constexpr int kBatchRows = HeldBatch<HELD, UPT>::value;
+  constexpr int kBatchRows = HeldBatch<HELD, UPT, VecBytes<S, VEC>::value>::value;
   int count = HELD;
   int* list = nullptr;
   float sum[UPT][VEC];
@@ -120,19 +142,21 @@ __device__ __forceinline__ void combine_small_call_token(const CombineParams& p,
 
 }  // namespace detail
 
-// The list path's combine, after token_index_assign built the lists (it waits for them). The
-// grid: flat with two or more rows held, x by y with one (GRID).
+// The list path's combine, after token_index_assign built the lists and token_index_heavy summed
+// the tokens past their lists (it waits for both). The grid: flat with two or more rows held, x by
+// y with one (GRID).
 template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int HELD, int TPT, int TPB,
           int UPT, int LIST_CAP, int GRID, bool CACHED>
 __global__ void __launch_bounds__(TPT* TPB, 0) combine_lists(const CombineParams p) {
   static_assert(LIST_CAP >= HELD && HELD >= 1, "a list, at least HELD long");
+  static_assert(LIST_CAP <= kPieceRows, "a token that fits its list is one piece");
   typedef typename detail::Elem<IN_DT>::storage S;
   typedef typename detail::Elem<OUT_DT>::storage OutS;
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
   const detail::WorkItem item = detail::work_item<GRID, HIDDEN, VEC, TPT, TPB, UPT>();
   const long long tok = item.tok;
   const int first_slot = item.first_slot;
-  detail::wait_for_predecessor();   // token_index_assign's lists
+  detail::wait_for_predecessor();   // token_index_heavy (after token_index_assign's lists)
   if (tok >= p.num_tokens) return;  // no barrier below: idle token groups may leave
   const int count = __ldg(p.token_counts + tok);
   const int* list = p.token_rows + tok * LIST_CAP;
@@ -140,23 +164,47 @@ __global__ void __launch_bounds__(TPT* TPB, 0) combine_lists(const CombineParams
   detail::clear_sums(sum);
   detail::add_listed_token_rows<IN_DT, IdxT, HIDDEN, VEC, HELD, TPT, UPT, LIST_CAP, CACHED, false>(
       p, expert, tok, first_slot, list, count, sum);
-  detail::store_row_slots<OUT_DT, VEC, HIDDEN, UPT, TPT>(
-      static_cast<OutS*>(p.out) + tok * p.out_stride, first_slot, sum, p);
+  if (count <= LIST_CAP)  // a token past its list: token_index_heavy stored it
+    detail::store_row_slots<OUT_DT, VEC, HIDDEN, UPT, TPT>(
+        static_cast<OutS*>(p.out) + tok * p.out_stride, first_slot, sum, p);
+}
+
+// The list path's tokens past their lists (token_index_heavy.cuh), between token_index_assign and
+// combine_lists: blocks of kHeavyThreads (token_index_workspace.h), each warp taking work items
+// until none is left. A call without such tokens only reads their count. The combine may be
+// scheduled at once (it waits for this kernel before touching memory). FINISH: the heavy tokens
+// stored to out; without it (the token index's epilogue, combine_epilogue.cuh) their pieces are
+// left for the next kernel, which adds each such token itself (add_heavy_token; OUT_DT unused).
+// Three blocks per SM (up to 80 registers; left to itself ptxas took 116-128 and kept two), one
+// vector per lane and row, four rows per round trip: with eight, ptxas spilled in some modules.
+template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, bool FINISH = true>
+__global__ void __launch_bounds__(kHeavyThreads, 3) token_index_heavy(const CombineParams p) {
+  constexpr int kUpt = 1, kRows = 4;
+  detail::allow_dependents();
+  detail::wait_for_predecessor();  // token_index_assign's counts and heavy tokens
+  const long long heavy = static_cast<long long>(__ldg(detail::heavy_counters(p) + kHeavyTokens));
+  if (heavy == 0) return;
+  const detail::HeavyWork s = detail::heavy_work<HIDDEN>(p, heavy);
+  detail::do_heavy_work<IN_DT, OUT_DT, IdxT, HIDDEN, VEC, kUpt, kRows, FINISH>(p, s);
 }
 
 // ---- small calls: one launch ------------------------------------------------------------------
-// For calls with few rows, the list path's two extra launches (clear, assign) cost more than the
-// work: here every block scans all of token_idx for its own tokens' rows, then combines them
-// exactly as the list path does (same ascending order, same slow paths: bitwise the same result).
+// For calls with few rows, the list path's three extra launches (clear, assign, heavy) cost more
+// than the work: here every block scans all of token_idx for its own tokens' rows, then combines
+// them in the list path's order (ascending rows, in pieces past kPieceRows: bitwise the same
+// result).
 // SMALL: the small-call form (one token per block in whole warps, calls of at most TPT rows),
 // whose warps each read all of token_idx and list the rows in order. The grid is x by y.
 // The small-call form promises four blocks per SM (up to 128 registers): without it ptxas gave its
 // windowed scan loop too few registers and loaded a row's second slot only after adding its first
 // (two round trips per row). With it the loads are back to back at every small-form geometry and
-// nothing spills; its grids are small anyway.
+// nothing spills; its grids are small anyway. The other forms promise 1024 threads per SM (up to
+// 64 registers): left to itself, ptxas gave some of them (narrow vectors, with the walk past a
+// list) 40 registers and spilled around the scan.
 template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int HELD, int TPT, int TPB,
           int UPT, int LIST_CAP, bool SMALL>
-__global__ void __launch_bounds__(TPT* TPB, SMALL ? 4 : 0) combine_scan(const CombineParams p) {
+__global__ void __launch_bounds__(TPT* TPB, SMALL ? 4 : 1024 / (TPT * TPB))
+    combine_scan(const CombineParams p) {
   static_assert(LIST_CAP >= HELD && HELD >= 1, "a list, at least HELD long");
   static_assert(!SMALL || (TPB == 1 && TPT % 32 == 0),
                 "the small-call form is one token per block, in whole warps");
@@ -196,7 +244,7 @@ __global__ void __launch_bounds__(TPT* TPB, SMALL ? 4 : 0) combine_scan(const Co
 // Two small steps before the combine: per-token lists of row ids in arrival order. The combine
 // sorts each list in registers, so the summation order never depends on the atomics.
 
-// Step 1: forget the previous call's lists (the workspace may hold anything).
+// Step 1: forget the previous call's lists and heavy tokens (the workspace may hold anything).
 // A template only so that NVRTC compiles it into the modules that name it: a plain __global__
 // function is compiled into every module, at a cost in every compile.
 template <int UNUSED = 0>
@@ -207,12 +255,14 @@ __global__ void token_index_clear(const CombineParams p) {
   // wait and allowed it.
   if (p.dependent_launch != 0) detail::wait_for_predecessor();
   detail::allow_dependents();
+  if (blockIdx.x == 0 && threadIdx.x < kHeavyCounters) detail::heavy_counters(p)[threadIdx.x] = 0;
   for (long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
        t < p.num_tokens; t += static_cast<long long>(gridDim.x) * blockDim.x)
     p.token_counts[t] = 0;
 }
 
-// Step 2: every row announces itself to its token. Arrival order is not deterministic.
+// Step 2: every row announces itself to its token. Arrival order is not deterministic. The row that
+// finds its token's list full registers the token as heavy (token_index_heavy.cuh).
 template <typename IdxT>
 __global__ void token_index_assign(const CombineParams p) {
   const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
@@ -231,6 +281,8 @@ __global__ void token_index_assign(const CombineParams p) {
     const int arrival = atomicAdd(p.token_counts + t, 1);
     if (arrival < p.list_capacity)
       p.token_rows[t * p.list_capacity + arrival] = static_cast<int>(r);
+    else if (arrival == p.list_capacity)  // the token's list is full: a heavy token
+      detail::register_heavy(p, t);
   }
 }
 

@@ -1,55 +1,118 @@
 // The token index's ways to find a token's rows: the single launch's scans of token_idx (lists in
 // shared memory, the small-call form's ordered warp lists), and the paths for a token with more
-// rows than it holds in registers (a skewed routing): its list added in order, and walks of
-// token_idx past its list. Used by combine_token_index.cuh; template parameters: see
-// combine_common.cuh.
+// rows than it holds in registers (a skewed routing): its list added in order, and the single
+// launch's walk of token_idx past its list. Used by combine_token_index.cuh and
+// token_index_heavy.cuh (the list path past a list); template parameters: see combine_common.cuh.
 #ifndef MOEJIT_TOKEN_INDEX_ROWS_CUH_
 #define MOEJIT_TOKEN_INDEX_ROWS_CUH_
 
 #include "combine_common.cuh"
+#include "token_index_workspace.h"
 
 namespace moejit {
 namespace detail {
 
-// More rows for one token than its list holds (a skewed routing): walk token_idx in row order
-// and add this token's rows, in the same ascending order as the listed path. Slow but bounded,
-// and bitwise identical to what a longer list would give. Token groups narrower than a warp (short
-// rows); whole warps walk 32 entries per step (add_rows_by_warp_walk), and the small-call scan
-// lists later windows instead.
-template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT, typename IdxT>
-__device__ __forceinline__ void add_rows_by_walk(const CombineParams& p, long long tok,
-                                                 int first_slot, float (&sum)[UPT][VEC]) {
-  const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
-#pragma unroll 1  // rare and long: unrolling would only multiply its code (and compile time)
-  for (long long r = 0; r < p.num_rows; ++r) {
-    if (static_cast<long long>(__ldg(token_idx + r)) != tok) continue;
-    add_row<IN_DT, VEC, HIDDEN, UPT, TPT>(p, r, p.gates != nullptr ? __ldg(p.gates + r) : 1.0f,
-                                          first_slot, sum);
+// The rows first_row + i for the set bits i of `bits`, in ascending order, added BATCH per round
+// trip to `piece`, which joins `sum` whenever it completes kPieceRows rows (in_piece counts them).
+template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT, int BATCH>
+__device__ __forceinline__ void add_rows_in_pieces(const CombineParams& p, unsigned bits,
+                                                   long long first_row, int first_slot,
+                                                   int& in_piece, float (&piece)[UPT][VEC],
+                                                   float (&sum)[UPT][VEC]) {
+  typedef typename Elem<IN_DT>::storage S;
+#pragma unroll 1
+  while (bits != 0) {
+    const int room = kPieceRows - in_piece;
+    int row[BATCH];
+    bool mapped[BATCH];
+    float gate[BATCH];
+    Pack<S, VEC> v[BATCH][UPT];
+    bool present[BATCH];
+    int taken = 0;
+#pragma unroll
+    for (int k = 0; k < BATCH; ++k) {
+      row[k] = -1;
+      if (bits != 0 && k < room) {
+        row[k] = static_cast<int>(first_row + __ffs(static_cast<int>(bits)) - 1);
+        bits &= bits - 1;
+        ++taken;
+      }
+      gate[k] = p.gates != nullptr && row[k] >= 0 ? __ldg(p.gates + row[k]) : 1.0f;
+    }
+    add_held_rows<kLayoutTokenIndex, IN_DT, HIDDEN, VEC, BATCH, TPT, UPT, BATCH, BATCH, false>(
+        p, static_cast<const S*>(p.expert), 0, first_slot, row, mapped, gate, v, present, piece);
+    in_piece += taken;
+    if (in_piece == kPieceRows) {  // a piece is complete: its sum joins the total
+#pragma unroll
+      for (int u = 0; u < UPT; ++u)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          sum[u][e] += piece[u][e];
+          piece[u][e] = 0.0f;
+        }
+      in_piece = 0;
+    }
   }
 }
 
-// The same walk by whole warps (TPT a multiple of 32: every lane of a warp adds the same token's
-// rows, each to its own slots): a step loads 32 entries with one instruction, and the warp's
-// ballot names the token's rows among them; those rows are then added one at a time in ascending
-// order. 32 entries per round trip instead of one.
-template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT, typename IdxT>
-__device__ __forceinline__ void add_rows_by_warp_walk(const CombineParams& p, long long tok,
-                                                      int first_slot, float (&sum)[UPT][VEC]) {
-  static_assert(TPT % 32 == 0, "whole warps of one token");
+// More rows for one token than the single launch's list holds (a skewed routing): walk token_idx in
+// row order and add this token's rows in ascending order, in pieces of kPieceRows (moejit.h): each
+// piece summed from zero, then added to the total as it completes. The list path's heavy tokens
+// are summed the same way by many blocks (token_index_heavy.cuh): bitwise the same result, and
+// the one a longer list would give (a token of at most kPieceRows rows is one piece). Whole warps
+// (TPT a multiple of 32: every lane adds the same rows, each to its own slots) read 8 x 32 entries
+// per round trip and name the token's rows with ballots; narrower groups read 8 entries per thread.
+// The rows found are added BATCH per round trip, a batch never crossing the end of a piece.
+// Slow next to the list path, which spreads a heavy token over the GPU, but bounded: the single
+// launch takes only calls of a few rows per thread.
+template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT, int BATCH, typename IdxT>
+__device__ __forceinline__ void add_rows_by_ordered_walk(const CombineParams& p, long long tok,
+                                                         int first_slot, float (&sum)[UPT][VEC]) {
   const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
   const IdxT want = static_cast<IdxT>(tok);  // the token has rows: nameable
-  const int lane = static_cast<int>(threadIdx.x) % 32;
+  float piece[UPT][VEC];
+  clear_sums(piece);
+  int in_piece = 0;  // rows of the current piece added so far (uniform across the group)
+  if constexpr (TPT % 32 == 0) {
 #pragma unroll 1
-  for (long long base = 0; base < p.num_rows; base += 32) {
-    const long long r = base + lane;
-    unsigned bits = __ballot_sync(0xffffffffu, r < p.num_rows && __ldg(token_idx + r) == want);
-#pragma unroll 1  // one copy of the row's adds
-    for (; bits != 0; bits &= bits - 1) {
-      const long long row = base + (__ffs(static_cast<int>(bits)) - 1);
-      add_row<IN_DT, VEC, HIDDEN, UPT, TPT>(
-          p, row, p.gates != nullptr ? __ldg(p.gates + row) : 1.0f, first_slot, sum);
+    for (long long base = 0; base < p.num_rows; base += 8 * 32) {
+      // Read again each round (one instruction), not kept across the loop: in the short-row
+      // blocks ptxas spilled it.
+      unsigned lane;
+      asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+      unsigned bits[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const long long r = base + u * 32 + lane;
+        bits[u] = __ballot_sync(0xffffffffu, r < p.num_rows && __ldg(token_idx + r) == want);
+      }
+      // One copy of the adds: the ballots move down a register queue (an index into bits that
+      // the loop does not unroll would put the array in local memory).
+#pragma unroll 1
+      for (int u = 0; u < 8; ++u) {
+        add_rows_in_pieces<IN_DT, VEC, HIDDEN, UPT, TPT, BATCH>(p, bits[0], base + u * 32,
+                                                                first_slot, in_piece, piece, sum);
+#pragma unroll
+        for (int q = 0; q < 7; ++q) bits[q] = bits[q + 1];
+      }
+    }
+  } else {
+#pragma unroll 1
+    for (long long base = 0; base < p.num_rows; base += 8) {
+      unsigned bits = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (base + i < p.num_rows && __ldg(token_idx + base + i) == want) bits |= 1u << i;
+      add_rows_in_pieces<IN_DT, VEC, HIDDEN, UPT, TPT, BATCH>(p, bits, base, first_slot, in_piece,
+                                                              piece, sum);
     }
   }
+  // The last piece (a sum that starts at +0.0 never becomes -0.0: adding a +0.0 piece changes no
+  // bit).
+#pragma unroll
+  for (int u = 0; u < UPT; ++u)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) sum[u][e] += piece[u][e];
 }
 
 // A token-index list longer than the rows held in registers (a skewed routing) but within
@@ -57,7 +120,7 @@ __device__ __forceinline__ void add_rows_by_warp_walk(const CombineParams& p, lo
 // cached) keeps the two smallest ids above the last one added, inserting each entry into a sorted
 // pair in registers; both rows are then loaded together (a pass per row was much slower for
 // uneven routings: docs/performance.md#kernel-variants). Quadratic in the list length, but bitwise
-// identical to the held path and to add_rows_by_walk (the same rows in the same order). `list` is
+// identical to the held path and to a longer list's (the same rows in the same order). `list` is
 // in the workspace (list path) or in shared memory (single launch): plain loads serve both.
 template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT>
 __device__ __forceinline__ void add_listed_rows_in_order(const CombineParams& p, const int* list,

@@ -18,10 +18,11 @@
 //                                      every warp reads all of token_idx and lists the rows in
 //                                      order: no atomics, sort or barrier; a smaller module
 //                kTokenIndexScan       the single launch pays (other calls)
-//                                      one launch where the lists need three
+//                                      one launch where the lists need four
 //                kTokenIndexLists      every other call
-//                                      list helpers (clear, assign), then the combine: token_idx
-//                                      is read once, not once per block
+//                                      list helpers (clear, assign), token_index_heavy (tokens
+//                                      past their lists, over the whole GPU), then the combine:
+//                                      token_idx is read once, not once per block
 //   The single launch pays while each of its threads reads at most kScanMaxRowsPerThread entries of
 //   token_idx and all its blocks together at most kScanMaxBytes (re-read from L2).
 //
@@ -32,13 +33,16 @@
 //                                      the module's one-block kernel); no cluster without a norm
 //                kEpilogue<L>          every other epilogue call
 //                                      a token's row in one block (slices one after another)
-//   The token index's are launched after the list helpers, as kTokenIndexLists is.
+//   The token index's are launched after the list helpers and token_index_heavy, as
+//   kTokenIndexLists is (token_index_heavy without its finish: the epilogue adds a heavy token's
+//   sum itself).
 //
 // Geometry (choose_geometry; slots = vectors per row; decode: T <= 64; mid-size: T * slots <= 2^21;
 // prefill: larger, or T unknown):
 //   - one slot per thread in 128-thread blocks; rows shorter than 128 slots share a block between
 //     tokens (groups of the row's slots rounded up to a power of two, at least 4).
-//   - fixed layouts, mid-size, K >= 8: 16-thread groups, two per block (gather map: eight).
+//   - fixed layouts, mid-size, K >= 8, rows of whole 128-byte lines: 16-thread groups, two per
+//     block (gather map: eight).
 //   - token index, decode, list path and one-token kernel: one 64-thread group per block; the
 //     single launch keeps 128 where a row fills them.
 //   - token index, not decode: two slots per thread with at most 4 rows held; the list path in
@@ -46,6 +50,7 @@
 //     launch's short-row blocks 512 threads (lists permitting).
 //   - fixed layouts, not decode: K = 1 two slots per thread; gather map K = 2 four where 512-slot
 //     chunks tile the row.
+//   - vectors of 4 bytes or less (odd hidden sizes), not decode: four slots per thread.
 //   - one-token kernels: their own vectors and blocks (one_token_map_spec, one_token_index_spec).
 // Grid: one dimension with a token's chunks adjacent for the fixed layouts and the list path with
 // two or more rows held; the gather map up to mid-size calls x the token groups, y the chunks (one
@@ -58,6 +63,7 @@
 #include <climits>
 #include <string>
 
+#include "../kernel_templates/token_index_workspace.h"
 #include "combine_args.h"
 #include "combine_epilogue.h"
 #include "combine_plan.h"
@@ -92,12 +98,14 @@ int next_pow2(int x) {
 
 // Rows listed per token: four times the average or more, so that a routing whose counts vary at
 // random (about Poisson(K) rows per token) overflows a list with probability under 1e-9 and stays
-// off the walk of token_idx that a token past its list takes.
+// off the heavy-token work that a token past its list takes (token_index_heavy.cuh).
+constexpr int kLongestList = 128;
+static_assert(kLongestList <= kPieceRows, "a token that fits its list is one piece");
 int list_capacity(int64_t rows_per_token) {
-  if (rows_per_token <= 2) return 16;
+  if (rows_per_token <= 2) return kMinListCapacity;
   if (rows_per_token <= 8) return 32;
   if (rows_per_token <= 16) return 64;
-  return 128;
+  return kLongestList;
 }
 
 // Token index: rows per token held (and sorted) in registers, the expected count rounded up to 1,
@@ -110,6 +118,14 @@ int held_rows(int64_t rows_per_token) {
   if (rows_per_token <= 8) return 8;
   if (rows_per_token <= 12) return 12;
   return 16;
+}
+
+// Blocks of token_index_heavy (kHeavyThreads each; its warps take work items until none is left):
+// one per 128 rows, between one and kMaxHeavyBlocks. Without heavy tokens they only read a counter;
+// with a hot token, that keeps about a warp per 16 of its rows streaming (several MB in flight).
+constexpr int64_t kMaxHeavyBlocks = 512;
+unsigned heavy_blocks(int64_t num_rows) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min(num_rows / 128, kMaxHeavyBlocks)));
 }
 
 // The three sets of geometry rules: the fixed layouts' kernel, the token index's list path, its
@@ -135,8 +151,12 @@ void choose_geometry(KernelSpec* s, Path path, int64_t num_tokens) {
   const bool up_to_mid =
       num_tokens >= 0 && num_tokens * static_cast<int64_t>(slots) <= kMidSlotsMax;
   // Fixed layouts, mid-size calls with K >= 8: a token's row spread over 16-slot groups, more
-  // blocks in flight. Not at decode sizes, where the 128-thread blocks measured faster.
-  const bool mid_k8 = !ti && !decode && rows >= 8 && up_to_mid;
+  // blocks in flight. Not at decode sizes, where the 128-thread blocks measured faster; nor where
+  // a row is not a whole number of 128-byte lines (H = 1000 in 2-byte elements: rows of 2000
+  // bytes), where each group's 256 bytes of a row share their end lines with the next group's,
+  // which other blocks read at other times.
+  const bool whole_lines = s->hidden * element_bytes(s->in_dtype) % 128 == 0;
+  const bool mid_k8 = !ti && !decode && rows >= 8 && up_to_mid && whole_lines;
   // Token index at decode: one 64-thread group per block (fewer, larger blocks than 16x2), except
   // the single launch where a row fills 128 threads: its small-call form then has every warp read
   // up to 128 rows of token_idx with no barrier.
@@ -169,6 +189,11 @@ void choose_geometry(KernelSpec* s, Path path, int64_t num_tokens) {
   // Gather map with two rows per token: four slots per thread where whole 512-slot chunks tile
   // the row (a partial chunk lost).
   if (gather_map && !ti && !decode && rows == 2 && slots % (4 * kBlockThreads) == 0) s->upt = 4;
+  // Vectors of 4 bytes or less (rows whose starts allow no wider access: odd hidden sizes of
+  // 2-byte elements, or of fp32): four slots per thread beyond decode sizes where a row fills
+  // them, so that a thread keeps as many loads in flight as with 16-byte vectors (each load a
+  // register whatever its width; the kernels' batches keep eight rows: BatchRows).
+  if (!decode && s->vec * element_bytes(s->in_dtype) <= 4 && slots >= 4 * s->tpt) s->upt = 4;
 }
 
 // The list-path or fixed-layout spec for a shape whose vector width is known.
@@ -279,15 +304,10 @@ std::optional<KernelSpec> companion_module(const KernelSpec& spec) {
   return list_helpers_spec(spec.index_bytes);
 }
 
-size_t token_lists_offset(int64_t num_tokens) {
-  return (static_cast<size_t>(num_tokens) * sizeof(int) + 255) / 256 * 256;
-}
-
-size_t token_index_workspace_bytes(int64_t num_tokens, int64_t num_rows) {
+size_t token_index_workspace_bytes(int64_t num_tokens, int64_t num_rows, int64_t hidden) {
   if (num_tokens == 0) return 0;
   const int64_t cap = list_capacity((num_rows + num_tokens - 1) / num_tokens);
-  const size_t list = static_cast<size_t>(num_tokens) * static_cast<size_t>(cap);
-  return token_lists_offset(num_tokens) + list * sizeof(int);
+  return static_cast<size_t>(token_index_workspace(num_tokens, num_rows, hidden, cap).bytes);
 }
 
 KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dtype out_dtype,
@@ -455,14 +475,15 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
 size_t combine_workspace_bytes(const moejit_combine_args* args) {
   const moejit_combine_args a = validated_shape(args);
   return a.layout == MOEJIT_LAYOUT_TOKEN_INDEX
-             ? token_index_workspace_bytes(a.num_tokens, a.num_rows)
+             ? token_index_workspace_bytes(a.num_tokens, a.num_rows, a.hidden_dim)
              : 0;
 }
 
 CombinePlan plan_combine(const moejit_combine_args* args) {
   const moejit_combine_args a = validated_shape(args);
   const bool token_index = a.layout == MOEJIT_LAYOUT_TOKEN_INDEX;
-  check_buffers(a, token_index ? token_index_workspace_bytes(a.num_tokens, a.num_rows) : 0);
+  check_buffers(
+      a, token_index ? token_index_workspace_bytes(a.num_tokens, a.num_rows, a.hidden_dim) : 0);
   CombinePlan plan;
   if (a.num_tokens == 0) {
     plan.nothing_to_do = true;
@@ -512,13 +533,17 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   if (token_index) {
     char* ws = static_cast<char*>(a.workspace);
     p.token_counts = reinterpret_cast<int*>(ws);
-    p.token_rows = reinterpret_cast<int*>(ws + token_lists_offset(a.num_tokens));
+    // The counts first (the list helpers find the heavy tokens' counters from T alone), the lists
+    // last (token_index_workspace.h).
+    p.token_rows = reinterpret_cast<int*>(
+        ws + token_index_workspace(a.num_tokens, a.num_rows, a.hidden_dim, 0).lists);
     auto helper_blocks = [](int64_t n) {
       return static_cast<unsigned>(std::max<int64_t>(
           1, std::min<int64_t>((n + kHelperThreads - 1) / kHelperThreads, kMaxHelperBlocks)));
     };
     plan.clear_blocks = helper_blocks(a.num_tokens);
     plan.assign_blocks = helper_blocks(a.num_rows);
+    plan.heavy_blocks = heavy_blocks(a.num_rows);
   }
 
   // Grid x: token groups (at most 2^31 - 1). Grid y: chunks per row, at most 65536 / 4 (hidden

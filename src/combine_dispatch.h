@@ -55,10 +55,10 @@ void finish_spec(KernelSpec* spec);
 // one compile); otherwise why not, naming the field.
 std::string check_spec(const KernelSpec& spec);
 
-// Bytes of workspace a validated token-index call needs (0 for the other layouts, and T = 0).
-size_t token_index_workspace_bytes(int64_t num_tokens, int64_t num_rows);
-// Token-index workspace: the per-token counts first, then the lists from this offset.
-size_t token_lists_offset(int64_t num_tokens);
+// Bytes of workspace a validated token-index call needs (0 for T = 0): its parts and their sizes
+// are token_index_workspace() (kernel_templates/token_index_workspace.h), with the lists of
+// list_capacity rows per token this shape takes.
+size_t token_index_workspace_bytes(int64_t num_tokens, int64_t num_rows, int64_t hidden);
 
 // num_tokens for spec_for_shape when the batch size is not known: a large (prefill) batch.
 constexpr int64_t kAnyTokens = -1;

@@ -11,7 +11,8 @@
 //                              exchanging the sum of squares through distributed shared memory
 //                              (sm_90+); its module also holds the one-block kernel, which GPUs
 //                              without clusters launch. Without a norm, no cluster: plain blocks.
-//   The token index's are launched after the list helpers (its rows from the per-token lists).
+//   The token index's are launched after the list helpers and the module's token_index_heavy
+//   (its rows from the per-token lists, a token past its list from token_index_heavy's pieces).
 //
 // Geometry (vec: the widest vector every buffer allows; slots = vectors per row; a 128-channel fp8
 // group is 128 / vec slots, and every slice is whole groups and whole warps: slices are multiples

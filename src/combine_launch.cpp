@@ -1,5 +1,6 @@
 #include <string>
 
+#include "../kernel_templates/token_index_workspace.h"
 #include "combine_plan.h"
 #include "driver.h"
 #include "error.h"
@@ -51,6 +52,8 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
            "token_index_clear");
     launch(*kernels.companion, kAssignKernel, plan.assign_blocks, 1, kHelperThreads, true,
            "token_index_assign");
+    launch(kernels, heavy_kernel_slot(plan.spec.kind), plan.heavy_blocks, 1, kHeavyThreads, true,
+           "token_index_heavy");
   }
   if (plan.cluster_blocks > 0 && !kernels.clusters) {
     // The epilogue's split kernel needs clusters this GPU lacks: its module's one-block kernel.

@@ -128,6 +128,10 @@ bool after_list_helpers(KernelKind kind) {
          kind == KernelKind::kEpilogueClusterTokenIndex;
 }
 
+int heavy_kernel_slot(KernelKind kind) {
+  return is_cluster_epilogue(kind) ? kClusterHeavyKernel : kHeavyKernel;
+}
+
 bool is_cluster_epilogue(KernelKind kind) {
   return kind == KernelKind::kEpilogueClusterTokenMajor ||
          kind == KernelKind::kEpilogueClusterGatherMap ||
@@ -143,6 +147,19 @@ bool KernelSpec::token_index() const {
   return layout() == MOEJIT_LAYOUT_TOKEN_INDEX;
 }
 
+namespace {
+
+// token_index_heavy<IN_DT, OUT_DT, IdxT, HIDDEN, VEC[, FINISH = true]>'s name expression.
+std::string heavy_expression(int in_dtype, int out_dtype, const char* idx, int hidden, int vec,
+                             bool finish) {
+  std::ostringstream e;
+  e << "&moejit::token_index_heavy<" << in_dtype << ", " << out_dtype << ", " << idx << ", "
+    << hidden << ", " << vec << (finish ? "" : ", false") << ">";
+  return e.str();
+}
+
+}  // namespace
+
 std::vector<std::string> KernelSpec::name_expressions() const {
   const char* idx = index_bytes == 8 ? "long long" : "int";
   if (kind == KernelKind::kTokenIndexListHelpers)
@@ -156,10 +173,15 @@ std::vector<std::string> KernelSpec::name_expressions() const {
          << hidden << ", " << vec << ", " << (token_index() ? held : top_k) << ", " << tpt << ", "
          << tpb << ", " << upt << ", " << list_cap << ", " << split << ", " << res_dtype << ", "
          << weight_dtype << ">";
+    std::vector<std::string> names;
     if (is_cluster_epilogue(kind))
-      return {"&moejit::combine_epilogue_cluster" + args.str(),
-              "&moejit::combine_epilogue" + args.str()};
-    return {"&moejit::combine_epilogue" + args.str()};
+      names.push_back("&moejit::combine_epilogue_cluster" + args.str());
+    names.push_back("&moejit::combine_epilogue" + args.str());
+    // After the list helpers: the heavy tokens' sums, which the epilogue adds itself (no finish;
+    // out's dtype, unused then, is the rows').
+    if (after_list_helpers(kind))
+      names.push_back(heavy_expression(in_dtype, in_dtype, idx, hidden, vec, false));
+    return names;
   }
   std::ostringstream e;
   e << "&moejit::" << info(kind).kernel << "<";
@@ -173,7 +195,9 @@ std::vector<std::string> KernelSpec::name_expressions() const {
   if (kind == KernelKind::kTokenIndexScan || kind == KernelKind::kTokenIndexSmallScan)
     e << ", " << (kind == KernelKind::kTokenIndexSmallScan ? "true" : "false");
   e << ">";
-  return {e.str()};
+  if (kind != KernelKind::kTokenIndexLists) return {e.str()};
+  // The list path's tokens past their lists: a kernel of the same module (kHeavyKernel).
+  return {e.str(), heavy_expression(in_dtype, out_dtype, idx, hidden, vec, true)};
 }
 
 std::string KernelSpec::source() const {

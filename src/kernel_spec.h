@@ -19,7 +19,7 @@ enum class KernelKind : int {
   kTokenMajor = 0,       // combine_fixed: rows t*K .. t*K+K-1
   kGatherMap,            // combine_fixed: the map names each (token, slot)'s row
   kGatherMapOneToken,    // combine_one_token_map: one token, rows loaded with the map
-  kTokenIndexLists,      // combine_lists, after the list helpers built per-token lists
+  kTokenIndexLists,      // combine_lists (and token_index_heavy), after the list helpers
   kTokenIndexScan,       // combine_scan: each block lists its tokens' rows in shared memory
   kTokenIndexSmallScan,  // combine_scan, calls of at most a block of rows: each warp scans all
   kTokenIndexOneToken,   // combine_one_token: one token, rows loaded with token_idx
@@ -27,12 +27,13 @@ enum class KernelKind : int {
   // The epilogue (residual, RMSNorm, fp8 output: combine_epilogue.cuh), per layout: a token's
   // whole row in one block (SPLIT slices one after another), or split across a thread-block
   // cluster of SPLIT blocks (sm_90+; its module carries the one-block kernel for older GPUs).
+  // The token index's, after the list helpers, carry token_index_heavy too (without its finish).
   kEpilogueTokenMajor,         // combine_epilogue, rows t*K ..
   kEpilogueGatherMap,          // combine_epilogue, rows named by the map
-  kEpilogueTokenIndex,         // combine_epilogue, after the list helpers built the lists
+  kEpilogueTokenIndex,         // combine_epilogue (and token_index_heavy), after the lists
   kEpilogueClusterTokenMajor,  // combine_epilogue_cluster (+ combine_epilogue)
   kEpilogueClusterGatherMap,   // combine_epilogue_cluster (+ combine_epilogue)
-  kEpilogueClusterTokenIndex,  // combine_epilogue_cluster (+ combine_epilogue), after the lists
+  kEpilogueClusterTokenIndex,  // combine_epilogue_cluster (+ combine_epilogue, token_index_heavy)
 
   kTokenIndexListHelpers,  // token_index_clear + token_index_assign (launched before the lists)
 };
@@ -51,8 +52,10 @@ int kind_layout(KernelKind kind);
 bool holds_rows(KernelKind kind);
 // The kinds that keep per-token lists of LIST_CAP rows (list_cap).
 bool keeps_lists(KernelKind kind);
-// The kinds launched after the token index's list helpers (their companion module).
+// The kinds launched after the token index's list helpers (their companion module); their own
+// module holds token_index_heavy too, at heavy_kernel_slot().
 bool after_list_helpers(KernelKind kind);
+int heavy_kernel_slot(KernelKind kind);
 // The epilogue's kinds (residual, norm_weight, fp8 out); those split across a cluster.
 bool is_epilogue(KernelKind kind);
 bool is_cluster_epilogue(KernelKind kind);
@@ -121,17 +124,23 @@ KernelSpec parse_kernel_spec(const std::map<std::string, std::string>& fields);
 
 // Index of each kernel in name_expressions() / a loaded module's functions.
 enum KernelSlot {
-  kCombineKernel = 0,  // every kind but the list helpers: its one kernel
+  kCombineKernel = 0,  // every kind but the list helpers: its combine kernel
 
-  // The epilogue's cluster kinds: the split kernel first, then the one-block kernel that GPUs
-  // without clusters launch instead (a row's slices one after another in one block).
+  // Slot 1 holds a different kernel in different kinds' modules (no module has both):
+  // the token index after the list helpers (the list path, the one-block epilogue):
+  // token_index_heavy, launched between the helpers and the combine;
+  kHeavyKernel = 1,
+  // the epilogue's cluster kinds: the one-block kernel that GPUs without clusters launch instead
+  // of the split kernel (a row's slices one after another in one block).
   kEpilogueOneBlockKernel = 1,
+  // The token index's cluster epilogue: token_index_heavy after both of those.
+  kClusterHeavyKernel = 2,
 };
 enum HelperSlot {  // the list helpers' module
   kClearKernel = 0,
   kAssignKernel = 1,
 };
-enum { kMaxKernels = 2 };  // kernels in one module
+enum { kMaxKernels = 3 };  // kernels in one module
 
 const char* dtype_name(int dtype);    // "fp32" | "fp16" | "bf16" | "fp8"
 const char* layout_name(int layout);  // "token_major" | "gather_map" | "token_index"

@@ -178,9 +178,13 @@ typedef struct CUstream_st* moejit_stream_t;
  * Semantics, accumulating in fp32 in a fixed order and rounding once:
  *   out[t, h] = scale * sum_{rows r of token t} gate(r) * expert_hidden[r, h]   (+ out[t, h] if
  *   accumulate). Rows of a token are summed in slot order (k = 0..K-1) for the token-major and
- *   gather-map layouts, in ascending row order for the token-index layout. A token with no rows
- *   gets 0 (or keeps its value when accumulating: out + scale * 0, so a -0.0 there may come back
- *   as +0.0, and a NaN as the canonical one). Results are bitwise deterministic.
+ *   gather-map layouts, in ascending row order for the token-index layout. A token-index token
+ *   with more than 128 rows is summed in pieces (since 0.3): its rows in ascending order, cut into
+ *   consecutive pieces of 128, each piece summed from zero, the pieces' sums then added in piece
+ *   order; so many blocks can share one token's rows. A token with no rows gets 0 (or keeps its
+ *   value when accumulating: out + scale * 0, so a -0.0 there may come back as +0.0, and a NaN as
+ *   the canonical one). Results are bitwise deterministic: they depend on the input alone, not on
+ *   the batch's other tokens, the vector width or the launch geometry.
  *
  * out (and the workspace) must not share bytes with expert_hidden, indices, gates or each other,
  * counting the padding of strided rows: the kernels read those while they write, so such a call
@@ -331,9 +335,14 @@ MOEJIT_API moejit_status(moejit_combine_args_init)(moejit_combine_args* args);
  * dtypes, index type, strides); pointers are not read and may be NULL. The same shape always
  * needs the same size, so a workspace can be sized once and reused for every call of that shape.
  * A larger workspace serves as well: the size for num_tokens = T and num_rows = T * K covers
- * every call with at most T tokens and num_rows <= num_tokens * K (at most K rows per token on
- * average), so batches of varying size can share one buffer sized for the largest. (A call with
- * more rows per token than that, e.g. fewer tokens but as many rows, can need more.)
+ * every call of the same hidden_dim with at most T tokens and num_rows <= num_tokens * K (at most
+ * K rows per token on average), so batches of varying size can share one buffer sized for the
+ * largest. (A call with more rows per token than that, e.g. fewer tokens but as many rows, can
+ * need more.) The token index's workspace holds per-token counts and row lists, and room for
+ * tokens with many rows to be ranked and summed by many blocks: about 4 * num_tokens * (2 + list
+ * length) + 20 * num_rows bytes, the list four times the average rows per token (16 to 128),
+ * plus the fp32 sums of their pieces, at most 2 * num_rows / 129 rows of hidden_dim floats (a
+ * sixty-fourth of the expert rows' size in fp32). Since 0.3 it depends on hidden_dim.
  *   args   the combine to size (struct_size must be set: use moejit_combine_args_init()).
  *   bytes  receives the size; must not be NULL. Left unchanged on failure.
  * Returns MOEJIT_SUCCESS, or MOEJIT_ERROR_INVALID_ARGUMENT for a NULL argument or a bad shape

@@ -19,6 +19,7 @@
 #include <sstream>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <cuda.h>
@@ -32,6 +33,10 @@ namespace moejit_test {
 namespace {
 
 constexpr size_t kPoolElems = 320ull << 20;  // covers 4/3 x T=4096 x K=8 x (H=7168 + padding)
+// moejit.h: a token-index token with more rows than this is summed in pieces of this many rows
+// (kernel_templates/token_index_workspace.h, kPieceRows). Only the token index has such tokens
+// (the fixed layouts stop at 64 slots).
+constexpr int64_t kPieceRows = 128;
 constexpr size_t kGatePool = 1ull << 22;
 constexpr int64_t kGuardElems = 64;  // poison checked after the last output row
 
@@ -88,6 +93,12 @@ const Pools& pools() {
   return *p;
 }
 
+// A reference term of the bf16 pool: gate `gate` times element `element`.
+double bf16_term(const Pools& p, size_t gate, size_t element) {
+  return p.gates_host[gate] * static_cast<double>(decode(p.host[MOEJIT_DTYPE_BFLOAT16].data(),
+                                                         MOEJIT_DTYPE_BFLOAT16, element));
+}
+
 struct Case {
   moejit_layout layout;
   moejit_dtype in, out;
@@ -111,6 +122,10 @@ struct Case {
   // Gather map over expert-sorted rows: the percentage of slots that are -1 (one more is out of
   // range, also dropped). 87.5: a rank's partial combine under expert parallelism over 8 ranks.
   int64_t drop_percent = 5;
+  // Token index: a skewed distribution of the T * K rows (issue 58's), then skew_drop percent of
+  // them -1 (the other token-index variations off).
+  enum Skew { kNoSkew, kOneToken, kTopPercent, kZipf } skew = kNoSkew;
+  int64_t skew_drop = 0;
 
   std::string name() const {
     std::ostringstream s;
@@ -121,7 +136,7 @@ struct Case {
       << out_offset << " random_routing=" << random_routing << " hot_token=" << hot_token
       << " hot_rows=" << hot_rows << " gather_rows=" << gather_rows
       << " dependent=" << dependent_launch << " odd_indices=" << odd_indices
-      << " drop_percent=" << drop_percent;
+      << " drop_percent=" << drop_percent << " skew=" << skew << " skew_drop=" << skew_drop;
     return s.str();
   }
 };
@@ -236,7 +251,34 @@ Routing make_routing(const Case& c, Rng& rng) {
   }
   // Token index: every row names a token (or -1). Balanced (each token K rows) or random.
   r.index_values.assign(static_cast<size_t>(r.rows), -1);
-  for (int64_t i = 0; i < r.rows; ++i) {
+  if (c.skew != Case::kNoSkew) {
+    // Zipf(1.2): rank k (a token in a shuffled order) with weight (k + 1)^-1.2.
+    std::vector<int64_t> order(static_cast<size_t>(T));
+    std::iota(order.begin(), order.end(), 0);
+    for (int64_t i = T - 1; i > 0; --i) std::swap(order[i], order[rng.below(i + 1)]);
+    std::vector<double> cdf;
+    if (c.skew == Case::kZipf) {
+      double total = 0;
+      for (int64_t k = 0; k < T; ++k) cdf.push_back(total += std::pow(k + 1.0, -1.2));
+    }
+    const int64_t hot = std::max<int64_t>(1, (T + 50) / 100);  // the top 1%
+    for (int64_t i = 0; i < r.rows; ++i) {
+      int64_t token;
+      if (c.skew == Case::kOneToken) {
+        token = order[0];
+      } else if (c.skew == Case::kTopPercent) {
+        token =
+            i < r.rows / 2 || hot == T ? order[rng.below(hot)] : order[hot + rng.below(T - hot)];
+      } else {
+        const double u = rng.uniform(0.0f, 1.0f) * cdf.back();
+        const auto at = std::upper_bound(cdf.begin(), cdf.end(), u) - cdf.begin();
+        token = order[std::min<int64_t>(at, T - 1)];
+      }
+      if (rng.below(100) < c.skew_drop) token = -1;
+      r.index_values[perm[i]] = token;
+    }
+  }
+  for (int64_t i = 0; i < r.rows && c.skew == Case::kNoSkew; ++i) {
     const int64_t row = perm[i];
     if (c.hot_rows >= 0) {
       r.index_values[row] = i < c.hot_rows ? 0 : 1 + rng.below(T - 1);
@@ -349,21 +391,32 @@ std::string run_case(const Case& c, moejit_runtime_t runtime, Scratch& s) {
   const uint8_t* expert = p.host[c.in].data() + c.expert_offset * in_b;
   const std::vector<uint8_t>& out = got[0];
   std::vector<double> ref(static_cast<size_t>(H)), mag(static_cast<size_t>(H));
-  std::vector<float> chain(static_cast<size_t>(H));
+  std::vector<float> chain(static_cast<size_t>(H)), piece(static_cast<size_t>(H));
   int chain_mismatches = 0;
   for (int64_t t = 0; t < T; ++t) {
     std::fill(ref.begin(), ref.end(), 0.0);
     std::fill(mag.begin(), mag.end(), 0.0);
     std::fill(chain.begin(), chain.end(), 0.0f);
+    std::fill(piece.begin(), piece.end(), 0.0f);
+    int64_t in_piece = 0;
     for (const auto& [row, gi] : routing.per_token[t]) {
       const float g = c.gates ? p.gates_host[gate_offset + gi] : 1.0f;
+      if (in_piece == kPieceRows) {  // moejit.h: past 128 rows, pieces summed in order
+        for (int64_t h = 0; h < H; ++h) {
+          chain[h] += piece[h];
+          piece[h] = 0.0f;
+        }
+        in_piece = 0;
+      }
+      ++in_piece;
       for (int64_t h = 0; h < H; ++h) {
         const float x = decode(expert, c.in, static_cast<size_t>(row * e_stride + h));
         ref[h] += static_cast<double>(g) * x;
         mag[h] += std::fabs(static_cast<double>(g) * x);
-        chain[h] = std::fmaf(g, x, chain[h]);
+        piece[h] = std::fmaf(g, x, piece[h]);
       }
     }
+    for (int64_t h = 0; h < H; ++h) chain[h] += piece[h];
     const size_t row_start = static_cast<size_t>(c.out_offset + t * o_stride);
     for (int64_t h = 0; h < H; ++h) {
       double expected = c.scale * ref[h];
@@ -375,9 +428,10 @@ std::string run_case(const Case& c, moejit_runtime_t runtime, Scratch& s) {
       }
       const double value = decode(out.data(), c.out, row_start + h);
       // The documented order, exactly: one fp32 fma per row in per_token order (k order; the
-      // token index: ascending rows), then scale * sum + old in one fma, rounded once to the
-      // output type. Any other summation order (say, a list left in atomic arrival order) shows
-      // up here in the last bits even where it stays within the tolerance below.
+      // token index: ascending rows, in pieces of 128 past that many), then scale * sum + old in
+      // one fma, rounded once to the output type. Any other summation order (say, a list left in
+      // atomic arrival order) shows up here in the last bits even where it stays within the
+      // tolerance below.
       {
         const float old = c.accumulate ? decode(init.data(), c.out, row_start + h) : 0.0f;
         uint8_t want[4], have[4];
@@ -469,6 +523,24 @@ void expect_cases_pass(const std::vector<Case>& cases, int threads) {
   const auto failures = run_cases(cases, rt, threads);
   for (const auto& f : failures) ADD_FAILURE() << f;
   moejit_runtime_destroy(rt);
+}
+
+// expect_cases_pass on every worker, the largest cases first so the workers finish together.
+void expect_cases_pass_largest_first(std::vector<Case> cases) {
+  std::stable_sort(cases.begin(), cases.end(), [](const Case& a, const Case& b) {
+    return a.tokens * a.top_k * a.hidden > b.tokens * b.top_k * b.hidden;
+  });
+  expect_cases_pass(cases, worker_count());
+}
+
+// The n-th of the dtype pairs and index types taken in turn.
+struct TypesInTurn {
+  moejit_dtype in, out;
+  moejit_index_type index;
+};
+TypesInTurn types_in_turn(int n) {
+  return {static_cast<moejit_dtype>(n % 3), static_cast<moejit_dtype>(n / 3 % 3),
+          static_cast<moejit_index_type>(n / 9 % 2)};
 }
 
 class CombineGpu : public ::testing::Test {
@@ -573,10 +645,7 @@ TEST_F(CombineGpu, RandomUnusualShapesAgainstTheFp32Chain) {
     }
     cases.push_back(c);
   }
-  std::stable_sort(cases.begin(), cases.end(), [](const Case& a, const Case& b) {
-    return a.tokens * a.top_k * a.hidden > b.tokens * b.top_k * b.hidden;
-  });
-  expect_cases_pass(cases, worker_count());
+  expect_cases_pass_largest_first(std::move(cases));
 }
 
 // Skewed routing: one token receives far more rows than the workspace lists hold, so the combine
@@ -636,37 +705,101 @@ TEST_F(CombineGpu, SmallCallScanWindowsAHotTokensRows) {
 // The single launch with one token per block and more rows than the block has threads (once the
 // slab form, now the shared-list scan): token 0 gets exactly n rows, on and around its list's
 // capacity (16 at K = 2, 32 at K = 4 and 8) and past it, where whole warps walk token_idx
-// (add_rows_by_warp_walk): up to every row of the call. Also a list longer than the block (128
-// entries, 64 threads: 40 rows per token on average, H = 512).
+// (add_rows_by_ordered_walk), in pieces of 128 rows past that many (on and around 128, 256): up
+// to every row of the call. Also a list longer than the block (128 entries, 64 threads: 40 rows
+// per token on average, H = 512).
 // KernelSpec.SlabListTestShapesTakeTheOneTokenBlockScan checks that these shapes take that form
 // with those capacities, for 16-byte rows (other vector widths may change the geometry).
 TEST_F(CombineGpu, SlabScanListsAHotTokensRows) {
-  expect_cases_pass(hot_token_cases({{7168, 17, 8, {16, 31, 32, 33, 136}},
-                                     {7168, 64, 8, {17, 31, 32, 33, 48, 63, 64, 65, 300, 512}},
-                                     {4096, 256, 2, {8, 15, 16, 17, 32, 33, 100, 512}},
-                                     {2880, 64, 4, {16, 31, 32, 33, 256}},
-                                     {512, 4, 40, {40, 64, 65, 100, 128, 129, 160}}},
-                                    6500, true),
-                    4);
+  expect_cases_pass(
+      hot_token_cases(
+          {{7168, 17, 8, {16, 31, 32, 33, 136}},
+           {7168, 64, 8, {17, 31, 32, 33, 48, 63, 64, 65, 127, 128, 129, 255, 256, 257, 300, 512}},
+           {4096, 256, 2, {8, 15, 16, 17, 32, 33, 100, 128, 129, 512}},
+           {2880, 64, 4, {16, 31, 32, 33, 256}},
+           {512, 4, 40, {40, 64, 65, 100, 128, 129, 160}}},
+          6500, true),
+      4);
 }
 
 // Past a token's list in the other geometries: token 0 gets exactly n rows, on and around the
-// list's capacity (16 at K <= 2, 32 at K = 8) and past it, where the token's rows are found by
-// walking token_idx. Whole warps per token walk 32 entries per step (add_rows_by_warp_walk): the
-// list path in 128-thread groups loading rows through L1 (T8200 H2048, K = 1) and in 64-thread
-// groups (T1000 H2880, K = 8), and the single launch with 32-thread groups, 16 tokens per block
-// (T1536 H256, K = 2). Groups narrower than a warp walk one entry per thread and step
-// (add_rows_by_walk): the single launch with 8-thread groups (T1536 H64) and with 4-thread groups
-// and 128-entry lists (T100 H32, 20 rows per token on average: 64 tokens per block, so that the
-// lists fit shared memory). KernelSpec.WalkTestShapesTakeTheirGroups checks those geometries.
+// list's capacity (16 at K <= 2, 32 at K = 8), on and around a piece (128 rows) and past it. On the
+// list path token_index_heavy ranks and sums the token's rows (token_index_heavy.cuh) whatever the
+// combine's geometry: 128-thread groups loading rows through L1 (T8200 H2048, K = 1) and 64-thread
+// groups (T1000 H2880, K = 8). The single launch walks token_idx: 32-thread groups, 16 tokens per
+// block (T1536 H256, K = 2) in whole warps, 256 entries per step; groups narrower than a warp
+// (add_rows_by_ordered_walk's per-thread walk, 8 entries per step): 8-thread groups (T1536 H64)
+// and 4-thread groups with 128-entry lists (T100 H32, 20 rows per token on average: 64 tokens per
+// block, so that the lists fit shared memory). KernelSpec.WalkTestShapesTakeTheirGroups checks
+// those geometries.
 TEST_F(CombineGpu, WalksPastAHotTokensList) {
-  expect_cases_pass(hot_token_cases({{2048, 8200, 1, {16, 17, 100}},
-                                     {2880, 1000, 8, {32, 33, 300}},
-                                     {256, 1536, 2, {16, 17, 200}},
-                                     {64, 1536, 2, {16, 17, 200}},
-                                     {32, 100, 20, {20, 100, 128, 129}}},
+  expect_cases_pass(hot_token_cases({{2048, 8200, 1, {16, 17, 100, 128, 129, 1000}},
+                                     {2880, 1000, 8, {32, 33, 128, 129, 300, 8000}},
+                                     {256, 1536, 2, {16, 17, 128, 129, 200, 3072}},
+                                     {64, 1536, 2, {16, 17, 129, 200, 3072}},
+                                     {32, 100, 20, {20, 100, 128, 129, 2000}}},
                                     6800, true),
                     4);
+}
+
+// Issue 58's awkward hidden sizes (1000, 1001, 2880, 5000, 7000, 7169), every layout, every dtype
+// pair in turn, both index types in turn, at batch sizes past mid-size (the prefill geometry: four
+// slots per thread for the 2- and 4-byte vectors of odd sizes) and at mid-size (H = 1000 at K = 8:
+// 128-thread groups where a row is no whole number of lines), each in three alignments: buffers
+// and strides aligned (odd sizes: 2-byte vectors), base pointers one and three elements off (the
+// narrowest vectors), and odd sizes with strides padded to 16 bytes (wide vectors and a partial
+// tail vector). Checked against the float64 reference and bit for bit against the fp32 chain.
+TEST_F(CombineGpu, AwkwardHiddenSizesAtEveryAlignment) {
+  std::vector<Case> cases;
+  uint64_t seed = 5800;
+  int n = 0;
+  for (int layout = 0; layout < 3; ++layout)
+    for (const int64_t hidden : {1000, 1001, 2880, 5000, 7000, 7169})
+      for (const int64_t top_k : {2, 8})
+        for (int alignment = 0; alignment < 3; ++alignment) {
+          const TypesInTurn t = types_in_turn(n++);
+          const auto idx = layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? MOEJIT_INDEX_INT32 : t.index;
+          // About 2^24 row elements: past mid-size (T * vectors > 2^21) for the odd sizes' 2-byte
+          // vectors, mid-size for H = 1000 at K = 8 (T = 2097).
+          const int64_t tokens = std::max<int64_t>(64, (int64_t{1} << 24) / (top_k * hidden));
+          Case c = vary(Case{static_cast<moejit_layout>(layout), t.in, t.out, idx, hidden, tokens,
+                             top_k, seed++});
+          c.expert_offset = alignment == 1 ? 1 : 0;
+          c.out_offset = alignment == 1 ? 3 : 0;
+          c.expert_pad = alignment == 2 ? (8 - hidden % 8) % 8 : 0;
+          c.out_pad = alignment == 2 ? (8 - hidden % 8) % 8 : 0;
+          cases.push_back(c);
+        }
+  expect_cases_pass_largest_first(std::move(cases));
+}
+
+// Issue 58's skewed routings of the token index: every row on one token; 1% of the tokens with half
+// the rows; token popularity Zipf(1.2); each with 0% and 25% of the rows dropped. Small calls (the
+// single launch: T64 K8, T16 K8, the original scatter-add shape T1536 K2 H128 fp32, T384 K8) and
+// prefill calls (the list path: T4096 K8, T8192 K2), every dtype pair and both index types in
+// turn, the matrix's variations (gates, scale, accumulate, padded strides, misaligned pointers);
+// each checked against the float64 reference and bit for bit against the fp32 chain in pieces of
+// 128 rows, twice (the two outputs bitwise equal).
+TEST_F(CombineGpu, SkewedRoutingsAgainstFloat64Reference) {
+  struct Shape {
+    int64_t tokens, top_k, hidden;
+  };
+  const Shape shapes[] = {{64, 8, 7168},  {16, 8, 2880},   {1536, 2, 128},
+                          {384, 8, 4096}, {4096, 8, 2048}, {8192, 2, 1024}};
+  std::vector<Case> cases;
+  uint64_t seed = 58000;
+  int n = 0;
+  for (const Shape& sh : shapes)
+    for (const Case::Skew skew : {Case::kOneToken, Case::kTopPercent, Case::kZipf})
+      for (const int64_t drop : {0, 25}) {
+        const TypesInTurn t = types_in_turn(n++);
+        Case c = vary(Case{MOEJIT_LAYOUT_TOKEN_INDEX, t.in, t.out, t.index, sh.hidden, sh.tokens,
+                           sh.top_k, seed++});
+        c.skew = skew;
+        c.skew_drop = drop;
+        cases.push_back(c);
+      }
+  expect_cases_pass_largest_first(std::move(cases));
 }
 
 // The gather map's mid-size calls with eight rows per token take eight 16-slot token groups per
@@ -716,6 +849,93 @@ TEST_F(CombineGpu, GatherMapMidSizeBlocksWithMostSlotsDropped) {
 // T = 64 with K = 8),
 // its atomic scan of short rows (T = 1536, H = 64: 8-thread groups), and the list path with one row
 // held (T = 8200, K = 1) and with eight (T = 4096, K = 8), balanced and random.
+// A heavy token's sum is fixed by the input alone (moejit.h): the same rows give the same bits on
+// the single launch (its walk past a list), on the list path (token_index_heavy), with another
+// vector width (an output one element off 16 bytes: other modules, other geometry) and with
+// another workspace (other garbage). 512 rows of H = 7168: token 0 gets 300 (three pieces), the
+// others spread over tokens 1-63 or dropped; T = 64 takes the single launch, the same token_idx
+// with T = 5000 (tokens 64 and up without rows) the list path. Rows 0-63 are compared bitwise
+// across the four calls, the list path's other rows must be zero.
+TEST_F(CombineGpu, HeavyTokenIsTheSameOnEveryPathAndGeometry) {
+  const Pools& p = pools();
+  const int64_t R = 512, H = 7168, hot = 300;
+  Rng rng(5858);
+  std::vector<int32_t> token_idx(static_cast<size_t>(R));
+  for (int64_t i = 0; i < R; ++i) token_idx[i] = static_cast<int32_t>(1 + rng.below(63));
+  for (int64_t n = 0; n < hot;) {  // 300 distinct rows of token 0
+    const int64_t r = rng.below(R);
+    if (token_idx[r] != 0) {
+      token_idx[r] = 0;
+      ++n;
+    }
+  }
+  for (int64_t i = 0; i < R; i += 17)
+    if (token_idx[i] != 0) token_idx[i] = -1;  // some dropped
+  void *indices, *out;
+  void* workspaces[4] = {};
+  const int64_t most_tokens = 5000;
+  const size_t out_bytes = static_cast<size_t>((most_tokens * H + 8) * 2);
+  CUDA_OK(cudaMalloc(&indices, static_cast<size_t>(R) * 4));
+  CUDA_OK(
+      cudaMemcpy(indices, token_idx.data(), static_cast<size_t>(R) * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMalloc(&out, out_bytes));
+  moejit_runtime_t rt = memory_only_runtime();
+  struct Run {
+    const char* what;
+    int64_t tokens, out_offset;  // out_offset: elements past the 256-byte aligned buffer
+    bool other_workspace;
+  };
+  const Run runs[] = {{"single launch, T = 64", 64, 0, false},
+                      {"list path, T = 5000", most_tokens, 0, false},
+                      {"list path, output one element off 16 bytes", most_tokens, 1, false},
+                      {"list path, another workspace", most_tokens, 0, true}};
+  std::vector<std::vector<uint16_t>> got;
+  for (const Run& run : runs) {
+    SCOPED_TRACE(run.what);
+    void** ws = &workspaces[got.size()];  // a buffer of its own for each call
+    uint16_t* o = static_cast<uint16_t*>(out) + run.out_offset;
+    moejit_combine_args a = bf16_args(MOEJIT_LAYOUT_TOKEN_INDEX, run.tokens, 0, R, H,
+                                      p.device[MOEJIT_DTYPE_BFLOAT16], p.gates_device, indices, o);
+    a.scale = 0.75f;
+    ASSERT_NO_FATAL_FAILURE(attach_workspace(&a, ws));
+    CUDA_OK(cudaMemset(a.workspace, run.other_workspace ? 0x5A : 0xA5, a.workspace_bytes));
+    CUDA_OK(cudaMemset(out, 0xFF, out_bytes));
+    ASSERT_EQ(moejit_runtime_combine(rt, &a, nullptr), MOEJIT_SUCCESS)
+        << moejit_last_error_message();
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint16_t> rows(static_cast<size_t>(run.tokens * H));
+    CUDA_OK(cudaMemcpy(rows.data(), o, rows.size() * 2, cudaMemcpyDeviceToHost));
+    for (size_t i = static_cast<size_t>(64 * H); i < rows.size(); ++i)
+      if (rows[i] != 0) {
+        ADD_FAILURE() << "element " << i << " of a token without rows is " << rows[i];
+        break;
+      }
+    rows.resize(static_cast<size_t>(64 * H));
+    got.push_back(std::move(rows));
+  }
+  for (size_t i = 1; i < got.size(); ++i)
+    EXPECT_TRUE(got[i] == got[0]) << runs[i].what << " differs from " << runs[0].what;
+  // And token 0 is right (the float64 reference, a bf16 rounding).
+  for (int64_t h = 0; h < H; h += 61) {
+    double ref = 0, mag = 0;
+    for (int64_t r = 0; r < R; ++r)
+      if (token_idx[r] == 0) {
+        const double x = bf16_term(p, static_cast<size_t>(r), static_cast<size_t>(r * H + h));
+        ref += x;
+        mag += std::fabs(x);
+      }
+    ref *= 0.75;
+    EXPECT_LE(std::fabs(bf16_to_float(got[0][h]) - ref),
+              tolerance(MOEJIT_DTYPE_BFLOAT16, 0.75 * mag, ref, static_cast<int>(hot)))
+        << "h = " << h;
+  }
+  moejit_runtime_destroy(rt);
+  cudaFree(indices);
+  cudaFree(out);
+  for (void* ws : workspaces)
+    if (ws) cudaFree(ws);
+}
+
 TEST_F(CombineGpu, OutOfRangeIndicesOfEveryKindAreDropped) {
   struct Shape {
     moejit_layout layout;
@@ -810,8 +1030,9 @@ TEST_F(CombineGpu, EightThreadsOnDifferentShapesConcurrently) {
 }
 
 // A warm call is one module-cache lookup and its launches, nothing else. The token-index list
-// path (600 tokens x 8 rows: past the single launch's limit) launches clear, assign and combine,
-// and finds the helpers' module through the combine's entry: still one lookup per call.
+// path (600 tokens x 8 rows: past the single launch's limit) launches clear, assign,
+// token_index_heavy and combine, and finds the helpers' module through the combine's entry: still
+// one lookup per call.
 TEST_F(CombineGpu, WarmCallsOnlyLaunch) {
   moejit_runtime_t rt = memory_only_runtime();
   Scratch s;
@@ -824,7 +1045,7 @@ TEST_F(CombineGpu, WarmCallsOnlyLaunch) {
                  1},
                 {{MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
                   MOEJIT_INDEX_INT32, 1024, 600, 8, 22},
-                 3}};
+                 4}};
   for (const auto& setup : setups) {
     SCOPED_TRACE(layout_str(setup.c.layout));
     ASSERT_EQ(run_case(setup.c, rt, s), "");  // compiles and loads; two calls
@@ -843,26 +1064,36 @@ TEST_F(CombineGpu, WarmCallsOnlyLaunch) {
 // Capture into a CUDA graph once warm, change the inputs' contents, replay: the replay must give
 // exactly what a direct call on the new inputs gives. Token index twice: 33 tokens take the
 // single-launch kernel; 600 tokens (4800 rows, 38 per thread: past its limit) take clear -> assign
-// -> combine, chained by programmatic dependent launch on sm_90+, which the capture must keep.
+// -> heavy -> combine, chained by programmatic dependent launch on sm_90+, which the capture must
+// keep.
 TEST_F(CombineGpu, CudaGraphCaptureAndReplay) {
   const Pools& p = pools();
   moejit_runtime_t rt = memory_only_runtime();
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // The last two replay a routing with a hot token (half the rows on token 0) that the captured
+  // call did not have: the single launch walks past its list, the list path's token_index_heavy
+  // finds work it did not have at capture (all of it decided on the device).
   const struct {
     moejit_layout layout;
     int64_t tokens;
-  } setups[] = {{MOEJIT_LAYOUT_GATHER_MAP, 33},
-                {MOEJIT_LAYOUT_TOKEN_INDEX, 33},
-                {MOEJIT_LAYOUT_TOKEN_INDEX, 600}};
+    bool hot_on_replay;
+  } setups[] = {{MOEJIT_LAYOUT_GATHER_MAP, 33, false},
+                {MOEJIT_LAYOUT_TOKEN_INDEX, 33, false},
+                {MOEJIT_LAYOUT_TOKEN_INDEX, 600, false},
+                {MOEJIT_LAYOUT_TOKEN_INDEX, 64, true},
+                {MOEJIT_LAYOUT_TOKEN_INDEX, 4096, true}};
   for (const auto& setup : setups) {
     const moejit_layout layout = setup.layout;
-    SCOPED_TRACE(std::string(layout_str(layout)) + " T=" + std::to_string(setup.tokens));
+    SCOPED_TRACE(std::string(layout_str(layout)) + " T=" + std::to_string(setup.tokens) +
+                 (setup.hot_on_replay ? " hot token on replay" : ""));
     const int64_t T = setup.tokens, K = 8, H = 7168;
     Rng rng(4242);
     Case c{layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, H, T, K, 1};
     c.random_routing = layout == MOEJIT_LAYOUT_TOKEN_INDEX;
-    const Routing first = make_routing(c, rng), second = make_routing(c, rng);
+    const Routing first = make_routing(c, rng);
+    c.hot_token = setup.hot_on_replay;
+    const Routing second = make_routing(c, rng);
     const size_t idx_bytes = first.index_values.size() * 4;
     // Copies and poison on the test's stream: a non-blocking stream does not wait for the legacy
     // stream, where a cudaMemset (or a pageable copy's DMA) may still be running.
@@ -909,13 +1140,16 @@ TEST_F(CombineGpu, CudaGraphCaptureAndReplay) {
     EXPECT_TRUE(replayed == direct) << "graph replay differs from a direct call";
     // And the direct call is right: spot-check token 0 against the reference.
     for (int64_t h = 0; h < H; h += 97) {
-      double ref = 0;
-      for (const auto& [row, gi] : second.per_token[0])
-        ref += p.gates_host[gi] * decode(p.host[MOEJIT_DTYPE_BFLOAT16].data(),
-                                         MOEJIT_DTYPE_BFLOAT16, static_cast<size_t>(row * H + h));
+      double ref = 0, mag = 0;
+      for (const auto& [row, gi] : second.per_token[0]) {
+        const double x = bf16_term(p, gi, static_cast<size_t>(row * H + h));
+        ref += x;
+        mag += std::fabs(x);
+      }
       ref *= 1.5;
       EXPECT_NEAR(decode(direct.data(), MOEJIT_DTYPE_BFLOAT16, static_cast<size_t>(h)), ref,
-                  std::fabs(ref) / 128 + 1e-6);
+                  tolerance(MOEJIT_DTYPE_BFLOAT16, 1.5 * mag, ref,
+                            static_cast<int>(second.per_token[0].size())));
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
@@ -1478,7 +1712,8 @@ TEST_F(CombineGpu, OneTokenGatherMapIgnoresWhatNoSlotNames) {
   moejit_runtime_destroy(rt);
 }
 
-// R * H past 2^31 elements (and the expert buffer past 4 GiB): every address is 64-bit.
+// R * H past 2^31 elements (and the expert buffer past 4 GiB): every address is 64-bit, the heavy
+// tokens' too (1% of the tokens with half the rows).
 TEST_F(CombineGpu, AddressesPastTwoToThe31) {
   const Pools& p = pools();
   const int64_t T = 37500, K = 8, H = 7168;  // R * H = 2,150,400,000 > 2^31
@@ -1495,12 +1730,18 @@ TEST_F(CombineGpu, AddressesPastTwoToThe31) {
   CUDA_OK(cudaMalloc(&out, static_cast<size_t>(T * H * 2)));
   CUDA_OK(cudaMalloc(&indices, static_cast<size_t>(R * 4)));
   moejit_runtime_t rt = memory_only_runtime();
-  for (moejit_layout layout :
-       {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_LAYOUT_TOKEN_INDEX}) {
-    SCOPED_TRACE(layout_str(layout));
+  // The token index twice: random routing, and 1% of the tokens with half the rows (the list
+  // path's token_index_heavy, its ranked rows and pieces addressed past 2^31 elements too).
+  const std::pair<moejit_layout, Case::Skew> passes[] = {
+      {MOEJIT_LAYOUT_TOKEN_MAJOR, Case::kNoSkew},
+      {MOEJIT_LAYOUT_GATHER_MAP, Case::kNoSkew},
+      {MOEJIT_LAYOUT_TOKEN_INDEX, Case::kNoSkew},
+      {MOEJIT_LAYOUT_TOKEN_INDEX, Case::kTopPercent}};
+  for (const auto& [layout, skew] : passes) {
+    SCOPED_TRACE(std::string(layout_str(layout)) + (skew != Case::kNoSkew ? " skewed" : ""));
     Rng rng(31);
-    const Case c{layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, H, T, K,
-                 3};
+    Case c{layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, H, T, K, 3};
+    c.skew = skew;
     Routing routing = make_routing(c, rng);
     if (layout == MOEJIT_LAYOUT_GATHER_MAP) {  // keep rows inside the buffer (R rows, not 4R/3)
       routing.rows = R;
@@ -1945,8 +2186,8 @@ TEST_F(CombineGpu, TwoDevicesShareOneRuntime) {
 // loads in the middle of the capture, which the driver allows in every capture mode (driver 580:
 // global, thread-local and relaxed all captured and replayed). The replay must equal a direct
 // call bitwise. Token index: the one-token kernel, the single launch, and the clear -> assign ->
-// combine chain with its workspace; each in a runtime of its own, so every call is its shape's
-// first.
+// heavy -> combine chain with its workspace; each in a runtime of its own, so every call is its
+// shape's first.
 TEST_F(CombineGpu, AShapesFirstCallMayBeCaptured) {
   const Pools& p = pools();
   cudaStream_t stream;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 
+#include "../kernel_templates/token_index_workspace.h"
 #include "combine_plan.h"
 #include "error.h"
 #include "fake_combine_args.h"
@@ -253,6 +254,72 @@ TEST(CombineArgs, TheListsFitTheWorkspace) {
       }
     }
   }
+}
+
+// The token index's workspace (kernel_templates/token_index_workspace.h, which the kernels read
+// too): its parts in order, 256-byte aligned, none overlapping the next, each as large as the
+// most a call can write there; the plan points the counts and lists at the same places; the whole
+// grows with T and R. The bounds: a heavy token (past its list) has more than kMinListCapacity
+// rows, so there are at most R / (kMinListCapacity + 1) of them; a token of c > kPieceRows rows has
+// ceil(c / kPieceRows) <= 2c / (kPieceRows + 1) pieces (equality at c = kPieceRows + 1).
+TEST(CombineArgs, TokenIndexWorkspaceHoldsEveryPart) {
+  for (int64_t c = kPieceRows + 1; c < 20 * kPieceRows; ++c)
+    ASSERT_LE((c + kPieceRows - 1) / kPieceRows * (kPieceRows + 1), 2 * c) << c;
+  for (const int64_t tokens : {1, 2, 17, 64, 1000, 4096, 37500})
+    for (const int64_t rows : {0, 1, 16, 17, 128, 129, 511, 512, 513, 4096, 32768, 300000})
+      for (const int64_t hidden : {1, 7, 128, 1001, 7168}) {
+        SCOPED_TRACE(std::to_string(tokens) + " tokens, " + std::to_string(rows) +
+                     " rows, H = " + std::to_string(hidden));
+        const int64_t cap = 32;
+        const TokenIndexWorkspace w = token_index_workspace(tokens, rows, hidden, cap);
+        EXPECT_EQ(w.max_heavy, std::min(tokens, rows / (kMinListCapacity + 1)));
+        EXPECT_EQ(w.max_pieces, 2 * rows / (kPieceRows + 1));
+        EXPECT_EQ(w.partial_stride % 8, 0);
+        EXPECT_GE(w.partial_stride, hidden);
+        EXPECT_EQ(w.chunks, 1 << w.chunk_shift);
+        EXPECT_LE(w.chunks, kMaxRowChunks);
+        EXPECT_GE(static_cast<int64_t>(w.chunks) * w.chunk_rows, rows);  // every row in a chunk
+        EXPECT_TRUE(w.chunks == kMaxRowChunks || w.chunks == 1 ||
+                    static_cast<int64_t>(w.chunks) * kMinChunkRows >= rows);
+        const int64_t parts[][2] = {{0, tokens * 4},
+                                    {w.header, kHeavyCounters * 8},
+                                    {w.heavy_of, tokens * 4},
+                                    {w.heavy_tokens, w.max_heavy * 8},
+                                    {w.row_base, w.max_heavy * 4},
+                                    {w.piece_base, w.max_heavy * 4},
+                                    {w.piece_token, w.max_pieces * 4},
+                                    {w.chunk_counts, w.max_heavy * w.chunks * 4},
+                                    {w.heavy_rows, rows * 4},
+                                    {w.partials, w.max_pieces * w.partial_stride * 4},
+                                    {w.lists, tokens * cap * 4}};
+        for (size_t i = 0; i < std::size(parts); ++i) {
+          EXPECT_EQ(parts[i][0] % 256, 0) << "part " << i;
+          const int64_t next = i + 1 < std::size(parts) ? parts[i + 1][0] : w.bytes;
+          EXPECT_LE(parts[i][0] + parts[i][1], next) << "part " << i;
+        }
+        EXPECT_EQ(token_index_header_offset(tokens), w.header);
+        // The parts before the lists do not depend on the list's length (the kernels compute
+        // them without it).
+        EXPECT_EQ(token_index_workspace(tokens, rows, hidden, 0).partials, w.partials);
+        EXPECT_EQ(token_index_workspace(tokens, rows, hidden, 0).lists, w.lists);
+        // ... nor the helpers' parts (before the partial sums) on hidden_dim.
+        EXPECT_EQ(token_index_workspace(tokens, rows, 0, 0).heavy_rows, w.heavy_rows);
+        // Growing with T and R.
+        EXPECT_LE(w.bytes, token_index_workspace(tokens + 1, rows, hidden, cap).bytes);
+        EXPECT_LE(w.bytes, token_index_workspace(tokens, rows + 1, hidden, cap).bytes);
+      }
+  // The plan's pointers and the size it asks for are this layout's, with the call's list length.
+  const moejit_combine_args a = token_index(4096, 32768, 7168);
+  const CombinePlan plan = plan_combine(&a);
+  const TokenIndexWorkspace w = token_index_workspace(4096, 32768, 7168, 32);
+  EXPECT_EQ(static_cast<int64_t>(a.workspace_bytes), w.bytes);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(plan.params.token_counts), kWorkspace);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(plan.params.token_rows), kWorkspace + w.lists);
+  EXPECT_EQ(plan.params.list_capacity, 32);
+  // DeepSeek-V3 prefill: 15.5 MB, nearly all of it the pieces' partial sums (508 rows of 7168
+  // floats).
+  EXPECT_EQ(w.max_pieces, 508);
+  EXPECT_LT(w.bytes, 16 << 20);
 }
 
 // Every token is in some block: token groups of spec.tpb tokens, the last one partial.

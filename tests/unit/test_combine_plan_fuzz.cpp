@@ -87,6 +87,11 @@ TEST(CombinePlanFuzz, EdgeValuesPlanALaunchOrNameTheArgument) {
         // The lists the plan writes fit in the workspace it asked for.
         ASSERT_GT(bytes, 0u);
         ASSERT_LE(static_cast<uint64_t>(a.num_tokens) * 4u, bytes);
+        // The list path's token_index_heavy: a grid of at least one block, at most 512.
+        if (plan.list_helpers()) {
+          ASSERT_GE(plan.heavy_blocks, 1u);
+          ASSERT_LE(plan.heavy_blocks, 512u);
+        }
       } else {
         ASSERT_EQ(bytes, 0u);
       }

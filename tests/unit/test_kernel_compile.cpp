@@ -188,6 +188,18 @@ std::vector<Case> matrix() {
         if (small != single) cases.push_back({small, archs[m++ % 3]});
       }
     }
+  // Odd hidden sizes at prefill: rows whose starts allow 2- or 4-byte vectors only, four slots per
+  // thread (choose_geometry), eight rows of them per batch (BatchRows), in every layout.
+  for (int hidden : {1001, 7169})
+    for (const auto& [in, out] : {std::pair{MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16},
+                                  std::pair{MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_FLOAT32},
+                                  std::pair{MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT32}})
+      for (int layout = 0; layout < 3; ++layout) {
+        const KernelSpec s = spec_for_shape(static_cast<moejit_layout>(layout), in, out,
+                                            MOEJIT_INDEX_INT32, hidden, 8, 256);
+        EXPECT_EQ(s.upt, 4) << s.describe();
+        cases.push_back({s, archs[m++ % 3]});
+      }
   // The token index's list helpers (one module per index type), for every arch.
   for (int index_bytes : {4, 8})
     for (int sm : archs) cases.push_back({list_helpers_spec(index_bytes), sm});
@@ -226,7 +238,7 @@ TEST(KernelCompile, MatrixCoversEveryValue) {
   EXPECT_EQ(layouts.size(), 3u);
   EXPECT_EQ(pairs.size(), 9u);
   EXPECT_EQ(idx.size(), 2u);
-  EXPECT_EQ(hid.size(), 6u);
+  EXPECT_EQ(hid.size(), 8u);  // the six of the rotation, and the odd 1001 and 7169
   EXPECT_EQ(vec, (std::set<int>{1, 2, 4, 8}));
   EXPECT_EQ(arch.size(), 3u);
 }
@@ -382,6 +394,16 @@ TEST(KernelCompile, EveryVariantCompilesForSm80Sm89Sm90) {
     std::printf("most registers: %-40s %d\n", kind.c_str(), registers);
 }
 
+// The PTX of one kernel of a module: from its .entry to the next (empty, and a failure, if the
+// module has no kernel of that template).
+std::string entry_of(const std::string& ptx, const std::string& kernel) {
+  const size_t at = ptx.find(".entry _ZN6moejit" + std::to_string(kernel.size()) + kernel);
+  EXPECT_NE(at, std::string::npos) << kernel;
+  if (at == std::string::npos) return std::string();
+  const size_t next = ptx.find(".entry", at + 1);
+  return ptx.substr(at, next == std::string::npos ? std::string::npos : next - at);
+}
+
 // The fixed layouts' 128-thread blocks with one slot per thread promise ptxas eight blocks per SM
 // (combine_fixed.cuh, FixedMinBlocks): without it ptxas fitted them into 32 registers by issuing a
 // batch's row loads one or two at a time. The gather map's four-slot blocks (K=2 at prefill)
@@ -415,26 +437,34 @@ TEST(KernelCompile, LaunchBoundsPromiseBlocksPerSmOnlyWhereMeasured) {
       {shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_BFLOAT16, 7168, 8, 512), 0},  // 16x2
       {one_token_map_spec(shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, 7168, 8, 1)), 0},
       {shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, 7168, 8, kAnyTokens), 0},
+      // Odd hidden sizes: 2-byte vectors, four slots per thread, eight blocks.
+      {shape(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_FLOAT16, 7169, 8, kAnyTokens), 8},
+      {shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16, 1001, 2, kAnyTokens), 8},
   };
   for (const Expect& c : cases) {
     SCOPED_TRACE(c.spec.describe());
     // The geometry each case stands for (a change in choose_geometry must revisit this test).
     const bool fixed_128 = c.spec.tpt * c.spec.tpb == 128 && !c.spec.token_index();
     const bool wide_batch = c.spec.top_k > 8 && c.spec.top_k <= 16;
-    const int geometry_promise = !fixed_128        ? 0
-                                 : c.spec.upt == 1 ? (wide_batch ? 4 : 8)
+    const int vector_bytes = c.spec.vec * (c.spec.in_dtype == MOEJIT_DTYPE_FLOAT32 ? 4 : 2);
+    const int geometry_promise = !fixed_128          ? 0
+                                 : c.spec.upt == 1   ? (wide_batch ? 4 : 8)
+                                 : vector_bytes <= 4 ? 8
                                  : c.spec.upt == 4 && c.spec.layout() == MOEJIT_LAYOUT_GATHER_MAP
                                      ? 10
                                      : 0;
     EXPECT_EQ(geometry_promise, c.promise);
     const CompiledModule m = compile(memory.store.request_for(c.spec, Target{90, true}));
+    // The combine's own entry (the list path's module also has token_index_heavy, which
+    // promises two blocks of its own).
+    const std::string combine = c.spec.token_index() ? entry_of(m.image, "combine_lists") : m.image;
     const std::string directive = ".minnctapersm " + std::to_string(c.promise);
-    const size_t first = m.image.find(".minnctapersm");
+    const size_t first = combine.find(".minnctapersm");
     if (c.promise == 0) {
       EXPECT_EQ(first, std::string::npos);
     } else {
       EXPECT_NE(first, std::string::npos);
-      EXPECT_EQ(first, m.image.find(directive));
+      EXPECT_EQ(first, combine.find(directive));
     }
   }
 }
@@ -512,18 +542,35 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
     expect_no_load_before_the_wait(ptx_for(spec, 100));
     EXPECT_EQ(code.find("griddepcontrol.launch_dependents"), std::string::npos);
   }
-  // The list path's combine waits for token_index_assign and triggers nothing either.
-  const std::string list_combine = ptx(shape(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, kAnyTokens));
+  // The list path's module: its combine waits for token_index_heavy and triggers nothing either;
+  // token_index_heavy (the same module) waits for token_index_assign and lets the combine be
+  // scheduled early, as the helpers do.
+  const std::string list_module = ptx(shape(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, kAnyTokens));
+  expect_no_load_before_the_wait(list_module);
+  const std::string list_combine = entry_of(list_module, "combine_lists");
   EXPECT_NE(list_combine.find("griddepcontrol.wait"), std::string::npos);
-  expect_no_load_before_the_wait(list_combine);
   EXPECT_EQ(list_combine.find("griddepcontrol.launch_dependents"), std::string::npos);
-  // So does the token index's epilogue (one block per token, and the decode split), after the
-  // same helpers.
+  const std::string heavy = entry_of(list_module, "token_index_heavy");
+  EXPECT_NE(heavy.find("griddepcontrol.wait"), std::string::npos);
+  EXPECT_NE(heavy.find("griddepcontrol.launch_dependents"), std::string::npos);
+  // So does the token index's epilogue (one block per token, and the decode split with its
+  // one-block kernel), after the same helpers and its module's own token_index_heavy (without the
+  // finish), which waits and lets the epilogue be scheduled early as the list path's does.
   for (const int64_t tokens : {int64_t{4096}, int64_t{1}}) {
-    const std::string index_epilogue = ptx(normed(MOEJIT_LAYOUT_TOKEN_INDEX, tokens));
-    EXPECT_NE(index_epilogue.find("griddepcontrol.wait"), std::string::npos);
+    const KernelSpec spec = normed(MOEJIT_LAYOUT_TOKEN_INDEX, tokens);
+    SCOPED_TRACE(spec.describe());
+    const std::string index_epilogue = ptx(spec);
     expect_no_load_before_the_wait(index_epilogue);
-    EXPECT_EQ(index_epilogue.find("griddepcontrol.launch_dependents"), std::string::npos);
+    std::vector<std::string> combines{"combine_epilogue"};
+    if (is_cluster_epilogue(spec.kind)) combines.push_back("combine_epilogue_cluster");
+    for (const std::string& kernel : combines) {
+      const std::string combine = entry_of(index_epilogue, kernel);
+      EXPECT_NE(combine.find("griddepcontrol.wait"), std::string::npos) << kernel;
+      EXPECT_EQ(combine.find("griddepcontrol.launch_dependents"), std::string::npos) << kernel;
+    }
+    const std::string epilogue_heavy = entry_of(index_epilogue, "token_index_heavy");
+    EXPECT_NE(epilogue_heavy.find("griddepcontrol.wait"), std::string::npos);
+    EXPECT_NE(epilogue_heavy.find("griddepcontrol.launch_dependents"), std::string::npos);
   }
   // Its helpers let the chain's next kernel be scheduled early, each of them.
   const std::string helpers = ptx(list_helpers_spec(decode_index.index_bytes));
@@ -562,6 +609,49 @@ TEST(KernelCompile, TheEpilogueUsesClustersAndFp8ConversionsWhereTheGpuHasThem) 
   for (const std::string* code : {&sm90, &sm89, &sm80})
     for (const char* op : {"sqrt.rn.f32", "div.rn.f32", "mul.rn.f32", "add.rn.f32"})
       EXPECT_NE(code->find(op), std::string::npos) << op;
+}
+
+// token_index_heavy.cuh's hook for a kernel after token_index_heavy that needs a heavy token's fp32
+// sum (an epilogue: token_index_heavy without its finish step, FINISH = false, then
+// add_heavy_token in that kernel's own geometry). The token index's epilogue modules use both
+// (EveryVariantCompilesForSm80Sm89Sm90 compiles them); this probe keeps the hook itself covered in
+// a whole-row geometry (512-thread groups, two slots each) and a warp's, for two dtypes; compiled
+// for sm_90 without a warning, a spill or a stack frame.
+TEST(KernelCompile, HeavyTokenSumForAnEpilogueCompiles) {
+  MemoryStore memory;
+  CompileRequest r = memory.store.request_for(
+      spec_for_shape(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                     MOEJIT_INDEX_INT32, 7168, 8, 256),
+      Target{90, false});
+  r.source += R"(
+namespace moejit {
+template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT>
+__global__ void __launch_bounds__(TPT) epilogue_probe(const CombineParams p, float* sums) {
+  const long long heavy = static_cast<long long>(*detail::heavy_counters(p));
+  const detail::HeavyWork s = detail::heavy_work<HIDDEN>(p, heavy);
+  if (blockIdx.x == 0)
+    detail::do_heavy_work<IN_DT, IN_DT, int, HIDDEN, VEC, 1, 4, false>(p, s);
+  float sum[UPT][VEC];
+  detail::clear_sums(sum);
+  const long long tok = s.heavy_tokens[blockIdx.y];
+  detail::add_heavy_token<IN_DT, VEC, HIDDEN, UPT, TPT, 4>(
+      p, s, tok, p.token_counts[tok], static_cast<int>(threadIdx.x), sum);
+  for (int u = 0; u < UPT; ++u)
+    for (int e = 0; e < VEC; ++e) sums[(u * TPT + threadIdx.x) * VEC + e] = sum[u][e];
+}
+}  // namespace moejit
+)";
+  r.name_expressions = {"&moejit::epilogue_probe<2, 8, 7168, 2, 512>",
+                        "&moejit::epilogue_probe<0, 4, 2048, 1, 32>"};
+  r.options.push_back("--ptxas-options=-v");
+  const CompiledModule m = compile(r);
+  EXPECT_EQ(m.log.find("warning"), std::string::npos) << m.log;
+  const std::vector<KernelResources> report = parse_resource_report(m.log);
+  EXPECT_GE(report.size(), 2u);
+  for (const KernelResources& k : report) {
+    EXPECT_EQ(k.stack_bytes, 0) << k.function;
+    EXPECT_EQ(k.spill_store_bytes, 0) << k.function;
+  }
 }
 
 TEST(KernelCompile, CompileErrorCarriesTheLog) {

@@ -293,9 +293,11 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
   }
   EXPECT_EQ(s.vec, 4);  // fp32 output limits the vector to 16 bytes of output
   // Prefill: 512 slots in whole 128-thread chunks, the bandwidth blocks (rows through L1).
+  // Its module's second kernel sums the tokens past their lists, before the combine.
   EXPECT_EQ(s.name_expressions(),
-            std::vector<std::string>{
-                "&moejit::combine_lists<1, 0, long long, 2048, 4, 8, 128, 1, 1, 32, 1, true>"});
+            (std::vector<std::string>{
+                "&moejit::combine_lists<1, 0, long long, 2048, 4, 8, 128, 1, 1, 32, 1, true>",
+                "&moejit::token_index_heavy<1, 0, long long, 2048, 4>"}));
   // The list helpers: one module per index type, whatever the shape.
   const KernelSpec h = list_helpers_spec(s.index_bytes);
   ASSERT_TRUE(companion_module(s).has_value());
@@ -371,7 +373,7 @@ TEST(KernelSpec, TokenIndexNeedsHelpersAndAList) {
                                          MOEJIT_DTYPE_FLOAT32, MOEJIT_INDEX_INT32, 8, 2, 256);
   EXPECT_EQ(tiny.tpt, 4);
   EXPECT_EQ(tiny.tpb, 32);
-  EXPECT_EQ(tiny.name_expressions().size(), 1u);
+  EXPECT_EQ(tiny.name_expressions().size(), 2u);  // combine_lists, token_index_heavy
   EXPECT_EQ(
       single_launch_spec(tiny, kAnyTokens).name_expressions(),
       std::vector<std::string>{"&moejit::combine_scan<0, 0, int, 8, 4, 2, 4, 128, 1, 16, false>"});
@@ -675,7 +677,7 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   EXPECT_EQ(small.params.list_capacity, small.spec.list_cap);  // the scan lists in shared memory
   EXPECT_EQ(small.params.list_capacity, 8);
   // Past the single-launch limit: the list path (clear and assign from the helpers' module, then
-  // the combine from the list module).
+  // token_index_heavy and the combine from the list module).
   a.num_tokens = 40;
   a.num_rows = 8000;
   const CombinePlan large = plan_combine(&a);
@@ -683,7 +685,8 @@ TEST(KernelSpec, SmallTokenIndexCallsPlanTheSingleLaunchModule) {
   EXPECT_EQ(large.spec.kind, KernelKind::kTokenIndexLists);
   EXPECT_TRUE(large.list_helpers());
   EXPECT_EQ(large.params.list_capacity, 128);  // 200 rows per token: the workspace lists' stride
-  EXPECT_EQ(large.spec.name_expressions().size(), 1u);
+  EXPECT_EQ(large.spec.name_expressions().size(), 2u);  // and token_index_heavy
+  EXPECT_EQ(large.heavy_blocks, 8000u / 128);           // a block per 128 rows
   EXPECT_EQ(companion_module(large.spec)->describe(), "kind=token_index_list_helpers idx=int32");
   EXPECT_EQ(large.spec.tpt, 64);
   EXPECT_EQ(single_launch_spec(large.spec, 40).tpt, 128);
@@ -832,6 +835,38 @@ TEST(KernelSpec, GatherMapWithTwoRowsTakesFourSlotsPerThreadWhereWholeChunksTile
   EXPECT_EQ(spec(gm, MOEJIT_DTYPE_BFLOAT16, 4096, 2, 16).upt, 1);          // decode geometry
   EXPECT_EQ(spec(gm, MOEJIT_DTYPE_BFLOAT16, 4096, 4, kAnyTokens).upt, 1);  // more rows
   EXPECT_EQ(spec(MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_DTYPE_BFLOAT16, 4096, 2, kAnyTokens).upt, 1);
+}
+
+// Rows whose starts allow no access wider than 4 bytes (odd hidden sizes, misaligned buffers) take
+// four slots per thread beyond decode sizes where a row fills them (choose_geometry); 16-byte
+// vectors keep their geometry. The mid-size 16-slot groups only for rows of whole 128-byte lines.
+TEST(KernelSpec, NarrowVectorsTakeFourSlotsPerThreadAndMidSizeGroupsWholeLines) {
+  auto spec = [](moejit_layout layout, moejit_dtype dtype, int hidden, size_t alignment,
+                 int64_t tokens) {
+    return spec_for_shape(layout, dtype, dtype, MOEJIT_INDEX_INT32, hidden, 8, alignment, tokens);
+  };
+  for (moejit_layout layout :
+       {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_LAYOUT_TOKEN_INDEX}) {
+    const KernelSpec odd = spec(layout, MOEJIT_DTYPE_BFLOAT16, 1001, 2, kAnyTokens);
+    EXPECT_EQ(odd.vec, 1) << layout;
+    EXPECT_EQ(odd.upt, 4) << layout;
+    EXPECT_EQ(spec(layout, MOEJIT_DTYPE_BFLOAT16, 7169, 2, kAnyTokens).upt, 4) << layout;
+    EXPECT_EQ(spec(layout, MOEJIT_DTYPE_FLOAT32, 1001, 4, kAnyTokens).upt, 4) << layout;
+    const KernelSpec pairs = spec(layout, MOEJIT_DTYPE_FLOAT16, 5002, 4, kAnyTokens);
+    EXPECT_EQ(pairs.vec, 2) << layout;
+    EXPECT_EQ(pairs.upt, 4) << layout;
+    EXPECT_EQ(spec(layout, MOEJIT_DTYPE_BFLOAT16, 1001, 2, 16).upt, 1) << layout;         // decode
+    EXPECT_EQ(spec(layout, MOEJIT_DTYPE_BFLOAT16, 201, 2, kAnyTokens).upt, 1) << layout;  // short
+    EXPECT_EQ(spec(layout, MOEJIT_DTYPE_BFLOAT16, 7168, 256, kAnyTokens).upt, 1) << layout;
+  }
+  // H = 1000 in 2-byte elements: 125 slots of 16 bytes, rows of 2000 bytes, not whole lines.
+  for (moejit_layout layout : {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP}) {
+    EXPECT_EQ(spec(layout, MOEJIT_DTYPE_FLOAT16, 1024, 256, 2000).tpt, 16) << layout;
+    EXPECT_NE(spec(layout, MOEJIT_DTYPE_FLOAT16, 1000, 256, 2000).tpt, 16) << layout;
+    EXPECT_EQ(spec(layout, MOEJIT_DTYPE_FLOAT16, 1000, 256, 2000),
+              spec(layout, MOEJIT_DTYPE_FLOAT16, 1000, 256, kAnyTokens))
+        << layout;
+  }
 }
 
 }  // namespace
