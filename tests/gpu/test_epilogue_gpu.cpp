@@ -16,12 +16,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <numeric>
 #include <sstream>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "../../kernel_templates/fp8_e4m3.h"
@@ -167,6 +169,13 @@ struct Case {
   int64_t expert_pad = 0, out_pad = 0, res_pad = 0;
   int64_t expert_offset = 0, out_offset = 0, res_offset = 0, weight_offset = 0;
   int drop_percent = 5;  // gather map and token index: slots / rows dropped (-1)
+  // Token index: a skewed distribution of its rows (`rows` of them; 0: T * K) over the tokens,
+  // issue 58's: every row on one token; 1% of the tokens with half the rows; token popularity
+  // Zipf(1.2); or hot_rows rows on one token (kHotRows: past its list, or past a piece of 128), the
+  // rest spread at random. The drops (drop_percent) fall on the other rows only where hot_rows
+  // are named, so that token's count is exact.
+  enum Skew { kNoSkew, kOneToken, kTopPercent, kZipf, kHotRows } skew = kNoSkew;
+  int64_t rows = 0, hot_rows = 0;
 
   std::string name() const {
     std::ostringstream s;
@@ -177,7 +186,8 @@ struct Case {
       << " pads=" << expert_pad << "/" << out_pad << "/" << res_pad << " offsets=" << expert_offset
       << "/" << out_offset << "/" << res_offset << "/" << weight_offset
       << " scales=" << (scales_layout == MOEJIT_SCALES_ROW_MAJOR ? "row" : "column")
-      << " pow2=" << pow2 << " random_routing=" << random_routing << " drop=" << drop_percent;
+      << " pow2=" << pow2 << " random_routing=" << random_routing << " drop=" << drop_percent
+      << " skew=" << skew << " rows=" << rows << " hot_rows=" << hot_rows;
     return s.str();
   }
 };
@@ -223,7 +233,7 @@ Routing make_routing(const Case& c) {
       for (int64_t k = 0; k < K; ++k) r.per_token[t].push_back({t * K + k, t * K + k});
     return r;
   }
-  const int64_t used = T * K;
+  const int64_t used = c.layout == MOEJIT_LAYOUT_TOKEN_INDEX && c.rows > 0 ? c.rows : T * K;
   r.rows = c.layout == MOEJIT_LAYOUT_GATHER_MAP ? used + used / 3 : used;
   std::vector<int64_t> perm(static_cast<size_t>(r.rows));
   std::iota(perm.begin(), perm.end(), 0);
@@ -241,8 +251,35 @@ Routing make_routing(const Case& c) {
     return r;
   }
   r.index_values.assign(static_cast<size_t>(r.rows), -1);
+  // Skewed: tokens in a shuffled order (the hot ones anywhere in the batch); Zipf(1.2) gives rank
+  // k the weight (k + 1)^-1.2.
+  std::vector<int64_t> order(static_cast<size_t>(c.skew != Case::kNoSkew ? T : 0));
+  std::iota(order.begin(), order.end(), 0);
+  for (int64_t i = static_cast<int64_t>(order.size()) - 1; i > 0; --i)
+    std::swap(order[i], order[rng.below(i + 1)]);
+  std::vector<double> cdf;
+  if (c.skew == Case::kZipf) {
+    double total = 0;
+    for (int64_t k = 0; k < T; ++k) cdf.push_back(total += std::pow(k + 1.0, -1.2));
+  }
+  const int64_t top = std::max<int64_t>(1, (T + 50) / 100);  // the top 1%
   for (int64_t i = 0; i < r.rows; ++i) {
     int64_t token = c.random_routing ? rng.below(T) : i / K;
+    if (c.skew == Case::kOneToken) {
+      token = order[0];
+    } else if (c.skew == Case::kTopPercent) {
+      token = i < r.rows / 2 || top == T ? order[rng.below(top)] : order[top + rng.below(T - top)];
+    } else if (c.skew == Case::kZipf) {
+      const double u = static_cast<double>(rng.next() >> 11) * 0x1p-53 * cdf.back();
+      const auto at = std::upper_bound(cdf.begin(), cdf.end(), u) - cdf.begin();
+      token = order[std::min<int64_t>(at, T - 1)];
+    } else if (c.skew == Case::kHotRows) {
+      token = i < c.hot_rows ? order[0] : rng.below(T);
+      if (i < c.hot_rows) {  // exactly hot_rows rows on the hot token
+        r.index_values[perm[i]] = token;
+        continue;
+      }
+    }
     const int64_t roll = rng.below(100);
     if (roll < c.drop_percent) token = -1;
     if (roll == c.drop_percent) token = T + rng.below(10);  // out of range: dropped
@@ -281,6 +318,9 @@ struct Scratch {
 };
 
 constexpr int64_t kGuard = 64;  // poisoned elements checked past every written buffer
+// moejit.h: a token-index token with more rows than this is summed in pieces of this many rows
+// (kernel_templates/token_index_workspace.h, kPieceRows).
+constexpr int64_t kPieceRows = 128;
 
 // What a case's call writes, as the host expects it (exact), and its float64 evaluation.
 struct Expected {
@@ -322,21 +362,32 @@ Expected expect(const Case& c, const Prepared& pr) {
   e.scales64.resize(static_cast<size_t>(T * pr.groups));
   size_t padded = 1;
   while (padded < static_cast<size_t>(H)) padded *= 2;
-  std::vector<float> chain(H), c32(H), x(H), v(H), sq(padded);
+  std::vector<float> chain(H), piece(H), c32(H), x(H), v(H), sq(padded);
   std::vector<double> c64(H), v64(H), mag(H);
   for (int64_t t = 0; t < T; ++t) {
     std::fill(chain.begin(), chain.end(), 0.0f);
     std::fill(c64.begin(), c64.end(), 0.0);
     std::fill(mag.begin(), mag.end(), 0.0);
-    for (const auto& [row, gi] : pr.routing.per_token[t]) {
+    // The documented order: the rows in pieces of kPieceRows, each summed from zero (one fma
+    // chain), the pieces' sums added in order (0 + a single piece is that piece: a chain from +0.0
+    // never gives -0.0). Only token-index tokens have more rows than a piece.
+    const auto& token_rows = pr.routing.per_token[t];
+    std::fill(piece.begin(), piece.end(), 0.0f);
+    for (size_t i = 0; i < token_rows.size(); ++i) {
+      const auto& [row, gi] = token_rows[i];
       const float g = c.gates ? p.gates[gi] : 1.0f;
       const size_t base = static_cast<size_t>(row * pr.e_stride);
       for (int64_t h = 0; h < H; ++h) {
         const float xv = value_at(rows, c.in, base + h);
-        chain[h] = std::fmaf(g, xv, chain[h]);
+        piece[h] = std::fmaf(g, xv, piece[h]);
         c64[h] += static_cast<double>(g) * xv;
         mag[h] += std::fabs(static_cast<double>(g) * xv);
       }
+      if ((i + 1) % kPieceRows == 0 || i + 1 == token_rows.size())
+        for (int64_t h = 0; h < H; ++h) {
+          chain[h] += piece[h];
+          piece[h] = 0.0f;
+        }
     }
     const size_t out_row = static_cast<size_t>(c.out_offset + t * pr.o_stride);
     const size_t res_row = static_cast<size_t>(c.res_offset + t * pr.r_stride);
@@ -588,7 +639,12 @@ std::string check(const Case& c, const Prepared& pr, const Expected& e, const Re
       m << "out_scales[" << i / 4 << "] = " << g << ", expected " << w;
       problem(m.str());
     }
-  // float64: the emulation itself within what its fp32 operations and roundings allow.
+  // float64: the emulation itself within what its fp32 operations and roundings allow (the sum's
+  // error grows with the token's rows: K, or a skewed token's count).
+  auto terms = [&](int64_t t) {
+    return static_cast<double>(
+        std::max<int64_t>(c.top_k, static_cast<int64_t>(pr.routing.per_token[t].size())) + 3);
+  };
   int64_t far = 0;
   for (int64_t t = 0; t < T && far < 4; ++t)
     for (int64_t h = 0; h < H; ++h) {
@@ -598,7 +654,7 @@ std::string check(const Case& c, const Prepared& pr, const Expected& e, const Re
                                     static_cast<size_t>(c.res_offset + t * pr.r_stride + h));
         const double ref = e.residual64[i];
         // One rounding to the residual's dtype, and the fp32 sum's own error.
-        const double accumulation = 1.2e-7 * static_cast<double>(c.top_k + 3) * e.magnitude64[i];
+        const double accumulation = 1.2e-7 * terms(t) * e.magnitude64[i];
         if (!(std::fabs(want - ref) <= ulp(c.res, ref) + accumulation)) {
           if (far++ < 2)
             problem("float64: residual[" + std::to_string(t) + "][" + std::to_string(h) + "] " +
@@ -612,7 +668,7 @@ std::string check(const Case& c, const Prepared& pr, const Expected& e, const Re
       // Without a norm: one rounding and the sum's error. With one: up to three roundings to
       // the model dtype (the value the norm reads, the normed value, its product with the
       // weight), one to out's dtype, and the fp32 sums' error relative to the row's size.
-      const double accumulation = 1.2e-7 * static_cast<double>(c.top_k + 3) * e.magnitude64[i];
+      const double accumulation = 1.2e-7 * terms(t) * e.magnitude64[i];
       const double bound = c.weight >= 0
                                ? 3 * ulp(model, ref) + ulp(c.out, ref) + 1e-4 * (std::fabs(ref) + 1)
                                : ulp(c.out, ref) + accumulation;
@@ -773,6 +829,144 @@ TEST_F(EpilogueGpu, LongRowsTakePassesAndLargeSlices) {
   expect_cases_pass(cases, worker_count());
 }
 
+// Skewed token-index routings (issue 58's), where tokens pass their lists and the module's
+// token_index_heavy ranks their rows (and sums them in pieces of 128 past that many) for the
+// epilogue to add: every row on one token; 1% of the tokens with half the rows; Zipf(1.2); a token
+// just past its list (ranked, one piece: 33 rows where 8 per token list 32, 17 where 2 per token
+// list 16) or past a piece (129, 200, 1000 rows). Decode sizes (the cluster split, or one block
+// per token for short rows) and past them, every epilogue, dtype pairs and index types in turn,
+// 0% and 25% of the rows dropped, vary()'s variations; bit for bit against the documented math
+// (the fma chain in pieces) and within the float64 bounds, twice.
+TEST_F(EpilogueGpu, SkewedTokenIndexRoutingsMatchTheDocumentedMath) {
+  struct Shape {
+    int64_t tokens, top_k, hidden, rows;  // rows 0: T * K
+    Case::Skew skew;
+    int64_t hot_rows;
+  };
+  const Shape shapes[] = {
+      {1, 8, 7168, 129, Case::kHotRows, 129},   {1, 8, 2880, 1000, Case::kHotRows, 1000},
+      {8, 8, 7168, 0, Case::kHotRows, 33},      {64, 2, 4096, 0, Case::kHotRows, 17},
+      {33, 8, 7169, 0, Case::kHotRows, 200},    {64, 8, 7168, 0, Case::kZipf, 0},
+      {64, 8, 2880, 0, Case::kTopPercent, 0},   {300, 8, 4096, 0, Case::kOneToken, 0},
+      {4096, 8, 7168, 0, Case::kOneToken, 0},   {4096, 8, 2048, 0, Case::kZipf, 0},
+      {4096, 2, 4096, 0, Case::kTopPercent, 0}, {1536, 2, 128, 0, Case::kZipf, 0},
+  };
+  std::vector<Case> cases;
+  uint64_t seed = 59000;
+  int n = 0;
+  for (const Shape& sh : shapes)
+    for (int ep = 0; ep < 5; ++ep) {
+      const Epilogue& e = kEpilogues[ep];
+      Case c;
+      c.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+      c.in = n % 3;
+      const int out = (n / 3) % 3;
+      c.out = e.fp8 ? MOEJIT_DTYPE_FLOAT8_E4M3 : out;
+      const int model = e.res >= 0 ? out : (out + 2) % 3;
+      c.res = e.res >= 0 ? model : -1;
+      c.weight = e.weight >= 0 ? model : -1;
+      c.idx = n % 2 ? MOEJIT_INDEX_INT64 : MOEJIT_INDEX_INT32;
+      c.hidden = sh.hidden;
+      c.tokens = sh.tokens;
+      c.top_k = sh.top_k;
+      c.seed = seed++;
+      c = vary(c);
+      c.skew = sh.skew;
+      c.rows = sh.rows;
+      c.hot_rows = sh.hot_rows;
+      c.drop_percent = (ep + n / 5) % 2 ? 25 : 0;
+      cases.push_back(c);
+      ++n;
+    }
+  sort_big_first(cases);
+  expect_cases_pass(cases, worker_count());
+}
+
+// The epilogue's combine is the plain combine's, heavy tokens included (moejit.h's order: the
+// lists' rows, and past a list token_index_heavy's ranks and pieces, whatever kernel adds them):
+// with an fp32 residual of zeros the new residual is exactly c, so it must equal, bit for bit,
+// what the plain combine (any of its paths) writes to an fp32 out for the same call, with and
+// without a norm (the cluster split, the split without a cluster, one block per token) and with an
+// fp8 out; and the epilogue's out without a norm equals it too.
+TEST_F(EpilogueGpu, HeavyTokensSumAsThePlainCombineDoes) {
+  struct Shape {
+    int64_t tokens, top_k, hidden, rows;
+    Case::Skew skew;
+    int64_t hot_rows;
+  };
+  const Shape shapes[] = {{1, 8, 7168, 1000, Case::kHotRows, 1000},
+                          {8, 8, 7168, 0, Case::kHotRows, 33},
+                          {33, 8, 2880, 0, Case::kHotRows, 200},
+                          {300, 8, 4096, 0, Case::kOneToken, 0},
+                          {4096, 8, 7168, 0, Case::kZipf, 0}};
+  moejit_runtime_t rt = memory_only_runtime();
+  Scratch s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+  uint64_t seed = 59500;
+  for (const Shape& sh : shapes) {
+    Case base;
+    base.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+    base.in = MOEJIT_DTYPE_BFLOAT16;
+    base.hidden = sh.hidden;
+    base.tokens = sh.tokens;
+    base.top_k = sh.top_k;
+    base.seed = seed++;
+    base = vary(base);
+    base.accumulate = false;
+    base.scale = 0.75f;
+    base.skew = sh.skew;
+    base.rows = sh.rows;
+    base.hot_rows = sh.hot_rows;
+    base.drop_percent = 0;
+    auto call = [&](const Prepared& pr) {
+      return [&rt, &s, &pr] {
+        const moejit_status st = moejit_runtime_combine(rt, &pr.args, s.stream);
+        return st == MOEJIT_SUCCESS ? std::string() : std::string(moejit_last_error_message());
+      };
+    };
+    Case plain_case = base;
+    plain_case.out = MOEJIT_DTYPE_FLOAT32;
+    SCOPED_TRACE(plain_case.name());
+    const Prepared plain = prepare(plain_case, s);
+    Results plain_got;
+    ASSERT_EQ(run_once(plain_case, plain, s, call(plain), &plain_got), "");
+    EXPECT_EQ(check(plain_case, plain, expect(plain_case, plain), plain_got), "");
+    // Element h of token t's row of an fp32 buffer.
+    auto bits = [](const std::vector<uint8_t>& buffer, int64_t offset, int64_t stride, int64_t t,
+                   int64_t h) {
+      uint32_t u;
+      std::memcpy(&u, &buffer[static_cast<size_t>(offset + t * stride + h) * 4], 4);
+      return u;
+    };
+    for (int ep = 0; ep < 3; ++ep) {  // residual; + norm; + norm + fp8
+      Case c = base;
+      c.res = MOEJIT_DTYPE_FLOAT32;
+      c.weight = ep >= 1 ? MOEJIT_DTYPE_BFLOAT16 : -1;
+      c.out = ep == 2 ? MOEJIT_DTYPE_FLOAT8_E4M3 : MOEJIT_DTYPE_FLOAT32;
+      SCOPED_TRACE(c.name());
+      Prepared pr = prepare(c, s);
+      for (int64_t t = 0; t < c.tokens; ++t)  // a residual of zeros: the new one is c
+        for (int64_t h = 0; h < c.hidden; ++h)
+          store_at(pr.residual_init.data(), c.res,
+                   static_cast<size_t>(c.res_offset + t * pr.r_stride + h), 0.0f);
+      Results got;
+      ASSERT_EQ(run_once(c, pr, s, call(pr), &got), "");
+      EXPECT_EQ(check(c, pr, expect(c, pr), got), "");
+      int64_t differ = 0;
+      for (int64_t t = 0; t < c.tokens; ++t)
+        for (int64_t h = 0; h < c.hidden; ++h) {
+          const uint32_t want = bits(plain_got.out, plain_case.out_offset, plain.o_stride, t, h);
+          if (bits(got.residual, c.res_offset, pr.r_stride, t, h) != want && differ++ < 3)
+            ADD_FAILURE() << "residual[" << t << "][" << h << "] differs from the plain combine";
+          if (ep == 0 && bits(got.out, c.out_offset, pr.o_stride, t, h) != want && differ++ < 3)
+            ADD_FAILURE() << "out[" << t << "][" << h << "] differs from the plain combine";
+        }
+      EXPECT_EQ(differ, 0);
+    }
+  }
+  moejit_runtime_destroy(rt);
+}
+
 // A token's bits depend on its own data only: the same rows and residual give the same residual,
 // output and scales whether the token is alone (the decode split), one of 33 (the split in fewer
 // blocks) or of 4096 (one block per token), and whichever layout names its rows.
@@ -854,15 +1048,20 @@ TEST_F(EpilogueGpu, ATokensBitsDependOnItsOwnDataOnly) {
   moejit_runtime_destroy(rt);
 }
 
-// Captured into a CUDA graph (the decode split with its cluster, the token index's three
-// launches), a replay gives exactly a direct call's result; so does a second replay after the
-// residual is restored.
+// Captured into a CUDA graph (the decode split with its cluster, the token index's four launches,
+// with and without a token past its list), a replay gives exactly a direct call's result; so does
+// a second replay after the residual is restored.
 TEST_F(EpilogueGpu, CudaGraphCaptureAndReplay) {
   moejit_runtime_t rt = memory_only_runtime();
-  for (const auto& [layout, tokens] : {std::pair{MOEJIT_LAYOUT_GATHER_MAP, int64_t{8}},
-                                       std::pair{MOEJIT_LAYOUT_TOKEN_INDEX, int64_t{33}},
-                                       std::pair{MOEJIT_LAYOUT_TOKEN_MAJOR, int64_t{300}}}) {
-    SCOPED_TRACE(std::string(layout_str(layout)) + " T=" + std::to_string(tokens));
+  struct Capture {
+    moejit_layout layout;
+    int64_t tokens, hot_rows;  // hot_rows > 0: a token past its list (and its first piece)
+  };
+  for (const auto& [layout, tokens, hot_rows] :
+       {Capture{MOEJIT_LAYOUT_GATHER_MAP, 8, 0}, Capture{MOEJIT_LAYOUT_TOKEN_INDEX, 33, 0},
+        Capture{MOEJIT_LAYOUT_TOKEN_INDEX, 33, 200}, Capture{MOEJIT_LAYOUT_TOKEN_MAJOR, 300, 0}}) {
+    SCOPED_TRACE(std::string(layout_str(layout)) + " T=" + std::to_string(tokens) +
+                 " hot_rows=" + std::to_string(hot_rows));
     Scratch s;
     CUDA_OK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
     Case c;
@@ -874,6 +1073,10 @@ TEST_F(EpilogueGpu, CudaGraphCaptureAndReplay) {
     c.top_k = 8;
     c.seed = 77;
     c = vary(c);
+    if (hot_rows > 0) {
+      c.skew = Case::kHotRows;
+      c.hot_rows = hot_rows;
+    }
     const Prepared pr = prepare(c, s);
     const Expected want = expect(c, pr);
     Results direct;
@@ -960,6 +1163,29 @@ TEST_F(EpilogueGpu, ThePathsOfGpusWithoutClustersFromTheirPtx) {
         c.seed = seed++;
         cases.emplace_back(sm, vary(c));
       }
+  // The token index with tokens past their lists: the one-block kernel adds them as the split
+  // kernel does (both bit for bit the documented math).
+  for (const auto& [sm, tokens, rows, hot_rows] :
+       {std::tuple{80, int64_t{1}, int64_t{1000}, int64_t{1000}},
+        std::tuple{80, int64_t{8}, int64_t{0}, int64_t{33}},
+        std::tuple{89, int64_t{33}, int64_t{0}, int64_t{200}}})
+    for (int ep = 0; ep < 5; ++ep) {
+      Case c;
+      c.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
+      const Epilogue& e = kEpilogues[ep];
+      c.res = e.res >= 0 ? MOEJIT_DTYPE_BFLOAT16 : -1;
+      c.weight = e.weight >= 0 ? MOEJIT_DTYPE_BFLOAT16 : -1;
+      c.out = e.fp8 ? MOEJIT_DTYPE_FLOAT8_E4M3 : MOEJIT_DTYPE_BFLOAT16;
+      c.hidden = 7168;
+      c.top_k = 8;
+      c.tokens = tokens;
+      c.seed = seed++;
+      c = vary(c);
+      c.skew = Case::kHotRows;
+      c.rows = rows;
+      c.hot_rows = hot_rows;
+      cases.emplace_back(sm, c);
+    }
   Scratch s;
   CUDA_OK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
   for (const auto& [sm, c] : cases) {

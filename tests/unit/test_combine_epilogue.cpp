@@ -5,6 +5,7 @@
 // form of the epilogue's specs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -302,6 +303,83 @@ TEST(CombineEpilogue, DecodeSplitsLongRowsAcrossACluster) {
   EXPECT_EQ(long_rows.split, 8);  // 8192 slots: 512 threads x 2 slots (16 values) per pass
   EXPECT_EQ(long_rows.tpt, 512);
   EXPECT_EQ(long_rows.upt, 2);
+}
+
+// The token index's epilogue runs where the list path's combine would: after the list helpers
+// and token_index_heavy, which ranks and sums the tokens past their lists. Its module holds that
+// kernel without the finish step (the epilogue adds such a token's sum itself), at
+// heavy_kernel_slot: after the combine in the one-block kind's module, after the one-block kernel
+// in the cluster kind's. The plan gives it the list path's grid, and the call needs exactly the
+// plain token-index call's workspace (a byte less is refused).
+TEST(CombineEpilogue, TheTokenIndexEpilogueRunsTokenIndexHeavyWithoutItsFinish) {
+  int clustered = 0, one_block = 0;
+  for (const Epilogue& e : kEpilogues)
+    for (int64_t tokens : {1, 8, 33, 64, 65, 4096})
+      for (int64_t top_k : {1, 8, 40})
+        for (int64_t hidden : {7, 2880, 7168}) {
+          moejit_combine_args a = call(MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_DTYPE_BFLOAT16,
+                                       MOEJIT_DTYPE_FLOAT16, tokens, top_k, hidden, e);
+          const std::string what = std::string(e.name) + " T=" + std::to_string(tokens) +
+                                   " rows=" + std::to_string(a.num_rows) +
+                                   " H=" + std::to_string(hidden);
+          const CombinePlan plan = plan_combine(&a);
+          const KernelSpec& s = plan.spec;
+          ASSERT_TRUE(s.kind == KernelKind::kEpilogueTokenIndex ||
+                      s.kind == KernelKind::kEpilogueClusterTokenIndex)
+              << what << ": " << s.describe();
+          ASSERT_TRUE(plan.list_helpers()) << what;
+          ASSERT_TRUE(companion_module(s).has_value()) << what;
+          EXPECT_EQ(plan.heavy_blocks, static_cast<unsigned>(std::max<int64_t>(
+                                           1, std::min<int64_t>(a.num_rows / 128, 512))))
+              << what;
+          EXPECT_EQ(plan.params.list_capacity, s.list_cap) << what;
+          const std::vector<std::string> names = s.name_expressions();
+          const int slot = heavy_kernel_slot(s.kind);
+          ASSERT_EQ(names.size(), static_cast<size_t>(slot) + 1) << what;
+          ASSERT_LE(names.size(), static_cast<size_t>(kMaxKernels)) << what;
+          EXPECT_EQ(names[slot], "&moejit::token_index_heavy<2, 2, int, " + std::to_string(hidden) +
+                                     ", " + std::to_string(s.vec) + ", false>")
+              << what;
+          if (is_cluster_epilogue(s.kind)) {
+            ++clustered;
+            EXPECT_EQ(slot, static_cast<int>(kClusterHeavyKernel));
+            EXPECT_EQ(names[kCombineKernel].rfind("&moejit::combine_epilogue_cluster<", 0), 0u);
+            EXPECT_EQ(names[kEpilogueOneBlockKernel].rfind("&moejit::combine_epilogue<", 0), 0u);
+          } else {
+            ++one_block;
+            EXPECT_EQ(slot, static_cast<int>(kHeavyKernel));
+            EXPECT_EQ(names[kCombineKernel].rfind("&moejit::combine_epilogue<", 0), 0u);
+          }
+          // The workspace: the plain call's (the same counts, heavy-token parts and lists).
+          moejit_combine_args plain = a;
+          plain.residual = nullptr;
+          plain.norm_weight = nullptr;
+          plain.out_scales = nullptr;
+          plain.out_dtype = MOEJIT_DTYPE_FLOAT16;
+          EXPECT_EQ(combine_workspace_bytes(&a), combine_workspace_bytes(&plain)) << what;
+          EXPECT_EQ(plan.params.token_rows, plan_combine(&plain).params.token_rows) << what;
+          a.workspace_bytes -= 1;
+          try {
+            plan_combine(&a);
+            ADD_FAILURE() << what << ": a workspace a byte short was taken";
+          } catch (const Error& err) {
+            EXPECT_EQ(err.status(), MOEJIT_ERROR_WORKSPACE_TOO_SMALL) << what;
+            EXPECT_NE(std::string(err.what()).find("args->workspace"), std::string::npos);
+          }
+          if (HasFailure()) return;
+        }
+  EXPECT_GT(clustered, 0);
+  EXPECT_GT(one_block, 0);
+  // The other layouts' epilogue modules have no token_index_heavy.
+  for (moejit_layout layout : {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP})
+    for (int64_t tokens : {1, 4096}) {
+      const moejit_combine_args a = call(layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16,
+                                         tokens, 8, 7168, kEpilogues[1]);
+      const CombinePlan plan = plan_combine(&a);
+      EXPECT_FALSE(plan.list_helpers());
+      for (const std::string& name : plan.spec.name_expressions())
+        EXPECT_EQ(name.find("token_index_heavy"), std::string::npos) << name;
+    }
 }
 
 // The vector width also fits the residual (row starts and element size) and the weight.

@@ -111,6 +111,22 @@ void append_epilogue_matrix(std::vector<Case>* cases) {
   cases->push_back({spec(2, 1, 0, epilogues[0], 2880, 1, 1), 89});
   for (const Epilogue& e : epilogues)
     for (int sm : archs) cases->push_back({spec(1, 2, 2, e, 7168, 8, 1), sm});
+  // The token index's modules hold token_index_heavy without its finish, and their kernels add a
+  // token past its list from its ranks or pieces: the decode split and one block per token with
+  // every epilogue for every arch.
+  int m = 0;
+  for (const Epilogue& e : epilogues)
+    for (int sm : archs) {
+      cases->push_back({spec(2, 2, 2, e, 7168, 8, 1), sm});
+      const int in = m % 3, out = (m + 1) % 3;
+      const int widest =
+          in == MOEJIT_DTYPE_FLOAT32 || out == MOEJIT_DTYPE_FLOAT32 || e.res == MOEJIT_DTYPE_FLOAT32
+              ? 4
+              : 2;
+      const int vec = 16 / widest / (m % 4 == 3 ? 2 : 1);
+      cases->push_back({spec(2, in, out, e, m % 2 ? 2880 : 7168, vec, 4096), sm});
+      ++m;
+    }
 }
 
 std::vector<Case> matrix() {
