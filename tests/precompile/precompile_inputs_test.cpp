@@ -835,7 +835,9 @@ TEST_F(Cli, EpilogueFromTheConfigOrTheCommandLine) {
     const test::ToolRun r = run(common + extra);
     EXPECT_EQ(r.rc, 0) << r.err;
     std::vector<std::string> specs;
-    for (const auto& job : nlohmann::json::parse(r.out)["jobs"]) specs.push_back(job["spec"]);
+    // The parsed document outlives the loop (a range over a temporary's member would not).
+    const nlohmann::json parsed = nlohmann::json::parse(r.out);
+    for (const auto& job : parsed.at("jobs")) specs.push_back(job.at("spec"));
     return specs;
   };
   const std::vector<std::string> from_config = jobs(""), plain = jobs(" --epilogue none"),
