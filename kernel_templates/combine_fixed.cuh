@@ -42,6 +42,70 @@ __device__ __forceinline__ void read_slot_routing(const CombineParams& p,
   }
 }
 
+// Rows loaded together: kBatch 16-byte vectors in flight per thread, whatever UPT is (BatchRows,
+// VEC_BYTES the rows' vector); with 9-16 slots per token at one slot per thread all of them in one
+// batch, one round trip.
+template <int TOP_K, int UPT, int VEC_BYTES>
+struct FixedBatch {
+  enum {
+    rows = WideBatch<TOP_K, UPT>::value ? TOP_K : BatchRows<VEC_BYTES, UPT>::value,
+    // The first batch's routing is held in registers; later slots are read as they come. A batch
+    // is never larger than the held slots: absent ones would cost their adds (zeros times weight
+    // 0, which the compiler must keep).
+    held = TOP_K < rows ? TOP_K : rows
+  };
+};
+
+// Adds token tok's TOP_K rows, in slot order, to this thread's UPT slots (first_slot + u * TPT).
+// indices and expert are p's, as the kernel holds them.
+template <int LAYOUT, int IN_DT, typename IdxT, int HIDDEN, int VEC, int TOP_K, int TPT, int UPT,
+          bool CACHED, typename S>
+__device__ __forceinline__ void add_fixed_token_rows(const CombineParams& p,
+                                                     const IdxT* __restrict__ indices,
+                                                     const S* __restrict__ expert, long long tok,
+                                                     int first_slot, float (&sum)[UPT][VEC]) {
+  typedef FixedBatch<TOP_K, UPT, static_cast<int>(sizeof(S)) * VEC> Batch;
+  constexpr int kRowsPerBatch = Batch::rows;
+  constexpr int kHeld = Batch::held;
+  int row[kHeld];
+  bool mapped[kHeld];
+  float gate[kHeld];
+  read_slot_routing<LAYOUT, IdxT, TOP_K, kHeld>(p, indices, tok, row, mapped, gate);
+  Pack<S, VEC> v[kHeld][UPT];
+  bool present[kHeld];
+  add_held_rows<LAYOUT, IN_DT, HIDDEN, VEC, TOP_K, TPT, UPT, kHeld, kHeld, CACHED>(
+      p, expert, tok, first_slot, row, mapped, gate, v, present, sum);
+  // Slots past the first batch (9-16 slots at two or more slots per thread, or more than 16): two
+  // at a time, routing from memory. A loop that is not unrolled, so the rare large top_k costs no
+  // registers on the common path.
+#pragma unroll 1
+  for (int base = kRowsPerBatch; base < TOP_K; base += 2) {
+    Pack<S, VEC> v2[2][UPT];
+    float w[2];
+    bool present2[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int k = base + j;
+      long long r = -1;
+      if (k < TOP_K) {
+        if constexpr (LAYOUT == kLayoutTokenMajor) {
+          r = tok * TOP_K + k;
+        } else {
+          const IdxT m = __ldg(indices + tok * TOP_K + k);
+          r = names_row(m, p.num_rows) ? static_cast<long long>(m) : -1;
+        }
+      }
+      present2[j] = r >= 0;
+      w[j] = present2[j] && p.gates != nullptr ? __ldg(p.gates + tok * TOP_K + k) : 1.0f;
+      load_row_slots<S, VEC, HIDDEN, UPT, TPT, CACHED>(
+          present2[j], expert + (present2[j] ? r : 0) * p.expert_stride, first_slot, v2[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      if (present2[j]) add_row_slots<IN_DT, VEC, UPT>(w[j], v2[j], sum);
+  }
+}
+
 }  // namespace detail
 
 // Blocks per SM the launch bounds promise (0: none, ptxas's own choice). Whole 128-thread blocks
@@ -77,15 +141,6 @@ __global__ void __launch_bounds__(
   static_assert(TOP_K > 0, "fixed top_k");
   typedef typename detail::Elem<IN_DT>::storage S;
   typedef typename detail::Elem<OUT_DT>::storage OutS;
-  // Rows loaded together: kBatch 16-byte vectors in flight per thread, whatever UPT is (BatchRows);
-  // with 9-16 slots per token at one slot per thread all of them in one batch, one round trip.
-  constexpr bool kWide = detail::WideBatch<TOP_K, UPT>::value;
-  constexpr int kRowsPerBatch =
-      kWide ? TOP_K : detail::BatchRows<static_cast<int>(sizeof(S)) * VEC, UPT>::value;
-  // The first batch's routing is held in registers; later slots are read as they come. A batch is
-  // never larger than the held slots: absent ones would cost their adds (zeros times weight 0,
-  // which the compiler must keep).
-  constexpr int kHeld = TOP_K < kRowsPerBatch ? TOP_K : kRowsPerBatch;
   const IdxT* __restrict__ indices = static_cast<const IdxT*>(p.indices);
   const S* __restrict__ expert = static_cast<const S*>(p.expert);
   const detail::WorkItem item = detail::work_item<GRID, HIDDEN, VEC, TPT, TPB, UPT>();
@@ -101,43 +156,8 @@ __global__ void __launch_bounds__(
 
   float sum[UPT][VEC];
   detail::clear_sums(sum);
-  int row[kHeld];
-  bool mapped[kHeld];
-  float gate[kHeld];
-  detail::read_slot_routing<LAYOUT, IdxT, TOP_K, kHeld>(p, indices, tok, row, mapped, gate);
-  detail::Pack<S, VEC> v[kHeld][UPT];
-  bool present[kHeld];
-  detail::add_held_rows<LAYOUT, IN_DT, HIDDEN, VEC, TOP_K, TPT, UPT, kHeld, kHeld, CACHED>(
-      p, expert, tok, first_slot, row, mapped, gate, v, present, sum);
-  // Slots past the first batch (9-16 slots at two or more slots per thread, or more than 16): two
-  // at a time, routing from memory. A loop that is not unrolled, so the rare large top_k costs no
-  // registers on the common path.
-#pragma unroll 1
-  for (int base = kRowsPerBatch; base < TOP_K; base += 2) {
-    detail::Pack<S, VEC> v2[2][UPT];
-    float w[2];
-    bool present2[2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int k = base + j;
-      long long r = -1;
-      if (k < TOP_K) {
-        if constexpr (LAYOUT == kLayoutTokenMajor) {
-          r = tok * TOP_K + k;
-        } else {
-          const IdxT m = __ldg(indices + tok * TOP_K + k);
-          r = detail::names_row(m, p.num_rows) ? static_cast<long long>(m) : -1;
-        }
-      }
-      present2[j] = r >= 0;
-      w[j] = present2[j] && p.gates != nullptr ? __ldg(p.gates + tok * TOP_K + k) : 1.0f;
-      detail::load_row_slots<S, VEC, HIDDEN, UPT, TPT, CACHED>(
-          present2[j], expert + (present2[j] ? r : 0) * p.expert_stride, first_slot, v2[j]);
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-      if (present2[j]) detail::add_row_slots<IN_DT, VEC, UPT>(w[j], v2[j], sum);
-  }
+  detail::add_fixed_token_rows<LAYOUT, IN_DT, IdxT, HIDDEN, VEC, TOP_K, TPT, UPT, CACHED>(
+      p, indices, expert, tok, first_slot, sum);
   detail::store_row_slots<OUT_DT, VEC, HIDDEN, UPT, TPT>(
       static_cast<OutS*>(p.out) + tok * p.out_stride, first_slot, sum, p);
 }

@@ -9,8 +9,11 @@ namespace moejit {
 
 // Layout codes, equal to the public moejit_layout values.
 enum { kLayoutTokenMajor = 0, kLayoutGatherMap = 1, kLayoutTokenIndex = 2 };
-// Element type codes, equal to the public moejit_dtype values.
-enum { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// Element type codes, equal to the public moejit_dtype values (fp8 e4m3: an epilogue's out only).
+enum { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat8E4M3 = 3 };
+// Where an fp8 out's scales go (moejit_scales_layout): [T, G] row-major, or [G, T4] column-major
+// with T4 = T rounded up to a multiple of 4.
+enum { kScalesRowMajor = 0, kScalesColumnMajorAligned4 = 1 };
 // Launch grid of a combine module (GRID): x the token groups and y a row's chunks; one dimension,
 // x = groups * chunks with a token's chunks adjacent; or either, the kernel reading gridDim.y.
 enum { kGridTokensByChunks = 0, kGridFlat = 1, kGridFlatOrTokensByChunks = 2 };
@@ -37,6 +40,15 @@ struct CombineParams {
   int dependent_launch;     // nonzero: the call's first kernel was launched as a programmatic
                             // dependent of the stream's previous kernel (it waits before it
                             // touches memory)
+
+  // The epilogue (combine_epilogue.cuh), unused by the other kernels; again 8-byte members first.
+  void* residual;             // T rows of the residual's dtype, read and overwritten
+  const void* norm_weight;    // H elements of the weight's dtype
+  float* out_scales;          // an fp8 out's scales (scales_layout)
+  long long residual_stride;  // elements between residual rows
+  float norm_eps;             // the RMSNorm's epsilon
+  int scales_layout;          // kScalesRowMajor | kScalesColumnMajorAligned4
+  int scales_pow2;            // nonzero: scales rounded up to a power of two
 };
 
 }  // namespace moejit

@@ -172,10 +172,12 @@ __global__ void __launch_bounds__(TPT* TPB, 0) combine_lists(const CombineParams
 // The list path's tokens past their lists (token_index_heavy.cuh), between token_index_assign and
 // combine_lists: blocks of kHeavyThreads (token_index_workspace.h), each warp taking work items
 // until none is left. A call without such tokens only reads their count. The combine may be
-// scheduled at once (it waits for this kernel before touching memory).
+// scheduled at once (it waits for this kernel before touching memory). FINISH: the heavy tokens
+// stored to out; without it (the token index's epilogue, combine_epilogue.cuh) their pieces are
+// left for the next kernel, which adds each such token itself (add_heavy_token; OUT_DT unused).
 // Three blocks per SM (up to 80 registers; left to itself ptxas took 116-128 and kept two), one
 // vector per lane and row, four rows per round trip: with eight, ptxas spilled in some modules.
-template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC>
+template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, bool FINISH = true>
 __global__ void __launch_bounds__(kHeavyThreads, 3) token_index_heavy(const CombineParams p) {
   constexpr int kUpt = 1, kRows = 4;
   detail::allow_dependents();
@@ -183,7 +185,7 @@ __global__ void __launch_bounds__(kHeavyThreads, 3) token_index_heavy(const Comb
   const long long heavy = static_cast<long long>(__ldg(detail::heavy_counters(p) + kHeavyTokens));
   if (heavy == 0) return;
   const detail::HeavyWork s = detail::heavy_work<HIDDEN>(p, heavy);
-  detail::do_heavy_work<IN_DT, OUT_DT, IdxT, HIDDEN, VEC, kUpt, kRows, true>(p, s);
+  detail::do_heavy_work<IN_DT, OUT_DT, IdxT, HIDDEN, VEC, kUpt, kRows, FINISH>(p, s);
 }
 
 // ---- small calls: one launch ------------------------------------------------------------------

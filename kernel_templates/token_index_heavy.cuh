@@ -24,9 +24,9 @@
 // tickets than its own, and every ticket handed out belongs to a warp that is running and works on
 // it without waiting for a larger one. The counters are zeroed by token_index_clear on every call.
 //
-// A kernel that needs a heavy token's fp32 sum instead of its stored row (an epilogue after the
-// combine) runs these steps without the finish (FINISH = false) and adds the token itself with
-// add_heavy_token, in any geometry.
+// A kernel that needs a heavy token's fp32 sum instead of its stored row (the token index's
+// epilogue, combine_epilogue.cuh) follows token_index_heavy without the finish (FINISH = false)
+// and adds the token itself with add_heavy_token, in any geometry.
 #ifndef MOEJIT_TOKEN_INDEX_HEAVY_CUH_
 #define MOEJIT_TOKEN_INDEX_HEAVY_CUH_
 

@@ -128,12 +128,13 @@ moejit_status moejit_combine_args_init_sized(moejit_combine_args* args, size_t s
   return guarded([&] {
     if (args == nullptr)
       moejit::invalid_argument("args", "NULL", "must point to a moejit_combine_args");
-    if (struct_size != sizeof(moejit_combine_args) && struct_size != moejit::kCombineArgsSizeV01)
+    if (!moejit::known_combine_args_size(struct_size))
       moejit::invalid_argument(
           "struct_size", std::to_string(struct_size),
           "must be sizeof(moejit_combine_args) of a libmoejit header no newer than this library (" +
               std::to_string(sizeof(moejit_combine_args)) + " for " + moejit_version_string() +
-              ", " + std::to_string(moejit::kCombineArgsSizeV01) + " for 0.1)");
+              ", " + std::to_string(moejit::kCombineArgsSizeV02) + " for 0.2, " +
+              std::to_string(moejit::kCombineArgsSizeV01) + " for 0.1)");
     moejit_combine_args defaults = MOEJIT_COMBINE_ARGS_INIT;
     defaults.struct_size = struct_size;
     std::memcpy(args, &defaults, struct_size);

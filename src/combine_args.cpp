@@ -85,18 +85,77 @@ void check_no_overlap(const ByteRange& w, std::initializer_list<ByteRange> read)
                            "): the kernels read it while they write; pass separate buffers");
 }
 
+// ---- the epilogue's fields (since 0.3) ----
+
+constexpr const char* kValueDtypes =
+    "must be MOEJIT_DTYPE_FLOAT32 (0), MOEJIT_DTYPE_FLOAT16 (1) or MOEJIT_DTYPE_BFLOAT16 (2)";
+
+// The shape fields of the epilogue: the dtypes and stride of what is set, the scales' layout of an
+// fp8 out. What is not set is not checked, and its fields are reset to their defaults (the plan
+// reads them as enums, and a load of an out-of-range enum value is undefined).
+void check_epilogue_shape(moejit_combine_args& a) {
+  const moejit_combine_args defaults = MOEJIT_COMBINE_ARGS_INIT;
+  if (a.residual != nullptr) {
+    check_enum("args->residual_dtype", c_enum_value(a.residual_dtype), 2, kValueDtypes);
+    if (a.residual_row_stride == 0) a.residual_row_stride = a.hidden_dim;
+    if (a.residual_row_stride < a.hidden_dim)
+      invalid_argument(
+          "args->residual_row_stride", std::to_string(a.residual_row_stride),
+          "must be 0 (= hidden_dim) or >= hidden_dim = " + std::to_string(a.hidden_dim));
+    check_extent("args->residual_row_stride", a.residual_row_stride, a.num_tokens, "num_tokens",
+                 a.residual_dtype);
+  } else {
+    a.residual_dtype = defaults.residual_dtype;
+    a.residual_row_stride = 0;
+  }
+  if (a.norm_weight != nullptr)
+    check_enum("args->norm_weight_dtype", c_enum_value(a.norm_weight_dtype), 2, kValueDtypes);
+  else
+    a.norm_weight_dtype = defaults.norm_weight_dtype;
+  if (a.out_dtype == MOEJIT_DTYPE_FLOAT8_E4M3) {
+    check_enum("args->out_scales_layout", c_enum_value(a.out_scales_layout), 1,
+               "must be MOEJIT_SCALES_ROW_MAJOR (0) or MOEJIT_SCALES_COLUMN_MAJOR_ALIGNED4 (1)");
+    if (a.out_scales_layout == MOEJIT_SCALES_COLUMN_MAJOR_ALIGNED4 && a.hidden_dim % 128 != 0)
+      invalid_argument("args->out_scales_layout",
+                       "MOEJIT_SCALES_COLUMN_MAJOR_ALIGNED4 (1) with hidden_dim = " +
+                           std::to_string(a.hidden_dim),
+                       "needs hidden_dim % 128 == 0 (whole groups of 128 channels); use "
+                       "MOEJIT_SCALES_ROW_MAJOR (0) for this hidden size");
+  } else {
+    a.out_scales_layout = defaults.out_scales_layout;
+  }
+}
+
 }  // namespace
+
+bool known_combine_args_size(size_t size) {
+  return size == sizeof(moejit_combine_args) || size == kCombineArgsSizeV02 ||
+         size == kCombineArgsSizeV01;
+}
+
+int64_t scale_groups(int64_t hidden_dim) {
+  return (hidden_dim + 127) / 128;
+}
+
+uint64_t out_scales_span(const moejit_combine_args& a) {
+  if (a.num_tokens == 0) return 0;
+  const uint64_t t = static_cast<uint64_t>(a.num_tokens),
+                 g = static_cast<uint64_t>(scale_groups(a.hidden_dim));
+  // Column-major: the last group's column ends at token T - 1.
+  return a.out_scales_layout == MOEJIT_SCALES_ROW_MAJOR ? t * g : (g - 1) * ((t + 3) / 4 * 4) + t;
+}
 
 moejit_combine_args validated_shape(const moejit_combine_args* in) {
   if (in == nullptr) invalid_argument("args", "NULL", "must point to a moejit_combine_args");
   // The defaults as a constant, not through the exported init function: this runs on every call.
   moejit_combine_args a = MOEJIT_COMBINE_ARGS_INIT;
-  // A 0.1 header's struct ends before dependent_launch: its fields keep their defaults.
-  if (in->struct_size != sizeof(moejit_combine_args) && in->struct_size != kCombineArgsSizeV01)
+  // An older header's struct ends earlier: the fields it lacks keep their defaults.
+  if (!known_combine_args_size(in->struct_size))
     invalid_argument(
         "args->struct_size", std::to_string(in->struct_size),
         "must be sizeof(moejit_combine_args) = " + std::to_string(sizeof(moejit_combine_args)) +
             " for this library version (" + moejit_version_string() + "), or " +
+            std::to_string(kCombineArgsSizeV02) + " from a 0.2 header, or " +
             std::to_string(kCombineArgsSizeV01) +
             " from a 0.1 header; initialize args with moejit_combine_args_init()");
   std::memcpy(&a, in, in->struct_size);
@@ -106,11 +165,11 @@ moejit_combine_args validated_shape(const moejit_combine_args* in) {
              "must be MOEJIT_LAYOUT_TOKEN_MAJOR (0), MOEJIT_LAYOUT_GATHER_MAP (1) or "
              "MOEJIT_LAYOUT_TOKEN_INDEX (2)");
   check_enum("args->expert_dtype", c_enum_value(a.expert_dtype), 2,
-             "must be MOEJIT_DTYPE_FLOAT32 (0), MOEJIT_DTYPE_FLOAT16 (1) or "
-             "MOEJIT_DTYPE_BFLOAT16 (2)");
-  check_enum("args->out_dtype", c_enum_value(a.out_dtype), 2,
-             "must be MOEJIT_DTYPE_FLOAT32 (0), MOEJIT_DTYPE_FLOAT16 (1) or "
-             "MOEJIT_DTYPE_BFLOAT16 (2)");
+             "must be MOEJIT_DTYPE_FLOAT32 (0), MOEJIT_DTYPE_FLOAT16 (1) or MOEJIT_DTYPE_BFLOAT16 "
+             "(2) (MOEJIT_DTYPE_FLOAT8_E4M3 is an out_dtype only)");
+  check_enum("args->out_dtype", c_enum_value(a.out_dtype), 3,
+             "must be MOEJIT_DTYPE_FLOAT32 (0), MOEJIT_DTYPE_FLOAT16 (1), "
+             "MOEJIT_DTYPE_BFLOAT16 (2) or MOEJIT_DTYPE_FLOAT8_E4M3 (3, with out_scales)");
   if (a.layout != MOEJIT_LAYOUT_TOKEN_MAJOR)
     check_enum("args->index_type", c_enum_value(a.index_type), 1,
                "must be MOEJIT_INDEX_INT32 (0) or MOEJIT_INDEX_INT64 (1)");
@@ -156,6 +215,7 @@ moejit_combine_args validated_shape(const moejit_combine_args* in) {
   check_extent("args->expert_row_stride", a.expert_row_stride, a.num_rows, "num_rows",
                a.expert_dtype);
   check_extent("args->out_row_stride", a.out_row_stride, a.num_tokens, "num_tokens", a.out_dtype);
+  check_epilogue_shape(a);
   return a;
 }
 
@@ -187,6 +247,32 @@ void check_buffers(const moejit_combine_args& a, size_t workspace_bytes) {
                      "must be 0 (overwrite out) or 1 (add into out)");
   if (!std::isfinite(a.scale))
     invalid_argument("args->scale", std::to_string(a.scale), "must be a finite number");
+  // The epilogue's buffers (since 0.3).
+  const bool fp8 = a.out_dtype == MOEJIT_DTYPE_FLOAT8_E4M3;
+  if (a.residual != nullptr)
+    check_aligned("args->residual", a.residual,
+                  static_cast<size_t>(element_bytes(a.residual_dtype)),
+                  dtype_name(a.residual_dtype));
+  if (a.norm_weight != nullptr) {
+    check_aligned("args->norm_weight", a.norm_weight,
+                  static_cast<size_t>(element_bytes(a.norm_weight_dtype)),
+                  dtype_name(a.norm_weight_dtype));
+    if (!std::isfinite(a.norm_eps) || a.norm_eps < 0.0f)
+      invalid_argument("args->norm_eps", std::to_string(a.norm_eps),
+                       "must be a finite number >= 0 (the RMSNorm's epsilon, e.g. 1e-6)");
+  }
+  if (a.out_scales != nullptr && !fp8)
+    invalid_argument("args->out_scales", hex(a.out_scales),
+                     std::string("must be NULL: out_dtype is ") + dtype_name(a.out_dtype) +
+                         "; only an fp8 out (MOEJIT_DTYPE_FLOAT8_E4M3) has scales");
+  if (fp8 && a.num_tokens > 0 && a.out_scales == nullptr)
+    invalid_argument("args->out_scales", "NULL",
+                     "must be a device pointer (fp32, one scale per token per 128 channels) for "
+                     "an fp8 out (out_dtype MOEJIT_DTYPE_FLOAT8_E4M3)");
+  check_aligned("args->out_scales", a.out_scales, 4, "fp32 scales");
+  if (fp8 && a.out_scales_pow2 != 0 && a.out_scales_pow2 != 1)
+    invalid_argument("args->out_scales_pow2", std::to_string(a.out_scales_pow2),
+                     "must be 0 (scale = amax / 448) or 1 (rounded up to a power of two)");
 
   if (a.num_tokens == 0) return;
 
@@ -210,7 +296,23 @@ void check_buffers(const moejit_combine_args& a, size_t workspace_bytes) {
   const ByteRange index_bytes = byte_range(
       "args->indices", a.layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? nullptr : a.indices, routed * idx_b);
   const ByteRange gate_bytes = byte_range("args->gates", a.gates, routed * 4);
-  check_no_overlap(out_bytes, {expert_bytes, index_bytes, gate_bytes});
+  const ByteRange residual_bytes = byte_range(
+      "args->residual", a.residual,
+      (static_cast<uint64_t>(a.num_tokens - 1) * static_cast<uint64_t>(a.residual_row_stride) +
+       static_cast<uint64_t>(a.hidden_dim)) *
+          static_cast<uint64_t>(element_bytes(a.residual_dtype)));
+  const ByteRange weight_bytes =
+      byte_range("args->norm_weight", a.norm_weight,
+                 static_cast<uint64_t>(a.hidden_dim) *
+                     static_cast<uint64_t>(element_bytes(a.norm_weight_dtype)));
+  const ByteRange scale_bytes =
+      byte_range("args->out_scales", a.out_scales, fp8 ? out_scales_span(a) * 4 : 0);
+  // Every written buffer against every other (norm_weight, read only, may share the inputs').
+  check_no_overlap(out_bytes, {expert_bytes, index_bytes, gate_bytes, residual_bytes, weight_bytes,
+                               scale_bytes});
+  check_no_overlap(residual_bytes,
+                   {expert_bytes, index_bytes, gate_bytes, weight_bytes, scale_bytes});
+  check_no_overlap(scale_bytes, {expert_bytes, index_bytes, gate_bytes, weight_bytes});
 
   if (a.layout != MOEJIT_LAYOUT_TOKEN_INDEX) return;
   const size_t needed = workspace_bytes;
@@ -224,11 +326,12 @@ void check_buffers(const moejit_combine_args& a, size_t workspace_bytes) {
     invalid_argument("args->workspace", hex(a.workspace),
                      "must be aligned to 16 bytes, as moejit.h asks of the workspace");
   const ByteRange ws_bytes = byte_range("args->workspace", a.workspace, needed);
-  check_no_overlap(ws_bytes, {out_bytes, expert_bytes, index_bytes, gate_bytes});
+  check_no_overlap(ws_bytes, {out_bytes, expert_bytes, index_bytes, gate_bytes, residual_bytes,
+                              weight_bytes, scale_bytes});
 }
 
 int element_bytes(int dtype) {
-  return dtype == MOEJIT_DTYPE_FLOAT32 ? 4 : 2;
+  return dtype == MOEJIT_DTYPE_FLOAT32 ? 4 : dtype == MOEJIT_DTYPE_FLOAT8_E4M3 ? 1 : 2;
 }
 
 }  // namespace moejit

@@ -26,6 +26,17 @@
 //   The single launch pays while each of its threads reads at most kScanMaxRowsPerThread entries of
 //   token_idx and all its blocks together at most kScanMaxBytes (re-read from L2).
 //
+//   Calls with an epilogue (a residual, a norm weight or an fp8 out) come first: the norm needs a
+//   token's whole row in blocks that can meet (combine_epilogue.cpp: the geometry):
+//   any layout   kEpilogueCluster<L>   T <= kDecodeMaxTokens and the row splits into 2..8 slices
+//                                      the row's slices on a thread-block cluster (sm_90+; before,
+//                                      the module's one-block kernel); no cluster without a norm
+//                kEpilogue<L>          every other epilogue call
+//                                      a token's row in one block (slices one after another)
+//   The token index's are launched after the list helpers and token_index_heavy, as
+//   kTokenIndexLists is (token_index_heavy without its finish: the epilogue adds a heavy token's
+//   sum itself).
+//
 // Geometry (choose_geometry; slots = vectors per row; decode: T <= 64; mid-size: T * slots <= 2^21;
 // prefill: larger, or T unknown):
 //   - one slot per thread in 128-thread blocks; rows shorter than 128 slots share a block between
@@ -54,6 +65,7 @@
 
 #include "../kernel_templates/token_index_workspace.h"
 #include "combine_args.h"
+#include "combine_epilogue.h"
 #include "combine_plan.h"
 #include "error.h"
 
@@ -62,8 +74,6 @@ namespace {
 
 constexpr int kBlockThreads = 128;         // the combine's block
 constexpr int kShortRowScanThreads = 512;  // the single launch with several tokens per block
-// Up to this many tokens a call is decode-sized: latency, not bandwidth, decides.
-constexpr int64_t kDecodeMaxTokens = 64;
 // Up to this many token slots (T * vectors per row) a larger call is mid-size: some geometries
 // that win at prefill lose there.
 constexpr int64_t kMidSlotsMax = int64_t{1} << 21;
@@ -238,6 +248,11 @@ int choose_vec(int in_dtype, int out_dtype, int hidden, uintptr_t expert, int64_
 }
 
 void finish_spec(KernelSpec* s) {
+  if (is_epilogue(s->kind)) {  // one launch grid of its own (plan_combine), rows streamed
+    s->grid = Grid::kFlat;
+    s->cached_rows = false;
+    return;
+  }
   const bool fixed = s->kind == KernelKind::kTokenMajor || s->kind == KernelKind::kGatherMap;
   const bool lists = s->kind == KernelKind::kTokenIndexLists;
   // A flat grid dispatches a token's chunks back to back: token-major then reads its K adjacent
@@ -273,6 +288,7 @@ std::string check_spec(const KernelSpec& s) {
   if (s.kind == KernelKind::kGatherMapOneToken && !fits_one_token_map(s))
     return "K = " + std::to_string(s.top_k) +
            ": a gather_map_one_token module holds all its rows at once: K * upt at most 8";
+  if (is_epilogue(s.kind)) return check_epilogue_spec(s);
   return "";
 }
 
@@ -284,7 +300,7 @@ KernelSpec list_helpers_spec(int index_bytes) {
 }
 
 std::optional<KernelSpec> companion_module(const KernelSpec& spec) {
-  if (spec.kind != KernelKind::kTokenIndexLists) return std::nullopt;
+  if (!after_list_helpers(spec.kind)) return std::nullopt;
   return list_helpers_spec(spec.index_bytes);
 }
 
@@ -379,6 +395,7 @@ KernelSpec choose_kernel(const CallShape& c) {
   const KernelSpec base = make_spec(
       c.layout, c.in_dtype, c.out_dtype, c.index_type, c.hidden,
       static_cast<int>(std::min<int64_t>(rows_per_token, MOEJIT_MAX_TOP_K)), c.vec, c.num_tokens);
+  if (has_epilogue(c)) return choose_epilogue_kernel(c, base);
   if (token_index) {
     if (c.num_tokens == 1 && c.num_rows <= kOneTokenMaxRows) return one_token_index_spec(base);
     const KernelSpec single = single_launch_spec(base, c.num_tokens);
@@ -396,7 +413,8 @@ KernelSpec choose_kernel(const CallShape& c) {
 
 std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dtype,
                                         moejit_dtype out_dtype, moejit_index_type index_type,
-                                        int hidden, int rows_per_token, size_t alignment_bytes) {
+                                        int hidden, int rows_per_token, size_t alignment_bytes,
+                                        int res_dtype, int weight_dtype) {
   CallShape c;
   c.layout = layout;
   c.in_dtype = in_dtype;
@@ -404,6 +422,8 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
   c.index_type = layout == MOEJIT_LAYOUT_TOKEN_MAJOR ? MOEJIT_INDEX_INT32 : index_type;
   c.hidden = hidden;
   c.vec = choose_vec(in_dtype, out_dtype, hidden, alignment_bytes, hidden, alignment_bytes, hidden);
+  c.res_dtype = res_dtype;
+  c.weight_dtype = weight_dtype;
   c.top_k = rows_per_token;
   const int64_t k = std::max(rows_per_token, 0);  // 0: token-index calls without rows
   std::vector<KernelSpec> specs;
@@ -417,6 +437,12 @@ std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dt
     add(s);
     if (const std::optional<KernelSpec> before = companion_module(s)) add(*before);
   };
+  if (has_epilogue(c)) {  // its choice reads T only (the rows per token are the shape's)
+    c.vec = epilogue_vec(c.vec, hidden, res_dtype, alignment_bytes, hidden, weight_dtype,
+                         alignment_bytes);
+    for (const int64_t tokens : epilogue_token_counts()) take(tokens, tokens * k);
+    return specs;
+  }
   // The batch sizes of each geometry: prefill (past mid-size, and large enough that the single
   // launch no longer pays), one token, decode, mid-size. Within one, the choice between the
   // single launch and the lists is monotone in T and R (the single launch pays less the more there
@@ -472,6 +498,12 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   call.vec = choose_vec(a.expert_dtype, a.out_dtype, call.hidden,
                         reinterpret_cast<uintptr_t>(a.expert_hidden), a.expert_row_stride,
                         reinterpret_cast<uintptr_t>(a.out), a.out_row_stride);
+  call.res_dtype = a.residual != nullptr ? static_cast<int>(a.residual_dtype) : -1;
+  call.weight_dtype = a.norm_weight != nullptr ? static_cast<int>(a.norm_weight_dtype) : -1;
+  if (has_epilogue(call))
+    call.vec = epilogue_vec(call.vec, call.hidden, call.res_dtype,
+                            reinterpret_cast<uintptr_t>(a.residual), a.residual_row_stride,
+                            call.weight_dtype, reinterpret_cast<uintptr_t>(a.norm_weight));
   call.num_tokens = a.num_tokens;
   call.num_rows = a.num_rows;
   call.top_k = static_cast<int>(a.top_k);
@@ -491,6 +523,13 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
   p.accumulate = a.accumulate;
   p.dependent_launch = a.dependent_launch;  // the first kernel prefetches and waits only then
   p.list_capacity = s.list_cap;             // of the module chosen (0: no list)
+  p.residual = a.residual;
+  p.norm_weight = a.norm_weight;
+  p.out_scales = a.out_scales;
+  p.residual_stride = a.residual_row_stride;
+  p.norm_eps = a.norm_eps;
+  p.scales_layout = a.out_scales_layout;
+  p.scales_pow2 = a.out_scales_pow2;
   if (token_index) {
     char* ws = static_cast<char*>(a.workspace);
     p.token_counts = reinterpret_cast<int*>(ws);
@@ -517,6 +556,17 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
                     " token groups, more than one launch allows (2^31 - 1): split the batch");
   plan.combine_grid_x = static_cast<unsigned>(groups);
   plan.combine_grid_y = static_cast<unsigned>(s.chunks());
+  if (is_epilogue(s.kind)) {
+    // A token group per block; the split kernel a block per slice (T <= kDecodeMaxTokens), its
+    // one-block kernel a block per token.
+    plan.combine_grid_y = 1;
+    if (is_cluster_epilogue(s.kind)) {
+      plan.combine_grid_x = static_cast<unsigned>(groups * s.split);
+      plan.one_block_grid_x = static_cast<unsigned>(groups);
+      plan.cluster_blocks = needs_cluster(s) ? static_cast<unsigned>(s.split) : 0;
+    }
+    return plan;
+  }
   // The gather map takes x by y up to mid-size calls: the blocks running together read
   // different tokens' rows at the same offset.
   const bool flat =

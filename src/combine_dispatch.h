@@ -15,11 +15,17 @@
 
 namespace moejit {
 
+// Up to this many tokens a call is decode-sized: latency, not bandwidth, decides.
+constexpr int64_t kDecodeMaxTokens = 64;
+
 // What the choice reads from a validated call.
 struct CallShape {
   moejit_layout layout = MOEJIT_LAYOUT_TOKEN_MAJOR;
   moejit_dtype in_dtype = MOEJIT_DTYPE_FLOAT32;
-  moejit_dtype out_dtype = MOEJIT_DTYPE_FLOAT32;
+  moejit_dtype out_dtype = MOEJIT_DTYPE_FLOAT32;  // fp8 e4m3: an epilogue's quantized output
+  // The epilogue (combine_epilogue.h): the residual's and the norm weight's dtype, -1 for none.
+  int res_dtype = -1;
+  int weight_dtype = -1;
   moejit_index_type index_type = MOEJIT_INDEX_INT32;
   int hidden = 0;
   int vec = 1;             // widest vector every row start of both buffers is aligned to
@@ -81,9 +87,11 @@ KernelSpec one_token_index_spec(const KernelSpec& decode);
 
 // Exactly the modules moe_combine() may load for this shape, whatever the batch size (for the
 // token index: calls whose rows per token, R / T rounded up, is rows_per_token), the list
-// helpers included: what tools/precompile warms.
+// helpers included: what tools/precompile warms. With an epilogue: res_dtype and weight_dtype
+// (-1: none), out_dtype fp8 for a quantized output; the residual and weight aligned like the rest.
 std::vector<KernelSpec> specs_for_shape(moejit_layout layout, moejit_dtype in_dtype,
                                         moejit_dtype out_dtype, moejit_index_type index_type,
-                                        int hidden, int rows_per_token, size_t alignment_bytes);
+                                        int hidden, int rows_per_token, size_t alignment_bytes,
+                                        int res_dtype = -1, int weight_dtype = -1);
 
 }  // namespace moejit

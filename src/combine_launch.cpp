@@ -24,18 +24,20 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
   // (programmatic dependent launch): it waits in griddepcontrol.wait before touching memory, so
   // only the launch latency overlaps. The call's first kernel does so only if the caller asked
   // (args->dependent_launch). Where unsupported, plain stream order.
+  // cluster: blocks per thread-block cluster (0: none; the module supports them).
   auto launch = [&](const LoadedKernels& module, int kernel, unsigned gx, unsigned gy,
-                    unsigned threads, bool dependent, const char* name) {
+                    unsigned threads, bool dependent, const char* name, unsigned cluster = 0) {
     const bool programmatic = dependent && module.dependent_launch;
+    const bool extended = programmatic || cluster > 0;
     const CUresult result =
-        programmatic
-            ? launch_programmatic(d, module.functions[kernel], gx, gy, threads, stream, kernel_args)
-            : d.cuLaunchKernel(module.functions[kernel], gx, gy, 1, threads, 1, 1, 0, stream,
-                               kernel_args, nullptr);
+        extended ? launch_with_attributes(d, module.functions[kernel], gx, gy, threads, stream,
+                                          kernel_args, programmatic, cluster)
+                 : d.cuLaunchKernel(module.functions[kernel], gx, gy, 1, threads, 1, 1, 0, stream,
+                                    kernel_args, nullptr);
     if (result != CUDA_SUCCESS)  // the call's name is built only for the message
       throw_launch_failure(
           d, stream, result,
-          std::string(programmatic ? "cuLaunchKernelEx(" : "cuLaunchKernel(") + name + ")");
+          std::string(extended ? "cuLaunchKernelEx(" : "cuLaunchKernel(") + name + ")");
     stats.launches.fetch_add(1, std::memory_order_relaxed);
   };
   const unsigned threads = static_cast<unsigned>(plan.spec.block_threads());
@@ -50,10 +52,19 @@ void launch_combine(const CombinePlan& plan, const LoadedKernels& kernels, CUstr
            "token_index_clear");
     launch(*kernels.companion, kAssignKernel, plan.assign_blocks, 1, kHelperThreads, true,
            "token_index_assign");
-    launch(kernels, kHeavyKernel, plan.heavy_blocks, 1, kHeavyThreads, true, "token_index_heavy");
+    launch(kernels, heavy_kernel_slot(plan.spec.kind), plan.heavy_blocks, 1, kHeavyThreads, true,
+           "token_index_heavy");
+  }
+  if (plan.cluster_blocks > 0 && !kernels.clusters) {
+    // The epilogue's split kernel needs clusters this GPU lacks: its module's one-block kernel.
+    launch(kernels, kEpilogueOneBlockKernel, plan.one_block_grid_x, 1, threads,
+           chained || first_dependent, "combine_epilogue");
+    return;
   }
   launch(kernels, kCombineKernel, plan.combine_grid_x, plan.combine_grid_y, threads,
-         chained || first_dependent, "combine");
+         chained || first_dependent,
+         is_epilogue(plan.spec.kind) ? kernel_name(plan.spec.kind) : "combine",
+         plan.cluster_blocks);
 }
 
 }  // namespace moejit

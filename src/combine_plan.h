@@ -30,7 +30,12 @@ struct CombinePlan {
   unsigned int combine_grid_y = 0;
   unsigned int clear_blocks = 0;  // token-index list helpers (0 for other layouts)
   unsigned int assign_blocks = 0;
-  unsigned int heavy_blocks = 0;  // the list path's token_index_heavy (kHeavyThreads each)
+  // token_index_heavy after the list helpers (kHeavyThreads each; heavy_kernel_slot()).
+  unsigned int heavy_blocks = 0;
+  // The epilogue's split kernel with a norm: blocks per thread-block cluster (0: no cluster), and
+  // the grid of its module's one-block kernel, which GPUs without clusters launch instead.
+  unsigned int cluster_blocks = 0;
+  unsigned int one_block_grid_x = 0;
   // The token index's single launch (either form).
   bool token_scan() const {
     return spec.kind == KernelKind::kTokenIndexScan ||
@@ -41,9 +46,9 @@ struct CombinePlan {
     return spec.kind == KernelKind::kTokenIndexOneToken ||
            spec.kind == KernelKind::kGatherMapOneToken;
   }
-  // The list path: clear and assign run first, from the companion module (companion_module()),
-  // then token_index_heavy from the spec's own module.
-  bool list_helpers() const { return spec.kind == KernelKind::kTokenIndexLists; }
+  // The list path and the token index's epilogue: clear and assign run first, from the companion
+  // module (companion_module()), then token_index_heavy from the spec's own module.
+  bool list_helpers() const { return after_list_helpers(spec.kind); }
 };
 
 // Validates args (throws Error naming the argument, its value and what is allowed) and plans the

@@ -87,9 +87,24 @@ const DriverApi& driver() {
 
 CUresult launch_programmatic(const DriverApi& d, CUfunction f, unsigned grid_x, unsigned grid_y,
                              unsigned threads, CUstream stream, void** args) {
-  CUlaunchAttribute attr{};
-  attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-  attr.value.programmaticStreamSerializationAllowed = 1;
+  return launch_with_attributes(d, f, grid_x, grid_y, threads, stream, args, true, 0);
+}
+
+CUresult launch_with_attributes(const DriverApi& d, CUfunction f, unsigned grid_x, unsigned grid_y,
+                                unsigned threads, CUstream stream, void** args, bool programmatic,
+                                unsigned cluster_x) {
+  CUlaunchAttribute attrs[2] = {};
+  unsigned count = 0;
+  if (programmatic) {
+    attrs[count].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attrs[count++].value.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster_x > 0) {
+    attrs[count].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attrs[count].value.clusterDim.x = cluster_x;
+    attrs[count].value.clusterDim.y = 1;
+    attrs[count++].value.clusterDim.z = 1;
+  }
   CUlaunchConfig config{};
   config.gridDimX = grid_x;
   config.gridDimY = grid_y;
@@ -98,8 +113,8 @@ CUresult launch_programmatic(const DriverApi& d, CUfunction f, unsigned grid_x, 
   config.blockDimY = 1;
   config.blockDimZ = 1;
   config.hStream = stream;
-  config.attrs = &attr;
-  config.numAttrs = 1;
+  config.attrs = attrs;
+  config.numAttrs = count;
   return d.cuLaunchKernelEx(&config, f, args, nullptr);
 }
 

@@ -46,6 +46,13 @@ const DriverApi& driver();
 CUresult launch_programmatic(const DriverApi& d, CUfunction f, unsigned grid_x, unsigned grid_y,
                              unsigned threads, CUstream stream, void** args);
 
+// cuLaunchKernelEx with the attributes asked for: a programmatic dependent (as above) and/or
+// thread-block clusters of cluster_x blocks along x (0: none; sm_90+, grid_x a multiple of it).
+// d.cuLaunchKernelEx must be non-null.
+CUresult launch_with_attributes(const DriverApi& d, CUfunction f, unsigned grid_x, unsigned grid_y,
+                                unsigned threads, CUstream stream, void** args, bool programmatic,
+                                unsigned cluster_x);
+
 // After a launch on `stream` failed with `result`: the caller's stream may belong to another
 // context than the calling thread's current one, whose modules the launch used (the driver then
 // says only CUDA_ERROR_INVALID_HANDLE). If so, throws Error(MOEJIT_ERROR_INVALID_ARGUMENT) naming

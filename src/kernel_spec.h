@@ -16,16 +16,28 @@ namespace moejit {
 // call can take, named by the module that does its work (the decision table in
 // combine_dispatch.cpp picks one per call). Values are stable only within one library version.
 enum class KernelKind : int {
-  kTokenMajor = 0,         // combine_fixed: rows t*K .. t*K+K-1
-  kGatherMap,              // combine_fixed: the map names each (token, slot)'s row
-  kGatherMapOneToken,      // combine_one_token_map: one token, rows loaded with the map
-  kTokenIndexLists,        // combine_lists (and token_index_heavy), after the list helpers
-  kTokenIndexScan,         // combine_scan: each block lists its tokens' rows in shared memory
-  kTokenIndexSmallScan,    // combine_scan, calls of at most a block of rows: each warp scans all
-  kTokenIndexOneToken,     // combine_one_token: one token, rows loaded with token_idx
+  kTokenMajor = 0,       // combine_fixed: rows t*K .. t*K+K-1
+  kGatherMap,            // combine_fixed: the map names each (token, slot)'s row
+  kGatherMapOneToken,    // combine_one_token_map: one token, rows loaded with the map
+  kTokenIndexLists,      // combine_lists (and token_index_heavy), after the list helpers
+  kTokenIndexScan,       // combine_scan: each block lists its tokens' rows in shared memory
+  kTokenIndexSmallScan,  // combine_scan, calls of at most a block of rows: each warp scans all
+  kTokenIndexOneToken,   // combine_one_token: one token, rows loaded with token_idx
+
+  // The epilogue (residual, RMSNorm, fp8 output: combine_epilogue.cuh), per layout: a token's
+  // whole row in one block (SPLIT slices one after another), or split across a thread-block
+  // cluster of SPLIT blocks (sm_90+; its module carries the one-block kernel for older GPUs).
+  // The token index's, after the list helpers, carry token_index_heavy too (without its finish).
+  kEpilogueTokenMajor,         // combine_epilogue, rows t*K ..
+  kEpilogueGatherMap,          // combine_epilogue, rows named by the map
+  kEpilogueTokenIndex,         // combine_epilogue (and token_index_heavy), after the lists
+  kEpilogueClusterTokenMajor,  // combine_epilogue_cluster (+ combine_epilogue)
+  kEpilogueClusterGatherMap,   // combine_epilogue_cluster (+ combine_epilogue)
+  kEpilogueClusterTokenIndex,  // combine_epilogue_cluster (+ combine_epilogue, token_index_heavy)
+
   kTokenIndexListHelpers,  // token_index_clear + token_index_assign (launched before the lists)
 };
-constexpr int kKernelKinds = 8;
+constexpr int kKernelKinds = 14;
 
 // "token_major", "gather_map", "gather_map_one_token", "token_index_lists", ...: the kind's name
 // in describe() and the manifest.
@@ -40,6 +52,13 @@ int kind_layout(KernelKind kind);
 bool holds_rows(KernelKind kind);
 // The kinds that keep per-token lists of LIST_CAP rows (list_cap).
 bool keeps_lists(KernelKind kind);
+// The kinds launched after the token index's list helpers (their companion module); their own
+// module holds token_index_heavy too, at heavy_kernel_slot().
+bool after_list_helpers(KernelKind kind);
+int heavy_kernel_slot(KernelKind kind);
+// The epilogue's kinds (residual, norm_weight, fp8 out); those split across a cluster.
+bool is_epilogue(KernelKind kind);
+bool is_cluster_epilogue(KernelKind kind);
 
 // The launch grid of a combine module. kTokensByChunks: x the token groups, y the chunks of a row.
 // kFlat: one dimension, x = groups * chunks, a token's chunks adjacent. kFlatOrTokensByChunks: the
@@ -59,6 +78,11 @@ struct KernelSpec {
   int tpb = 0;          // token groups per block
   int upt = 1;          // vector slots per thread
   int list_cap = 0;     // token index with lists: rows listed per token. 0 otherwise
+  // The epilogue's kinds: the residual's and the norm weight's moejit_dtype (-1: none), and the
+  // slices of tpt * upt slots a row is cut into (a cluster's blocks, or one block's passes).
+  int res_dtype = -1;
+  int weight_dtype = -1;
+  int split = 0;
   // Rules the kernel takes as template arguments, set by the dispatcher (finish_spec) from the
   // fields above; not part of the text form, which they follow from.
   Grid grid = Grid::kTokensByChunks;
@@ -80,7 +104,10 @@ struct KernelSpec {
   //   kind=token_index_lists in=bf16 out=bf16 idx=int32 H=7168 vec=8 held=8 tpt=128 tpb=1 upt=1
   //     cap=32
   //   kind=token_index_list_helpers idx=int32
-  // The fixed layouts' kinds carry K, the token index's held (and cap where it keeps lists).
+  //   kind=gather_map_epilogue in=bf16 out=fp8 idx=int32 H=7168 vec=8 K=8 tpt=224 tpb=1 upt=4
+  //     split=1 res=bf16 weight=bf16
+  // The fixed layouts' kinds carry K, the token index's held (and cap where it keeps lists); the
+  // epilogue's split, res and weight (none where absent).
   std::string describe() const;
 
   bool operator==(const KernelSpec& o) const;
@@ -98,15 +125,24 @@ KernelSpec parse_kernel_spec(const std::map<std::string, std::string>& fields);
 // Index of each kernel in name_expressions() / a loaded module's functions.
 enum KernelSlot {
   kCombineKernel = 0,  // every kind but the list helpers: its combine kernel
-  kHeavyKernel = 1,    // the list path's module: token_index_heavy, launched before the combine
+
+  // Slot 1 holds a different kernel in different kinds' modules (no module has both):
+  // the token index after the list helpers (the list path, the one-block epilogue):
+  // token_index_heavy, launched between the helpers and the combine;
+  kHeavyKernel = 1,
+  // the epilogue's cluster kinds: the one-block kernel that GPUs without clusters launch instead
+  // of the split kernel (a row's slices one after another in one block).
+  kEpilogueOneBlockKernel = 1,
+  // The token index's cluster epilogue: token_index_heavy after both of those.
+  kClusterHeavyKernel = 2,
 };
 enum HelperSlot {  // the list helpers' module
   kClearKernel = 0,
   kAssignKernel = 1,
 };
-enum { kMaxKernels = 2 };  // kernels in one module
+enum { kMaxKernels = 3 };  // kernels in one module
 
-const char* dtype_name(int dtype);    // "fp32" | "fp16" | "bf16"
+const char* dtype_name(int dtype);    // "fp32" | "fp16" | "bf16" | "fp8"
 const char* layout_name(int layout);  // "token_major" | "gather_map" | "token_index"
 
 struct KernelSpecHash {

@@ -216,6 +216,8 @@ void ModuleCache::load(const KernelSpec& spec, CUcontext context, Entry& entry) 
   // an older target (PTX JIT-compiled on a newer device) must never be launched as a
   // programmatic dependent, or it would read what its predecessor is still writing.
   k.dependent_launch = major >= 9 && target.sm >= 90 && d.cuLaunchKernelEx != nullptr;
+  // The cluster kernel's barriers and distributed shared memory, likewise: sm_90+ code only.
+  k.clusters = k.dependent_launch;
   entry.kernels = k;
   stats_.loaded_modules.fetch_add(1, std::memory_order_relaxed);
   logger().debug("loaded {} ({}) in context {}", spec.describe(), target.name(),

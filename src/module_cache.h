@@ -29,6 +29,8 @@ struct LoadedKernels {
   // The device (compute capability 9.0+) and driver can start a kernel of the token-index chain
   // while its predecessor drains (programmatic dependent launch, cuLaunchKernelEx).
   bool dependent_launch = false;
+  // The device (sm_90+) and driver launch thread-block clusters (the epilogue's cluster kernel).
+  bool clusters = false;
   // The module a call of this spec launches first (companion_module(): the token index's list
   // helpers), loaded together with it, so a warm call finds both in one lookup. Null for most.
   const LoadedKernels* companion = nullptr;

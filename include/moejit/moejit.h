@@ -125,7 +125,10 @@ MOEJIT_API const char* moejit_last_error_message(void);
 typedef enum moejit_dtype {
   MOEJIT_DTYPE_FLOAT32 = 0,
   MOEJIT_DTYPE_FLOAT16 = 1,
-  MOEJIT_DTYPE_BFLOAT16 = 2
+  MOEJIT_DTYPE_BFLOAT16 = 2,
+  /* Since 0.3. fp8 e4m3 (OCP "E4M3FN": bias 7, no infinities, largest finite 448, NaN 0x7f/0xff),
+     one byte. Only as out_dtype, and only with out_scales (see moejit_combine_args). */
+  MOEJIT_DTYPE_FLOAT8_E4M3 = 3
 } moejit_dtype;
 
 typedef enum moejit_index_type { MOEJIT_INDEX_INT32 = 0, MOEJIT_INDEX_INT64 = 1 } moejit_index_type;
@@ -151,6 +154,17 @@ typedef enum moejit_layout {
 /* Largest num_tokens (2^40): far past what one launch takes, so that no size derived from it
    overflows. Since 0.2. */
 #define MOEJIT_MAX_NUM_TOKENS (INT64_C(1) << 40)
+
+/* Since 0.3. Where the fp32 scales of an fp8 output go (moejit_combine_args.out_scales): one
+   scale per token per group of 128 channels, G = ceil(hidden_dim / 128) groups per token. */
+typedef enum moejit_scales_layout {
+  /* [T, G] row-major: the scale of token t, group g at out_scales[t * G + g]. */
+  MOEJIT_SCALES_ROW_MAJOR = 0,
+  /* [G, T4] column-major with T4 = num_tokens rounded up to a multiple of 4: the scale of token t,
+     group g at out_scales[g * T4 + t] (the layout DeepGEMM's fp8 GEMMs read; entries t >= T of
+     each column are not written). Needs hidden_dim % 128 == 0. */
+  MOEJIT_SCALES_COLUMN_MAJOR_ALIGNED4 = 1
+} moejit_scales_layout;
 
 /* CUstream and cudaStream_t are both `struct CUstream_st*`: pass either; NULL is the legacy
    default stream of the current context, whatever nvcc's --default-stream: for the per-thread
@@ -181,10 +195,45 @@ typedef struct CUstream_st* moejit_stream_t;
  * Index values outside their range (gather map: not in [0, num_rows); token_idx: not in
  * [0, num_tokens)) are treated like -1 (dropped): device memory is never read out of bounds. The
  * library cannot check device data without synchronizing, so such values are not reported.
+ *
+ * The epilogue (since 0.3): what an MoE decoder layer does right after the combine (the residual
+ * add, the next layer's input RMSNorm, the fp8 quantization of fp8 serving), in the same pass. It
+ * is off unless residual, norm_weight or an fp8 out_dtype is set; each works with every other
+ * field (layouts, dtypes, strides, scale, accumulate, dropped rows). Per token t and channel h,
+ * every operation in fp32 and rounded to nearest even (fp32 division and square root as IEEE):
+ *   c = fma(sum, scale, old)    the combine: sum as above, old = out's prior contents if
+ *                               accumulate (an fp8 out's bytes read as e4m3 values), else 0
+ *   residual set:  v = r + c    r = residual[t, h]; the residual is overwritten with v rounded to
+ *                               residual_dtype (the new residual stream). Without one, v = c.
+ *   norm_weight set, with m the model dtype (residual_dtype if a residual is set, else
+ *   norm_weight_dtype), as Hugging Face transformers' DeepSeek-V3 / Qwen3-MoE decoder layers round
+ *   in m:
+ *     x = round_m(v)            the norm reads the value rounded to m (with a residual: exactly
+ *                               the new residual)
+ *     ssq = sum of x*x over the row, in one fixed order: the pairwise sum over positions
+ *           0..P-1, P = hidden_dim rounded up to a power of two, x = 0 past hidden_dim (a balanced
+ *           binary tree; every square and add rounded to fp32). The same order for every layout,
+ *           batch size, vector width and GPU.
+ *     y = x * (1 / sqrt(ssq / hidden_dim + norm_eps))
+ *     n = round_m(round_m(y) * w)   w = norm_weight[h] (transformers' weight * x.to(m))
+ *     out receives n, rounded to out_dtype (exact where out_dtype is m or fp32). The combine's
+ *     result c is written nowhere.
+ *   no norm_weight: out receives c, rounded to out_dtype (as without an epilogue; with a residual
+ *     too).
+ *   out_dtype MOEJIT_DTYPE_FLOAT8_E4M3: per token and group of 128 channels (128g..128g+127; the
+ *     last group is shorter when hidden_dim % 128 != 0), with v the values out receives (n, or
+ *     c): amax = max |v| (a NaN is passed over); s = max(amax, 1e-10) / 448; if out_scales_pow2,
+ *     s = 2^ceil(log2 s) (exact); out receives e4m3(v / s), rounded to nearest even and saturated
+ *     to +-448 (a NaN stays NaN), and out_scales the group's scale s.
+ * Results are bitwise deterministic. The epilogue's buffers (residual, norm_weight, out_scales)
+ * are checked like the others: aligned to their element size, and no written buffer (out,
+ * residual, out_scales, workspace) sharing bytes with any other (residual may not alias out);
+ * norm_weight may share bytes with the read-only inputs.
  */
 typedef struct moejit_combine_args {
   size_t struct_size; /* sizeof(moejit_combine_args) of the caller's header: this version's, or
-                         a 0.1 header's (then the fields added since take their defaults) */
+                         a 0.1 or 0.2 header's (then the fields added since take their
+                         defaults) */
   moejit_layout layout;
   int64_t num_tokens; /* T in 0..MOEJIT_MAX_NUM_TOKENS: rows of out */
   int64_t top_k;      /* K in 1..MOEJIT_MAX_TOP_K (token-major, gather map); ignored otherwise */
@@ -192,7 +241,7 @@ typedef struct moejit_combine_args {
   int64_t hidden_dim; /* H in 1..MOEJIT_MAX_HIDDEN_DIM */
 
   const void* expert_hidden; /* device pointer, R rows of H elements */
-  moejit_dtype expert_dtype;
+  moejit_dtype expert_dtype; /* fp32, fp16 or bf16 */
   int64_t expert_row_stride; /* elements between consecutive rows; 0 means hidden_dim. R rows of
                                 it span at most 2^62 bytes */
 
@@ -201,8 +250,8 @@ typedef struct moejit_combine_args {
   const void* indices; /* device pointer: gather map or token_idx (see moejit_layout) */
   moejit_index_type index_type;
 
-  void* out; /* device pointer, T rows of H elements */
-  moejit_dtype out_dtype;
+  void* out;              /* device pointer, T rows of H elements */
+  moejit_dtype out_dtype; /* fp32, fp16, bf16; since 0.3 also fp8 e4m3 (needs out_scales) */
   int64_t out_row_stride; /* elements between consecutive rows; 0 means hidden_dim. T rows of it
                              span at most 2^62 bytes */
 
@@ -228,20 +277,39 @@ typedef struct moejit_combine_args {
      launched as a dependent is scheduled when the call ends. Measured figures:
      docs/performance.md. */
   int dependent_launch;
+
+  /* Since 0.3: the epilogue (see above). Off by default: residual, norm_weight and out_scales
+     NULL. */
+  /* Device pointer, T rows of hidden_dim elements (the residual stream), read and overwritten in
+     place; or NULL (default): no residual. */
+  void* residual;
+  moejit_dtype residual_dtype; /* fp32, fp16 or bf16 (default fp32); read only with a residual */
+  int64_t residual_row_stride; /* elements between rows; 0 (default) means hidden_dim. T rows of
+                                  it span at most 2^62 bytes */
+  /* Device pointer, hidden_dim elements: the RMSNorm's weight; or NULL (default): no norm. */
+  const void* norm_weight;
+  moejit_dtype norm_weight_dtype; /* fp32, fp16 or bf16 (default fp32); read only with a norm */
+  float norm_eps;                 /* the norm's epsilon, finite and >= 0 (default 1e-6) */
+  /* Device pointer, fp32: the scales of an fp8 out (out_scales_layout), which needs them; must be
+     NULL (default) for every other out_dtype. */
+  float* out_scales;
+  moejit_scales_layout out_scales_layout; /* default MOEJIT_SCALES_ROW_MAJOR */
+  int out_scales_pow2; /* 1: each scale rounded up to a power of two; 0 (default): not */
 } moejit_combine_args;
 
 #define MOEJIT_COMBINE_ARGS_INIT                                                                \
   {                                                                                             \
     sizeof(moejit_combine_args), MOEJIT_LAYOUT_TOKEN_MAJOR, 0, 0, 0, 0, NULL,                   \
         MOEJIT_DTYPE_FLOAT32, 0, NULL, NULL, MOEJIT_INDEX_INT32, NULL, MOEJIT_DTYPE_FLOAT32, 0, \
-        1.0f, 0, NULL, 0, 0                                                                     \
+        1.0f, 0, NULL, 0, 0, NULL, MOEJIT_DTYPE_FLOAT32, 0, NULL, MOEJIT_DTYPE_FLOAT32, 1e-6f,  \
+        NULL, MOEJIT_SCALES_ROW_MAJOR, 0                                                        \
   }
 
 /*
  * moejit_combine_args_init(args) fills *args with the defaults of this header's version (the same
  * as MOEJIT_COMBINE_ARGS_INIT): struct_size = sizeof(moejit_combine_args), token-major layout,
  * all counts 0, all pointers NULL, fp32 data, int32 indices, scale 1, accumulate 0,
- * dependent_launch 0.
+ * dependent_launch 0, no epilogue (norm_eps 1e-6, row-major scales, out_scales_pow2 0).
  *   args  the struct to fill; must not be NULL.
  * Returns MOEJIT_SUCCESS, or MOEJIT_ERROR_INVALID_ARGUMENT if args is NULL. Needs no GPU.
  * Thread-safe (touches only *args). Since 0.1.
@@ -249,10 +317,10 @@ typedef struct moejit_combine_args {
  * It is a macro over moejit_combine_args_init_sized(), which is told the size of the caller's
  * struct: a library newer than the header it was compiled with then writes only the fields that
  * struct has (moejit_combine_args_init_sized: sizeof(moejit_combine_args) of any released header,
- * else MOEJIT_ERROR_INVALID_ARGUMENT). Bindings that load symbols by name call it directly. The
- * function named moejit_combine_args_init (parenthesized, or through a pointer) is the 0.1 entry
- * point, kept for binaries built against the 0.1 header: it fills the 0.1 fields only, with
- * struct_size set to their size. Since 0.2.
+ * 0.1, 0.2 or 0.3, else MOEJIT_ERROR_INVALID_ARGUMENT). Bindings that load symbols by name call it
+ * directly. The function named moejit_combine_args_init (parenthesized, or through a pointer) is
+ * the 0.1 entry point, kept for binaries built against the 0.1 header: it fills the 0.1 fields
+ * only, with struct_size set to their size. Since 0.2.
  */
 MOEJIT_API moejit_status moejit_combine_args_init_sized(moejit_combine_args* args,
                                                         size_t struct_size);

@@ -4,8 +4,10 @@ call it with.
     import moejit
     out = moejit.combine(expert_hidden, layout="gather_map", gather_map=m, gates=g)
 
-moejit.combine / moejit.combine_op (the custom op torch.ops.moejit.combine) work on torch tensors;
-the op is registered when this package is imported, if torch can be imported. version(), stats(),
+moejit.combine / moejit.combine_op (the custom op torch.ops.moejit.combine) and
+moejit.combine_epilogue_op (torch.ops.moejit.combine_epilogue: with the residual add, RMSNorm and
+fp8 output) work on torch tensors; the ops are registered when this package is imported, if torch
+can be imported. version(), stats(),
 precompile() and the ctypes layer (moejit._capi) need no torch and no GPU. The library is the
 wheel's libmoejit.so.0 next to this file ($MOEJIT_LIBRARY overrides it, see moejit._capi); NVRTC
 comes from this environment's nvidia-cuda-nvrtc package or a CUDA toolkit (moejit._nvrtc).
@@ -44,7 +46,7 @@ def _register_torch_op() -> None:
     """Imports torch_ops, which registers torch.ops.moejit.combine, if torch can be imported: an
     engine that imports moejit finds the op without touching moejit.combine first. Without torch,
     `import moejit` still works; only moejit.combine / combine_op then say why they cannot."""
-    global _torch_unavailable, combine, combine_op
+    global _torch_unavailable, combine, combine_op, combine_epilogue_op
     if importlib.util.find_spec("torch") is None:
         _torch_unavailable = ModuleNotFoundError("No module named 'torch'", name="torch")
         return
@@ -56,10 +58,11 @@ def _register_torch_op() -> None:
     # Plain module attributes: torch.compile (dynamo) then sees ordinary functions.
     combine = torch_ops.combine
     combine_op = torch_ops.combine_op
+    combine_epilogue_op = torch_ops.combine_epilogue_op
 
 
 def __getattr__(name: str):
-    if name in ("combine", "combine_op") and _torch_unavailable is not None:
+    if name in ("combine", "combine_op", "combine_epilogue_op") and _torch_unavailable is not None:
         raise ImportError(
             f"moejit.{name} works on torch tensors and needs PyTorch 2.4 or newer, which could not "
             f"be imported in this Python ({type(_torch_unavailable).__name__}: "
@@ -73,4 +76,4 @@ _register_torch_op()
 __all__: List[str] = ["version", "stats", "precompile", "MoejitError", "LibraryNotFoundError",
                       "PrecompileError"]
 if _torch_unavailable is None:
-    __all__ += ["combine", "combine_op"]
+    __all__ += ["combine", "combine_op", "combine_epilogue_op"]

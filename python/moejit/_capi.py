@@ -51,6 +51,10 @@ ERROR_NVRTC_NOT_FOUND = 11
 DTYPE_FLOAT32 = 0
 DTYPE_FLOAT16 = 1
 DTYPE_BFLOAT16 = 2
+DTYPE_FLOAT8_E4M3 = 3  # since 0.3: an out_dtype only, with out_scales
+
+SCALES_ROW_MAJOR = 0  # since 0.3: moejit_scales_layout
+SCALES_COLUMN_MAJOR_ALIGNED4 = 1
 
 INDEX_INT32 = 0
 INDEX_INT64 = 1
@@ -93,6 +97,16 @@ class CombineArgs(ctypes.Structure):
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_size_t),
         ("dependent_launch", ctypes.c_int),  # since 0.2
+        # Since 0.3: the epilogue.
+        ("residual", ctypes.c_void_p),
+        ("residual_dtype", ctypes.c_int),
+        ("residual_row_stride", ctypes.c_int64),
+        ("norm_weight", ctypes.c_void_p),
+        ("norm_weight_dtype", ctypes.c_int),
+        ("norm_eps", ctypes.c_float),
+        ("out_scales", ctypes.c_void_p),
+        ("out_scales_layout", ctypes.c_int),
+        ("out_scales_pow2", ctypes.c_int),
     ]
 
 

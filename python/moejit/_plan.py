@@ -26,11 +26,16 @@ FLOAT_DTYPES = {
     "bfloat16": _capi.DTYPE_BFLOAT16,
 }
 INDEX_DTYPES = {"int32": _capi.INDEX_INT32, "int64": _capi.INDEX_INT64}
+# out's dtypes: the float ones, and fp8 e4m3 for the epilogue's quantized output (with scales).
+FP8 = "float8_e4m3fn"
+OUT_DTYPES = dict(FLOAT_DTYPES, **{FP8: _capi.DTYPE_FLOAT8_E4M3})
+GROUP = 128  # channels per fp8 scale
 
 # num_rows for the gather map and the token index (moejit.h: R < 2^31).
 MAX_INDEXED_ROWS = (1 << 31) - 1
 
 _FLOATS = "torch.float32, torch.float16 or torch.bfloat16"
+_OUTS = _FLOATS + " (or torch.float8_e4m3fn, with scales)"
 _INDICES = "torch.int32 or torch.int64"
 
 
@@ -52,6 +57,22 @@ class CombinePlan:
     out_row_stride: Any  # of the given out; 0 when out is allocated (contiguous)
     scale: float
     accumulate: bool
+    # The epilogue (docs/python.md): the residual updated in place, the norm's weight and eps, an
+    # fp8 out's scales ([T, G] tensor, or None: allocated row-major) and their layout.
+    residual: Any = None
+    residual_dtype: int = _capi.DTYPE_FLOAT32
+    residual_row_stride: Any = 0
+    norm_weight: Any = None
+    norm_weight_dtype: int = _capi.DTYPE_FLOAT32
+    norm_eps: float = 1e-6
+    out_scales: Any = None
+    scales_shape: Any = None  # (T, G) for an fp8 out, else None
+    scales_layout: int = _capi.SCALES_ROW_MAJOR
+    scales_pow2: bool = False
+
+    @property
+    def fp8(self):
+        return self.out_dtype == _capi.DTYPE_FLOAT8_E4M3
 
 
 def dtype_name(dtype):
@@ -186,9 +207,40 @@ def check_index_args(layout, gather_map, token_idx):
                   f"layout={used_by!r}")
 
 
+def checked_eps(eps):
+    """eps as a Python float: a finite real number >= 0 that float32 holds."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        _fail(TypeError, f"eps must be a float, got {type(eps).__name__}")
+    value = float(eps)
+    if not math.isfinite(value) or value < 0 or value > _FLOAT32_MAX:
+        _fail(ValueError, f"eps = {eps}; must be a finite number >= 0 (the RMSNorm's epsilon)")
+    return value
+
+
+def scales_layout_of(scales, T, H, name="out_scales"):
+    """The C layout of a [T, G] fp32 scales tensor (G = ceil(H / 128)), from its strides:
+    row-major (G, 1), or DeepGEMM's column-major (1, T4) with T4 = T rounded up to 4 (needs
+    hidden % 128 == 0). A stride of a size-1 dimension is any; where both fit, the addresses are
+    the same (G == 1): row-major."""
+    G = (H + GROUP - 1) // GROUP
+    if tuple(scales.shape) != (T, G):
+        _fail(ValueError, f"{name} has shape {tuple(scales.shape)}; must be [num_tokens, "
+              f"ceil(hidden / 128)] = ({T}, {G})")
+    t4 = (T + 3) // 4 * 4
+    s0, s1 = tuple(scales.stride())
+    if (T <= 1 or s0 == G) and (G <= 1 or s1 == 1):
+        return _capi.SCALES_ROW_MAJOR
+    if H % GROUP == 0 and (T <= 1 or s0 == 1) and (G <= 1 or s1 == t4):
+        return _capi.SCALES_COLUMN_MAJOR_ALIGNED4
+    _fail(ValueError, f"{name} with shape {(T, G)} has strides {(s0, s1)}; allowed: row-major "
+          f"({G}, 1), or column-major (1, {t4}) with hidden % 128 == 0 (DeepGEMM's: "
+          f"torch.empty({G}, {t4}, dtype=torch.float32).t()[:{T}])")
+
+
 def plan_combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=None,
                  token_idx=None, gates=None, num_tokens=None, out=None, out_dtype=None,
-                 scale=1.0, accumulate=False, out_arg="out", out_copied=False,
+                 scale=1.0, accumulate=False, residual=None, norm_weight=None, eps=1e-6,
+                 out_scales=None, out_scales_pow2=False, out_arg="out", out_copied=False,
                  shape_only=False) -> CombinePlan:
     """out_arg names `out` in messages; out_copied: the launch writes a contiguous copy of it
     (combine_op's base), so its own strides do not matter; shape_only: no launch follows (the
@@ -334,7 +386,7 @@ def plan_combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=
         _fail(TypeError, f"accumulate must be a bool, got {accumulate!r}")
     if out is not None:
         _require_tensor(out_arg, out)
-        _require_dtype(out_arg, out, FLOAT_DTYPES, _FLOATS)
+        _require_dtype(out_arg, out, OUT_DTYPES, _OUTS)
         _require_device(out_arg, out, device)
         if tuple(out.shape) != (T, H):
             _fail(ValueError, f"{out_arg} has shape {tuple(out.shape)}; must be [num_tokens, "
@@ -349,18 +401,61 @@ def plan_combine(expert_hidden, *, layout="token_major", top_k=None, gather_map=
             _fail(ValueError, "accumulate=True adds into out, so out must be given")
         out_name = dtype_name(out_dtype) if out_dtype is not None else dtype_name(
             expert_hidden.dtype)
-        if out_name not in FLOAT_DTYPES:
-            _fail(TypeError, f"out_dtype = {out_dtype}; allowed: {_FLOATS}")
+        if out_name not in OUT_DTYPES:
+            _fail(TypeError, f"out_dtype = {out_dtype}; allowed: {_OUTS}")
         out_row_stride = 0
 
     scale = checked_scale(scale)
-
-    return CombinePlan(
+    plan = CombinePlan(
         layout=LAYOUTS[layout], num_tokens=T, top_k=K, num_rows=R, hidden_dim=H,
         expert_dtype=FLOAT_DTYPES[dtype_name(expert_hidden.dtype)], expert_row_stride=row_stride,
         indices=indices, index_type=index_type, gates=gates, out_shape=(T, H),
-        out_dtype=FLOAT_DTYPES[out_name], out_dtype_name=out_name, out_row_stride=out_row_stride,
+        out_dtype=OUT_DTYPES[out_name], out_dtype_name=out_name, out_row_stride=out_row_stride,
         scale=scale, accumulate=bool(accumulate))
+    _plan_epilogue(plan, device, residual, norm_weight, eps, out_scales, out_scales_pow2)
+    return plan
+
+
+def _plan_epilogue(plan, device, residual, norm_weight, eps, out_scales, out_scales_pow2):
+    """The epilogue's arguments (residual, norm_weight, eps, out_scales, out_scales_pow2) into the
+    plan, checked as the others."""
+    T, H = plan.out_shape
+    if residual is not None:
+        _require_tensor("residual", residual)
+        _require_dtype("residual", residual, FLOAT_DTYPES, _FLOATS)
+        _require_device("residual", residual, device)
+        if tuple(residual.shape) != (T, H):
+            _fail(ValueError, f"residual has shape {tuple(residual.shape)}; must be [num_tokens, "
+                  f"hidden] = ({T}, {H})")
+        plan.residual = residual
+        plan.residual_dtype = FLOAT_DTYPES[dtype_name(residual.dtype)]
+        plan.residual_row_stride = _row_stride("residual", residual, T, H)
+    if norm_weight is not None:
+        _require_tensor("norm_weight", norm_weight)
+        _require_dtype("norm_weight", norm_weight, FLOAT_DTYPES, _FLOATS)
+        _require_device("norm_weight", norm_weight, device)
+        if tuple(norm_weight.shape) != (H,):
+            _fail(ValueError, f"norm_weight has shape {tuple(norm_weight.shape)}; must be "
+                  f"[hidden] = ({H},)")
+        _require_contiguous("norm_weight", norm_weight)
+        plan.norm_weight = norm_weight
+        plan.norm_weight_dtype = FLOAT_DTYPES[dtype_name(norm_weight.dtype)]
+    plan.norm_eps = checked_eps(eps)
+    if not _is_flag(out_scales_pow2):
+        _fail(TypeError, f"out_scales_pow2 must be a bool, got {out_scales_pow2!r}")
+    plan.scales_pow2 = bool(out_scales_pow2)
+    if not plan.fp8:
+        if out_scales is not None:
+            _fail(ValueError, f"out_scales is given but the output's dtype is "
+                  f"{plan.out_dtype_name}; only an fp8 output (torch.float8_e4m3fn) has scales")
+        return
+    plan.scales_shape = (T, (H + GROUP - 1) // GROUP)
+    if out_scales is not None:
+        _require_tensor("out_scales", out_scales)
+        _require_dtype("out_scales", out_scales, ("float32",), "torch.float32")
+        _require_device("out_scales", out_scales, device)
+        plan.scales_layout = scales_layout_of(out_scales, T, H)
+        plan.out_scales = out_scales
 
 
 def fill_args(args, plan: CombinePlan, expert_ptr, gates_ptr, indices_ptr, out_ptr,
@@ -382,4 +477,18 @@ def fill_args(args, plan: CombinePlan, expert_ptr, gates_ptr, indices_ptr, out_p
     args.out_row_stride = int(plan.out_row_stride if out_row_stride is None else out_row_stride)
     args.scale = plan.scale
     args.accumulate = 1 if plan.accumulate else 0
+    return args
+
+
+def fill_epilogue_args(args, plan: CombinePlan, residual_ptr, weight_ptr, scales_ptr):
+    """Writes the plan's epilogue and its device pointers into a _capi.CombineArgs."""
+    args.residual = residual_ptr
+    args.residual_dtype = plan.residual_dtype
+    args.residual_row_stride = int(plan.residual_row_stride)
+    args.norm_weight = weight_ptr
+    args.norm_weight_dtype = plan.norm_weight_dtype
+    args.norm_eps = plan.norm_eps
+    args.out_scales = scales_ptr
+    args.out_scales_layout = plan.scales_layout
+    args.out_scales_pow2 = 1 if plan.scales_pow2 else 0
     return args

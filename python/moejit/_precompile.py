@@ -81,6 +81,7 @@ _OPTIONS = {
     "out_dtype": ("--out-dtype", "word"),
     "layout": ("--layout", "words"),
     "index_type": ("--index-type", "words"),
+    "epilogue": ("--epilogue", "words"),
     "manifest": ("--manifest", "paths"),
     "arch": ("--arch", "word"),
     "cache_dir": ("--cache-dir", "path"),
@@ -118,6 +119,7 @@ def precompile(*, model_config: Union[str, "os.PathLike[str]", Sequence[Any], No
                dtype: Union[str, Sequence[str], None] = None, out_dtype: Optional[str] = None,
                layout: Union[str, Sequence[str], None] = None,
                index_type: Union[str, Sequence[str], None] = None,
+               epilogue: Union[str, Sequence[str], None] = None,
                manifest: Union[str, "os.PathLike[str]", Sequence[Any], None] = None,
                arch: Optional[str] = None, cache_dir: Union[str, "os.PathLike[str]", None] = None,
                jobs: Optional[int] = None, readable_by_all: bool = False,
@@ -131,6 +133,8 @@ def precompile(*, model_config: Union[str, "os.PathLike[str]", Sequence[Any], No
       dtype         "fp32" | "fp16" | "bf16" (or a list); out_dtype: the output's (default dtype)
       layout        "token_major" | "gather_map" | "token_index" (or a list; default all three)
       index_type    "int32" | "int64" (or a list; default both)
+      epilogue      "none" | "residual" | "norm" | "norm-fp8" (or a list; default: from the
+                    model config's rms_norm_eps and fp8 activations, else "none")
       manifest      file(s) of specializations or shapes, one per line
       arch          "sm_90", "sm_80,sm_90" or "all" (default: the GPU present)
       cache_dir     the cache directory (default: the library's, e.g. ~/.cache/moejit)
@@ -147,7 +151,7 @@ def precompile(*, model_config: Union[str, "os.PathLike[str]", Sequence[Any], No
     """
     given = {"model_config": model_config, "hidden": hidden, "top_k": top_k, "dtype": dtype,
              "out_dtype": out_dtype, "layout": layout, "index_type": index_type,
-             "manifest": manifest, "arch": arch, "cache_dir": cache_dir}
+             "epilogue": epilogue, "manifest": manifest, "arch": arch, "cache_dir": cache_dir}
     args = [arg for name, value in given.items() if value is not None
             for arg in _option(name, value)]
     if model_config is None and manifest is None and hidden is None:

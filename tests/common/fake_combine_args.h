@@ -5,7 +5,10 @@
 // wants them, go to kFakeGates. Only the public C API.
 #pragma once
 
+#include <dlfcn.h>
+
 #include <cstdint>
+#include <cstring>
 
 #include "moejit/moejit.h"
 
@@ -35,6 +38,22 @@ inline moejit_combine_args fake_gather_map_args(int64_t tokens, int64_t top_k, i
   a.out = fake_address(kFakeOut);
   a.out_dtype = MOEJIT_DTYPE_BFLOAT16;
   return a;
+}
+
+// Stores any int in an enum-typed field, as a C caller can. (Not by returning the enum: in C++
+// an enum holding a value outside its enumerators' bit range may not even be loaded; the library
+// reads such fields as ints, src/c_enum.h. The sanitizer build checks both.)
+template <typename E>
+void set_c_enum(E& field, int value) {
+  static_assert(sizeof(E) == sizeof(int), "C enums are int-sized here");
+  std::memcpy(&field, &value, sizeof(field));
+}
+
+// Whether libcuda.so.1 loads here: a call on these fake pointers must then not reach a launch.
+inline bool driver_present() {
+  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (h != nullptr) dlclose(h);
+  return h != nullptr;
 }
 
 }  // namespace moejit_test

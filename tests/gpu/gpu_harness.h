@@ -5,11 +5,17 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <mutex>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "driver_probe.h"
@@ -209,6 +215,53 @@ inline void allocate(TokenMajorBf16* b, int64_t T, int64_t K, int64_t H, int64_t
   CUDA_OK(cudaMalloc(&b->rows, row * static_cast<size_t>(T * K)));
   CUDA_OK(cudaMemset(b->rows, 0, row * static_cast<size_t>(T * K)));
   CUDA_OK(cudaMalloc(&b->out, row * static_cast<size_t>(out_rows)));
+}
+
+// A runtime of its own with no disk cache: these tests check kernels, not the disk cache.
+inline moejit_runtime_t memory_only_runtime() {
+  moejit_runtime_options o;
+  moejit_runtime_options_init(&o);
+  o.cache_mode = MOEJIT_CACHE_MODE_DISABLED;
+  moejit_runtime_t rt = nullptr;
+  if (moejit_runtime_create(&o, &rt) != MOEJIT_SUCCESS)
+    throw std::runtime_error(moejit_last_error_message());
+  return rt;
+}
+
+inline unsigned worker_count() {
+  return std::min(16u, std::max(2u, std::thread::hardware_concurrency()));
+}
+
+// Runs cases on `threads` worker threads, each bound to device 0 with its own Scratch (which has
+// a `stream` member, created here as a non-blocking stream): run(case, scratch) returns "" or what
+// went wrong. Returns "<case.name()>: <problem>" for every case that failed (an exception
+// included).
+template <typename Scratch, typename Case, typename Run>
+std::vector<std::string> run_on_workers(const std::vector<Case>& cases, unsigned threads, Run run) {
+  std::atomic<size_t> next{0};
+  std::mutex mutex;
+  std::vector<std::string> failures;
+  std::vector<std::thread> workers;
+  for (unsigned w = 0; w < threads; ++w)
+    workers.emplace_back([&] {
+      bind_device();
+      Scratch s;
+      cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking);
+      for (size_t i = next++; i < cases.size(); i = next++) {
+        std::string result;
+        try {
+          result = run(cases[i], s);
+        } catch (const std::exception& e) {
+          result = e.what();
+        }
+        if (!result.empty()) {
+          std::lock_guard<std::mutex> lock(mutex);
+          failures.push_back(cases[i].name() + ": " + result);
+        }
+      }
+    });
+  for (auto& w : workers) w.join();
+  return failures;
 }
 
 }  // namespace moejit_test

@@ -509,44 +509,12 @@ void attach_workspace(moejit_combine_args* a, void** workspace) {
   a->workspace_bytes = bytes;
 }
 
-moejit_runtime_t memory_only_runtime() {
-  moejit_runtime_options o;
-  moejit_runtime_options_init(&o);
-  o.cache_mode = MOEJIT_CACHE_MODE_DISABLED;  // these tests check kernels, not the disk cache
-  moejit_runtime_t rt = nullptr;
-  if (moejit_runtime_create(&o, &rt) != MOEJIT_SUCCESS)
-    throw std::runtime_error(moejit_last_error_message());
-  return rt;
-}
-
 // Runs cases on `threads` worker threads (each with its own stream and scratch, all sharing one
 // runtime: this also exercises concurrent compiles and lookups).
 std::vector<std::string> run_cases(const std::vector<Case>& cases, moejit_runtime_t rt,
                                    unsigned threads) {
-  std::atomic<size_t> next{0};
-  std::mutex mutex;
-  std::vector<std::string> failures;
-  std::vector<std::thread> workers;
-  for (unsigned w = 0; w < threads; ++w)
-    workers.emplace_back([&] {
-      bind_device();
-      Scratch s;
-      cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking);
-      for (size_t i = next++; i < cases.size(); i = next++) {
-        std::string result;
-        try {
-          result = run_case(cases[i], rt, s);
-        } catch (const std::exception& e) {
-          result = e.what();
-        }
-        if (!result.empty()) {
-          std::lock_guard<std::mutex> lock(mutex);
-          failures.push_back(cases[i].name() + ": " + result);
-        }
-      }
-    });
-  for (auto& w : workers) w.join();
-  return failures;
+  return run_on_workers<Scratch>(cases, threads,
+                                 [&](const Case& c, Scratch& s) { return run_case(c, rt, s); });
 }
 
 // Runs cases on a fresh memory-only runtime and reports every failure.
@@ -555,10 +523,6 @@ void expect_cases_pass(const std::vector<Case>& cases, int threads) {
   const auto failures = run_cases(cases, rt, threads);
   for (const auto& f : failures) ADD_FAILURE() << f;
   moejit_runtime_destroy(rt);
-}
-
-unsigned worker_count() {
-  return std::min(16u, std::max(2u, std::thread::hardware_concurrency()));
 }
 
 // expect_cases_pass on every worker, the largest cases first so the workers finish together.

@@ -26,8 +26,10 @@ const Target kSm90{90, false};
 const char* kExamples[] = {"deepseek-v3.json", "mixtral-8x7b.json", "qwen3-30b-a3b.json",
                            "gpt-oss-120b.json"};
 // One layout and index type per example keeps the suite fast; Mixtral also gets the full default
-// expansion (every layout, both index types) once.
+// expansion (every layout, both index types) once. The plain combine only: the examples' configs
+// would add their epilogues (tests/precompile/precompile_inputs_test.cpp expands those).
 const char* kNarrow = " --layout gather_map --index-type int32";
+const char* kPlain = " --epilogue none";
 
 // gather_map/int32 modules per example: the prefill module, the decode one where it differs (K = 2:
 // one slot per thread, not four) or the mid-size one (K = 8: 16-slot groups, eight per block), and
@@ -99,7 +101,8 @@ class WarmedCache : public ::testing::Test {
   static test::ToolRun warm(const std::string& file, bool full, const std::string& extra = "",
                             const std::string& env = "") {
     return test::run_tool("--json -j 2 --arch sm_90 --model-config '" + configs(file) +
-                              "' --cache-dir '" + cache_ + "'" + (full ? "" : kNarrow) + extra,
+                              "' --cache-dir '" + cache_ + "'" + (full ? "" : kNarrow) + kPlain +
+                              extra,
                           scratch_, env);
   }
 
@@ -149,7 +152,7 @@ TEST_F(WarmedCache, SecondRunCompilesNothingAndIsFast) {
 TEST_F(WarmedCache, SecondRunPrintsOneLine) {
   const test::ToolRun r =
       test::run_tool("-j 2 --arch sm_90 --model-config '" + configs("qwen3-30b-a3b.json") +
-                         "' --cache-dir '" + cache_ + "'" + kNarrow,
+                         "' --cache-dir '" + cache_ + "'" + kNarrow + kPlain,
                      scratch_);
   ASSERT_EQ(r.rc, 0) << r.err;
   EXPECT_EQ(r.err, "");
@@ -441,7 +444,8 @@ TEST(Concurrency, ParallelJobsAndTwoProcessesIntoOneDirectory) {
   unsetenv("MOEJIT_TEMPLATE_DIR");
   const std::string scratch = test::make_temp_dir("pc-conc");
   const std::string args = "--json -j 2 --arch sm_90 --model-config '" +
-                           configs("qwen3-30b-a3b.json") + "' --cache-dir '" + scratch + "/cache'";
+                           configs("qwen3-30b-a3b.json") + "' --cache-dir '" + scratch + "/cache'" +
+                           kPlain;
   test::ToolRun a, b;
   std::thread other([&] { b = test::run_tool(args, scratch); });
   a = test::run_tool(args, scratch);

@@ -553,8 +553,8 @@ TEST_F(Cli, VerifyRefusesSelectionOptions) {
   const std::string cache = " --cache-dir '" + scratch_ + "/cache'";
   for (const char* extra :
        {"--model-config x.json", "--hidden 7168 --topk 8", "--topk 8", "--dtype bf16",
-        "--out-dtype fp32", "--layout gather_map", "--index-type int32", "--manifest m.txt",
-        "--arch sm_90", "--dry-run"}) {
+        "--out-dtype fp32", "--layout gather_map", "--index-type int32", "--epilogue norm",
+        "--manifest m.txt", "--arch sm_90", "--dry-run"}) {
     const test::ToolRun r = run(std::string("--verify ") + extra + cache);
     EXPECT_EQ(r.rc, 2) << extra << ": " << r.err;
     EXPECT_NE(r.err.find("--verify checks every entry"), std::string::npos) << extra << r.err;
@@ -672,8 +672,9 @@ TEST_F(Cli, UnusableCacheDirExitsThree) {
 
 TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
   const std::string cache = scratch_ + "/cache";
-  const test::ToolRun text = run("-n --model-config '" + configs("deepseek-v3.json") +
-                                 "' --arch sm_90,sm_80 --cache-dir '" + cache + "'");
+  const test::ToolRun text =
+      run("-n --model-config '" + configs("deepseek-v3.json") +
+          "' --arch sm_90,sm_80 --epilogue none --cache-dir '" + cache + "'");
   ASSERT_EQ(text.rc, 0) << text.err;
   const std::regex line(R"((sm_90|sm_80)  kind=\w+ .* key=[0-9a-f]{32}  missing)");
   size_t lines = 0;
@@ -682,9 +683,9 @@ TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
     if (std::regex_match(l, line)) ++lines;
   EXPECT_EQ(lines, 40u) << text.out;  // 20 specs x 2 targets
 
-  const test::ToolRun js =
-      run("--dry-run --json --model-config '" + configs("qwen3-30b-a3b.json") +
-          "' --arch sm_90 --layout gather_map,token_index --cache-dir '" + cache + "'");
+  const test::ToolRun js = run(
+      "--dry-run --json --model-config '" + configs("qwen3-30b-a3b.json") +
+      "' --arch sm_90 --layout gather_map,token_index --epilogue none --cache-dir '" + cache + "'");
   ASSERT_EQ(js.rc, 0) << js.err;
   const nlohmann::json j = nlohmann::json::parse(js.out);
   // 2 index types x (gather_map x 2 geometries and its one-token module + token_index: two list
@@ -712,6 +713,147 @@ TEST_F(Cli, DryRunListsSpecsTargetsAndKeysAndCreatesNothing) {
   }
   struct stat st;
   EXPECT_NE(::stat(cache.c_str(), &st), 0) << "the dry run created the cache directory";
+}
+
+// ---- the epilogue ---------------------------------------------------------------------------
+
+// The example configs carry their models' rms_norm_eps, and DeepSeek-V3 its fp8 activations
+// (quantization_config.quant_method "fp8"): their calls may fuse the norm, and DeepSeek-V3's the
+// fp8 output. A config without rms_norm_eps has the plain combine only.
+TEST(ModelConfig, RmsNormAndFp8ActivationsChooseTheEpilogues) {
+  const ModelConfig ds = read_model_config(configs("deepseek-v3.json"));
+  EXPECT_EQ(ds.rms_norm_field, "rms_norm_eps");
+  EXPECT_EQ(ds.fp8_field, "quantization_config.quant_method");
+  EXPECT_EQ(config_epilogues(ds),
+            (std::vector<Epilogue>{Epilogue::kNone, Epilogue::kNorm, Epilogue::kNormFp8}));
+  for (const char* file : {"mixtral-8x7b.json", "qwen3-30b-a3b.json", "gpt-oss-120b.json"}) {
+    const ModelConfig c = read_model_config(configs(file));
+    EXPECT_EQ(c.rms_norm_field, "rms_norm_eps") << file;
+    EXPECT_EQ(c.fp8_field, "") << file;
+    EXPECT_EQ(config_epilogues(c), (std::vector<Epilogue>{Epilogue::kNone, Epilogue::kNorm}))
+        << file;
+  }
+  // Nested (the language model's text_config), and fp8 only next to a norm; another quantization
+  // method (gpt-oss's mxfp4 weights) serves no fp8 activations.
+  ModelConfig c = parse_model_config(
+      R"({"text_config": {"hidden_size": 64, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5},
+          "torch_dtype": "bfloat16", "quantization_config": {"quant_method": "FP8"}})",
+      "nested.json");
+  EXPECT_EQ(c.rms_norm_field, "text_config.rms_norm_eps");
+  EXPECT_EQ(c.fp8_field, "quantization_config.quant_method");
+  c = parse_model_config(
+      R"({"hidden_size": 64, "num_experts_per_tok": 2, "quantization_config": {"quant_method":
+          "fp8"}})",
+      "no-norm.json");
+  EXPECT_EQ(config_epilogues(c), (std::vector<Epilogue>{Epilogue::kNone}));
+  c = parse_model_config(
+      R"({"hidden_size": 64, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
+          "quantization_config": {"quant_method": "mxfp4"}})",
+      "mxfp4.json");
+  EXPECT_EQ(config_epilogues(c), (std::vector<Epilogue>{Epilogue::kNone, Epilogue::kNorm}));
+}
+
+// Each epilogue expands a shape to exactly what moe_combine() loads for it (specs_for_shape with
+// the residual and weight in the shape's dtype, fp8 out for norm-fp8), beside the plain combine's.
+TEST(Expand, EachEpilogueAddsItsModules) {
+  Shape s;
+  s.hidden = 7168;
+  s.top_k = 8;
+  s.dtype = s.out_dtype = MOEJIT_DTYPE_BFLOAT16;
+  s.origin = "test";
+  const int bf16 = MOEJIT_DTYPE_BFLOAT16;
+  struct Expect {
+    Epilogue e;
+    moejit_dtype out;
+    int res, weight;
+  } cases[] = {{Epilogue::kResidual, MOEJIT_DTYPE_BFLOAT16, bf16, -1},
+               {Epilogue::kNorm, MOEJIT_DTYPE_BFLOAT16, bf16, bf16},
+               {Epilogue::kNormFp8, MOEJIT_DTYPE_FLOAT8_E4M3, bf16, bf16}};
+  for (const Expect& x : cases) {
+    s.epilogue = x.e;
+    std::vector<KernelSpec> specs;
+    expand_shape(s, all_layouts(), {MOEJIT_INDEX_INT32}, &specs);
+    std::vector<KernelSpec> want;
+    for (moejit_layout layout : all_layouts())
+      for (const KernelSpec& k : specs_for_shape(layout, MOEJIT_DTYPE_BFLOAT16, x.out,
+                                                 MOEJIT_INDEX_INT32, 7168, 8, 256, x.res, x.weight))
+        if (std::find(want.begin(), want.end(), k) == want.end()) want.push_back(k);
+    EXPECT_EQ(specs, want) << epilogue_name(x.e);
+    size_t epilogue_modules = 0;
+    for (const KernelSpec& k : specs) epilogue_modules += is_epilogue(k.kind);
+    // Per layout the one-block module and the decode split at T <= 16, 17-32, 33-64; plus the
+    // token index's list helpers.
+    EXPECT_EQ(epilogue_modules, 12u) << epilogue_name(x.e);
+    EXPECT_EQ(specs.size(), 13u) << epilogue_name(x.e);
+  }
+  EXPECT_EQ(parse_epilogue(" Norm-FP8 ", "x"), Epilogue::kNormFp8);
+  EXPECT_NE(error_of([] { parse_epilogue("rope", "--epilogue"); })
+                .find("--epilogue = \"rope\": unknown epilogue; expected none, residual, norm or "
+                      "norm-fp8"),
+            std::string::npos);
+}
+
+// Manifest shape lines take epilogue= (a comma list; default --epilogue, else none); the exact
+// lines of the epilogue's kinds round-trip through --dry-run's describe() text.
+TEST(Manifest, ShapeLinesTakeAnEpilogue) {
+  std::vector<KernelSpec> plain, with, exact;
+  ManifestDefaults defaults;
+  parse_manifest("hidden=2880 topk=4 dtype=bf16 layout=gather_map index_type=int32\n", "m",
+                 defaults, &plain);
+  parse_manifest(
+      "hidden=2880 topk=4 dtype=bf16 layout=gather_map index_type=int32 epilogue=none,norm-fp8\n",
+      "m", defaults, &with);
+  ASSERT_GT(with.size(), plain.size());
+  EXPECT_TRUE(std::equal(plain.begin(), plain.end(), with.begin()));
+  std::string lines;
+  for (size_t i = plain.size(); i < with.size(); ++i) {
+    EXPECT_EQ(with[i].out_dtype, MOEJIT_DTYPE_FLOAT8_E4M3) << with[i].describe();
+    lines += with[i].describe() + "\n";
+  }
+  parse_manifest(lines, "exact", defaults, &exact);
+  EXPECT_TRUE(std::equal(exact.begin(), exact.end(), with.begin() + plain.size()));
+  defaults.epilogues = {Epilogue::kResidual};
+  std::vector<KernelSpec> residual;
+  parse_manifest("hidden=2880 topk=4 dtype=bf16 layout=gather_map index_type=int32\n", "m",
+                 defaults, &residual);
+  for (const KernelSpec& k : residual) EXPECT_EQ(k.res_dtype, MOEJIT_DTYPE_BFLOAT16);
+  EXPECT_NE(error_of([&] {
+              std::vector<KernelSpec> s;
+              parse_manifest("hidden=64 topk=2 dtype=bf16 epilogue=norm,fp4\n", "m", defaults, &s);
+            }).find("m:1: epilogue = \"fp4\": unknown epilogue"),
+            std::string::npos);
+}
+
+// The command line: a config's shapes take its epilogues unless --epilogue says which; a bad
+// --epilogue exits 2 naming it.
+TEST_F(Cli, EpilogueFromTheConfigOrTheCommandLine) {
+  const std::string common =
+      "--dry-run --json --arch sm_90 --layout gather_map --index-type int32 "
+      "--cache-dir '" +
+      scratch_ + "/cache' --model-config '" + configs("deepseek-v3.json") + "'";
+  auto jobs = [&](const std::string& extra) {
+    const test::ToolRun r = run(common + extra);
+    EXPECT_EQ(r.rc, 0) << r.err;
+    std::vector<std::string> specs;
+    // The parsed document outlives the loop (a range over a temporary's member would not).
+    const nlohmann::json parsed = nlohmann::json::parse(r.out);
+    for (const auto& job : parsed.at("jobs")) specs.push_back(job.at("spec"));
+    return specs;
+  };
+  const std::vector<std::string> from_config = jobs(""), plain = jobs(" --epilogue none"),
+                                 fp8 = jobs(" --epilogue norm-fp8");
+  const std::vector<std::string> norm = jobs(" --epilogue norm");
+  EXPECT_EQ(from_config.size(), plain.size() + norm.size() + fp8.size());
+  for (const auto& list : {plain, norm, fp8})
+    for (const std::string& spec : list)
+      EXPECT_NE(std::find(from_config.begin(), from_config.end(), spec), from_config.end()) << spec;
+  for (const std::string& spec : fp8) {
+    EXPECT_NE(spec.find("out=fp8"), std::string::npos) << spec;
+    EXPECT_NE(spec.find("res=bf16 weight=bf16"), std::string::npos) << spec;
+  }
+  const test::ToolRun bad = run(common + " --epilogue norm,rope");
+  EXPECT_EQ(bad.rc, 2);
+  EXPECT_NE(bad.err.find("--epilogue = \"rope\""), std::string::npos) << bad.err;
 }
 
 }  // namespace

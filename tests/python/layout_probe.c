@@ -33,6 +33,15 @@ int main(void) {
   FIELD(moejit_combine_args, workspace)
   FIELD(moejit_combine_args, workspace_bytes)
   FIELD(moejit_combine_args, dependent_launch)
+  FIELD(moejit_combine_args, residual)
+  FIELD(moejit_combine_args, residual_dtype)
+  FIELD(moejit_combine_args, residual_row_stride)
+  FIELD(moejit_combine_args, norm_weight)
+  FIELD(moejit_combine_args, norm_weight_dtype)
+  FIELD(moejit_combine_args, norm_eps)
+  FIELD(moejit_combine_args, out_scales)
+  FIELD(moejit_combine_args, out_scales_layout)
+  FIELD(moejit_combine_args, out_scales_pow2)
   first = 1;
   printf("}},\n \"moejit_runtime_options\": {\"sizeof\": %zu, \"fields\": {",
          sizeof(moejit_runtime_options));
@@ -55,11 +64,13 @@ int main(void) {
   FIELD(moejit_stats, loaded_modules)
   printf(
       "}},\n \"constants\": {\"DTYPE_FLOAT32\": %d, \"DTYPE_FLOAT16\": %d, "
-      "\"DTYPE_BFLOAT16\": %d, \"INDEX_INT32\": %d, \"INDEX_INT64\": %d, "
+      "\"DTYPE_BFLOAT16\": %d, \"DTYPE_FLOAT8_E4M3\": %d, \"SCALES_ROW_MAJOR\": %d, "
+      "\"SCALES_COLUMN_MAJOR_ALIGNED4\": %d, \"INDEX_INT32\": %d, \"INDEX_INT64\": %d, "
       "\"LAYOUT_TOKEN_MAJOR\": %d, \"LAYOUT_GATHER_MAP\": %d, \"LAYOUT_TOKEN_INDEX\": %d, "
       "\"MAX_HIDDEN_DIM\": %d, \"MAX_TOP_K\": %d, \"MAX_NUM_TOKENS\": %lld, "
       "\"sizeof_enum\": %zu},\n",
-      MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32,
+      MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_FLOAT8_E4M3,
+      MOEJIT_SCALES_ROW_MAJOR, MOEJIT_SCALES_COLUMN_MAJOR_ALIGNED4, MOEJIT_INDEX_INT32,
       MOEJIT_INDEX_INT64, MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP,
       MOEJIT_LAYOUT_TOKEN_INDEX, MOEJIT_MAX_HIDDEN_DIM, MOEJIT_MAX_TOP_K,
       (long long)MOEJIT_MAX_NUM_TOKENS, sizeof(moejit_layout));

@@ -334,7 +334,7 @@ def test_import_works_without_torch(tmp_path, package_dir):
 
 def test_combine_without_torch_says_torch_is_needed(tmp_path, package_dir):
     r = run_python(BLOCK_TORCH + "import moejit\n"
-                   "for name in ('combine', 'combine_op'):\n"
+                   "for name in ('combine', 'combine_op', 'combine_epilogue_op'):\n"
                    "    try:\n        getattr(moejit, name)\n"
                    "    except ImportError as e:\n        print(e.name, '|', e)\n"
                    "try:\n    from moejit import combine\n"
@@ -342,8 +342,8 @@ def test_combine_without_torch_says_torch_is_needed(tmp_path, package_dir):
                    {"PYTHONPATH": str(package_dir.parent)}, tmp_path)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert len(lines) == 3, r.stdout
-    for line, name in zip(lines, ("combine", "combine_op", "combine")):
+    assert len(lines) == 4, r.stdout
+    for line, name in zip(lines, ("combine", "combine_op", "combine_epilogue_op", "combine")):
         assert line.startswith(f"torch | moejit.{name} works on torch tensors and needs PyTorch")
         assert "pip install torch" in line
 
@@ -354,7 +354,8 @@ def test_torch_op_is_registered_on_import_when_torch_is_importable(tmp_path, pac
     stub = tmp_path / "stub" / "torch"
     stub.mkdir(parents=True)
     (stub / "__init__.py").write_text(
-        "__version__ = '2.11.0'\nfloat32 = float16 = bfloat16 = 'dtype'\nTensor = dtype = object\n"
+        "__version__ = '2.11.0'\nfloat32 = float16 = bfloat16 = float8_e4m3fn = 'dtype'\n"
+        "Tensor = dtype = object\n"
         "from . import library\n")
     (stub / "library.py").write_text(
         "registered = []\n"
@@ -368,7 +369,7 @@ def test_torch_op_is_registered_on_import_when_torch_is_importable(tmp_path, pac
                    {"PYTHONPATH": os.pathsep.join([str(tmp_path / "stub"), str(package_dir.parent)])},
                    tmp_path)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "['moejit::combine'] True True"
+    assert r.stdout.strip() == "['moejit::combine', 'moejit::combine_epilogue'] True True"
 
 
 def test_error_survives_pickling_and_copy():

@@ -88,6 +88,72 @@ def test_the_fused_call_is_not_faked(ep):
     assert "residual" in ep.fused_unavailable_reason()
 
 
+def test_the_fused_call_sets_the_epilogue_and_the_library_accepts_it(ep, tmp_path):
+    # The hook fills the plain combine's args with the epilogue (stand-in tensors: only their
+    # addresses are read) and returns one library call; the args it builds pass the library's
+    # checks (without a driver the call then stops at the driver; with one, nothing is launched
+    # on these fake addresses).
+    from moejit import _capi
+    if ep.fused_unavailable_reason():
+        pytest.skip(ep.fused_unavailable_reason())
+
+    class Buffer:
+        def __init__(self, address):
+            self.address = address
+
+        def data_ptr(self):
+            return self.address
+
+    class Inp:
+        shape = {"T": 33, "K": 2, "H": 4096, "dtype": "bf16"}
+        eps, stream = 1e-5, 7
+        residual, weight = Buffer(0x7f0050000000), Buffer(0x7f0060000000)
+        out, scales = Buffer(0x7f0030000000), Buffer(0x7f0070000000)
+
+        def combine_args(self, lib, out):
+            a = _capi.new_combine_args()
+            a.layout, a.num_tokens, a.top_k, a.num_rows, a.hidden_dim = 1, 33, 2, 66, 4096
+            a.expert_hidden, a.expert_dtype = 0x7f0000000000, _capi.DTYPE_BFLOAT16
+            a.indices, a.index_type = 0x7f0020000000, _capi.INDEX_INT32
+            a.out, a.out_dtype = out.data_ptr(), _capi.DTYPE_BFLOAT16
+            return a
+
+    class Lib:
+        calls = []
+
+        def combine(self, args, stream):
+            self.calls.append((args, stream))
+
+    for epilogue, pow2 in (("residual", False), ("norm", False), ("norm-fp8", True)):
+        lib = Lib()
+        call = ep.fused_epilogue_call(lib, Inp(), epilogue, pow2)
+        assert lib.calls == []  # nothing runs before the call is timed
+        call()
+        (a, stream), = lib.calls
+        lib.calls.clear()
+        assert stream == 7 and a.residual == 0x7f0050000000
+        assert a.residual_dtype == _capi.DTYPE_BFLOAT16
+        assert (a.norm_weight or None) == (None if epilogue == "residual" else 0x7f0060000000)
+        if epilogue != "residual":
+            assert a.norm_eps == pytest.approx(1e-5) and a.norm_weight_dtype == _capi.DTYPE_BFLOAT16
+        fp8 = epilogue == "norm-fp8"
+        assert a.out_dtype == (_capi.DTYPE_FLOAT8_E4M3 if fp8 else _capi.DTYPE_BFLOAT16)
+        assert (a.out_scales or None) == (0x7f0070000000 if fp8 else None)
+        assert a.out_scales_pow2 == int(fp8 and pow2)
+        status = _capi.load_library().moe_combine(a, None) if not _driver_present() else None
+        if status is not None:
+            assert status == _capi.ERROR_DRIVER_NOT_FOUND, _capi.last_error_message()
+
+
+def _driver_present():
+    import ctypes
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
 def test_without_torch_or_gpu_it_says_so_and_exits_1():
     # No GPU visible even on a GPU machine: the test must not start a benchmark there.
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")

@@ -91,6 +91,17 @@ def test_precompile_compiles_then_finds_it_cached(tool, tmp_path):
     assert (again["total"], again["compiled"], again["failed"]) == (1, 0, 0)
 
 
+def test_precompile_takes_the_epilogue(tool, tmp_path):
+    # H = 64 rows are too short to split: each epilogue adds its one-block module.
+    plan = moejit.precompile(**SMALL, epilogue=["none", "norm-fp8"], dry_run=True,
+                             cache_dir=tmp_path / "cache")
+    specs = [job["spec"] for job in plan["jobs"]]
+    assert plan["total"] == 2 and specs[0].startswith("kind=token_major ")
+    assert specs[1].startswith("kind=token_major_epilogue ") and "out=fp8" in specs[1]
+    with pytest.raises(TypeError, match="epilogue must be a str or a list of str, got int"):
+        moejit.precompile(**SMALL, epilogue=1, cache_dir=tmp_path)
+
+
 def test_precompile_failure_raises_with_the_tools_message(tool, tmp_path):
     with pytest.raises(moejit.PrecompileError) as info:
         moejit.precompile(hidden=64, top_k=2, dtype="bf16", arch="sm_1", cache_dir=tmp_path)

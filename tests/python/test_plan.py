@@ -303,3 +303,86 @@ def test_meta_tensors_for_shape_inference_only():
                            gates=T((33, 2), "float32"))
     err(ValueError, "gates is on device meta; moejit needs CUDA tensors", top_k=2,
         gates=T((33, 2), "float32", device=meta))
+
+
+# ---- the epilogue (residual=, norm_weight=, eps=, out_scales=, out_scales_pow2=) ----------------
+
+def gm(**kw):
+    """A gather-map call of 33 tokens, K 2, H 4096 with the given epilogue arguments."""
+    return _plan.plan_combine(T((70, H)), layout="gather_map", gather_map=T((33, 2), "int32"), **kw)
+
+
+def test_epilogue_defaults_are_off():
+    p = gm()
+    assert (p.residual, p.norm_weight, p.out_scales, p.scales_shape) == (None, None, None, None)
+    assert p.norm_eps == 1e-6 and not p.fp8 and not p.scales_pow2
+
+
+def test_residual_and_norm_weight():
+    p = gm(residual=T((33, H), "float32", strides=(H + 8, 1)), norm_weight=T((H,), "float16"),
+           eps=1e-5)
+    assert p.residual_dtype == _capi.DTYPE_FLOAT32 and p.residual_row_stride == H + 8
+    assert p.norm_weight_dtype == _capi.DTYPE_FLOAT16 and p.norm_eps == 1e-5
+    err(ValueError, r"residual has shape \(33, 4095\); must be \[num_tokens, hidden\] = \(33, 4096\)",
+        layout="gather_map", gather_map=T((33, 2), "int32"), residual=T((33, H - 1)))
+    err(TypeError, "residual has dtype torch.int32",
+        layout="gather_map", gather_map=T((33, 2), "int32"), residual=T((33, H), "int32"))
+    err(ValueError, "residual is on device cpu",
+        layout="gather_map", gather_map=T((33, 2), "int32"),
+        residual=T((33, H), device=Device("cpu")))
+    err(ValueError, "residual has strides",
+        layout="gather_map", gather_map=T((33, 2), "int32"), residual=T((33, H), strides=(H, 2)))
+    err(ValueError, r"norm_weight has shape \(4096, 1\); must be \[hidden\] = \(4096,\)",
+        layout="gather_map", gather_map=T((33, 2), "int32"), norm_weight=T((H, 1)))
+    err(ValueError, "norm_weight with shape",
+        layout="gather_map", gather_map=T((33, 2), "int32"), norm_weight=T((H,), strides=(2,)))
+    for bad, exc in ((float("nan"), ValueError), (-1e-6, ValueError), (float("inf"), ValueError),
+                     ("1e-6", TypeError), (True, TypeError)):
+        err(exc, "eps", layout="gather_map", gather_map=T((33, 2), "int32"), eps=bad)
+
+
+def test_fp8_out_and_its_scales():
+    p = gm(out_dtype=DType("float8_e4m3fn"))
+    assert p.fp8 and p.out_dtype == _capi.DTYPE_FLOAT8_E4M3 and p.scales_shape == (33, 32)
+    assert p.scales_layout == _capi.SCALES_ROW_MAJOR and p.out_scales is None
+    row = T((33, 32), "float32")
+    assert gm(out_dtype=DType("float8_e4m3fn"), out_scales=row).scales_layout == \
+        _capi.SCALES_ROW_MAJOR
+    # DeepGEMM's: torch.empty(32, 36).t()[:33] has strides (1, 36).
+    column = T((33, 32), "float32", strides=(1, 36))
+    p = gm(out=T((33, H), "float8_e4m3fn"), out_scales=column, out_scales_pow2=True)
+    assert p.scales_layout == _capi.SCALES_COLUMN_MAJOR_ALIGNED4 and p.scales_pow2
+    err(ValueError, r"out_scales with shape \(33, 32\) has strides \(1, 33\); allowed: row-major "
+        r"\(32, 1\), or column-major \(1, 36\)", layout="gather_map",
+        gather_map=T((33, 2), "int32"), out_dtype=DType("float8_e4m3fn"),
+        out_scales=T((33, 32), "float32", strides=(1, 33)))
+    err(ValueError, r"out_scales has shape \(33, 31\)", layout="gather_map",
+        gather_map=T((33, 2), "int32"), out_dtype=DType("float8_e4m3fn"),
+        out_scales=T((33, 31), "float32"))
+    err(TypeError, "out_scales has dtype torch.bfloat16", layout="gather_map",
+        gather_map=T((33, 2), "int32"), out_dtype=DType("float8_e4m3fn"),
+        out_scales=T((33, 32), "bfloat16"))
+    err(ValueError, "out_scales is given but the output's dtype is bfloat16",
+        layout="gather_map", gather_map=T((33, 2), "int32"), out_scales=row)
+    err(TypeError, "out_scales_pow2 must be a bool", layout="gather_map",
+        gather_map=T((33, 2), "int32"), out_dtype=DType("float8_e4m3fn"), out_scales_pow2=2)
+    # Column-major scales need whole groups: H 4000 gives 32 groups, the last one short.
+    with pytest.raises(ValueError, match="column-major"):
+        _plan.plan_combine(T((70, 4000)), layout="gather_map", gather_map=T((33, 2), "int32"),
+                           out_dtype=DType("float8_e4m3fn"),
+                           out_scales=T((33, 32), "float32", strides=(1, 36)))
+    # Rows are never fp8.
+    err(TypeError, "expert_hidden has dtype torch.float8_e4m3fn",
+        expert_hidden=T((66, H), "float8_e4m3fn"), top_k=2)
+
+
+def test_epilogue_args_reach_the_c_struct():
+    p = gm(residual=T((33, H), "bfloat16"), norm_weight=T((H,), "bfloat16"), eps=0.5,
+           out_dtype=DType("float8_e4m3fn"), out_scales=T((33, 32), "float32", strides=(1, 36)),
+           out_scales_pow2=True)
+    a = _plan.fill_epilogue_args(_capi.CombineArgs(), p, 0x1000, 0x2000, 0x3000)
+    assert (a.residual, a.norm_weight, a.out_scales) == (0x1000, 0x2000, 0x3000)
+    assert (a.residual_dtype, a.norm_weight_dtype, a.residual_row_stride) == (
+        _capi.DTYPE_BFLOAT16, _capi.DTYPE_BFLOAT16, H)
+    assert a.norm_eps == 0.5 and a.out_scales_layout == _capi.SCALES_COLUMN_MAJOR_ALIGNED4
+    assert a.out_scales_pow2 == 1

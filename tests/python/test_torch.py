@@ -375,3 +375,155 @@ def test_torch_compile_with_the_custom_op():
     want = moe_block(expert, m, g, shared)
     torch.cuda.synchronize()
     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2)
+
+
+# ---- the epilogue: residual=, norm_weight=, eps=, out_scales= -------------------------------------
+
+
+def epilogue_reference(c, residual, weight, eps, fp8, pow2, model_dtype):
+    """The documented math (moejit.h, "The epilogue") from c, the combine's fp32 result, in torch
+    ops whose every fp32 operation is one IEEE operation: the pairwise sum of squares level by
+    level, division and square root as IEEE. Returns (new residual or None, out, scales)."""
+    v = c
+    new_residual = None
+    if residual is not None:
+        v = residual.float() + c
+        new_residual = v.to(residual.dtype)
+    if weight is not None:
+        x = v.to(model_dtype).float()
+        T, H = x.shape
+        P = 1
+        while P < H:
+            P *= 2
+        s = torch.zeros(T, P, dtype=torch.float32, device=x.device)
+        s[:, :H] = x * x
+        while s.shape[1] > 1:
+            s = s.view(T, -1, 2).sum(-1)  # one fp32 add per pair: the pairwise order
+        r = 1.0 / torch.sqrt(s / H + eps)
+        v = ((x * r).to(model_dtype).float() * weight.float()).to(model_dtype).float()
+    if not fp8:
+        return new_residual, v, None
+    T, H = v.shape
+    G = (H + 127) // 128
+    padded = torch.zeros(T, G * 128, device=v.device)
+    padded[:, :H] = v.abs()
+    scales = padded.view(T, G, 128).amax(-1).clamp(min=1e-10) / 448.0
+    if pow2:
+        scales = ((scales.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
+    q = (v / scales.repeat_interleave(128, dim=1)[:, :H]).to(torch.float8_e4m3fn)
+    return new_residual, q, scales
+
+
+@needs_gpu
+@pytest.mark.parametrize("layout", ["token_major", "gather_map", "token_index"])
+@pytest.mark.parametrize("epilogue", ["residual", "norm", "norm-fp8", "norm-only", "fp8-only"])
+@pytest.mark.parametrize("T,K,H", [(1, 8, 7168), (33, 2, 2880), (300, 4, 4096)])
+def test_epilogue_matches_the_documented_math_bit_for_bit(layout, epilogue, T, K, H):
+    dt = torch.bfloat16
+    expert, g, index = make_case(layout, T, K, H, dt, seed=T + K)
+    gen = torch.Generator().manual_seed(H)
+    residual = None if epilogue in ("norm-only", "fp8-only") else \
+        torch.randn(T, H, generator=gen).to("cuda", dt)
+    weight = None if epilogue in ("residual", "fp8-only") else \
+        (torch.rand(H, generator=gen) + 0.5).to("cuda", dt)
+    fp8 = epilogue.endswith("fp8") or epilogue == "fp8-only"
+    pow2 = T == 33
+    # c: the plain combine's fp32 result is exactly the epilogue's (fma(sum, scale, 0)).
+    c = call(layout, expert, g, index, T=T, K=K, out_dtype=torch.float32, scale=1.5)
+    want_res, want_out, want_scales = epilogue_reference(
+        c, residual, weight, 1e-5, fp8, pow2, residual.dtype if residual is not None else dt)
+    res = residual.clone() if residual is not None else None
+    got = call(layout, expert, g, index, T=T, K=K, scale=1.5, residual=res, norm_weight=weight,
+               eps=1e-5, out_dtype=torch.float8_e4m3fn if fp8 else dt, out_scales_pow2=pow2)
+    torch.cuda.synchronize()
+    if fp8:
+        out, scales = got
+        assert torch.equal(scales, want_scales)
+        assert torch.equal(out.view(torch.uint8), want_out.view(torch.uint8))
+    else:
+        assert torch.equal(got.float(), want_out.to(dt).float())
+    if res is not None:
+        assert torch.equal(res, want_res)
+
+
+@needs_gpu
+def test_epilogue_into_given_buffers_and_deepgemm_scales():
+    T, K, H = 33, 8, 7168
+    expert, g, index = make_case("gather_map", T, K, H, torch.bfloat16, seed=21)
+    residual = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    weight = torch.rand(H, device="cuda", dtype=torch.bfloat16) + 0.5
+    out = torch.empty(T, H, device="cuda", dtype=torch.float8_e4m3fn)
+    G, T4 = H // 128, (T + 3) // 4 * 4
+    storage = torch.full((G, T4), float("nan"), device="cuda")
+    scales = storage.t()[:T]  # DeepGEMM's column-major, 4-aligned layout
+    res = residual.clone()
+    version = res._version
+    got = call("gather_map", expert, g, index, T=T, K=K, out=out, residual=res,
+               norm_weight=weight, out_scales=scales)
+    assert got[0] is out and got[1] is scales and res._version > version
+    torch.cuda.synchronize()
+    c = call("gather_map", expert, g, index, T=T, K=K, out_dtype=torch.float32)
+    want_res, want_out, want_scales = epilogue_reference(c, residual, weight, 1e-6, True, False,
+                                                         torch.bfloat16)
+    assert torch.equal(res, want_res) and torch.equal(scales, want_scales)
+    assert torch.isnan(storage[:, T:]).all(), "entries past the batch were written"
+    assert torch.equal(out.view(torch.uint8), want_out.view(torch.uint8))
+
+
+@needs_gpu
+def test_epilogue_op_mutates_the_residual_and_matches_the_eager_call():
+    T, K, H = 9, 2, 4096
+    expert, g, index = make_case("gather_map", T, K, H, torch.bfloat16, seed=22)
+    m = index.reshape(T, K)
+    residual = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    weight = torch.rand(H, device="cuda", dtype=torch.bfloat16) + 0.5
+    eager_res, op_res = residual.clone(), residual.clone()
+    eager = moejit.combine(expert, layout="gather_map", gather_map=m, gates=g, residual=eager_res,
+                           norm_weight=weight, out_dtype=torch.float8_e4m3fn)
+    out, scales = moejit.combine_epilogue_op(expert, layout="gather_map", gather_map=m, gates=g,
+                                             residual=op_res, norm_weight=weight,
+                                             out_dtype=torch.float8_e4m3fn,
+                                             scales_column_major=True)
+    torch.cuda.synchronize()
+    assert torch.equal(op_res, eager_res)
+    assert torch.equal(out.view(torch.uint8), eager[0].view(torch.uint8))
+    assert torch.equal(scales.t()[:T], eager[1])
+    args = (expert, m, g, None, residual.clone(), weight, "gather_map", K, None, None, 1.0, 1e-6,
+            False, False)
+    torch.library.opcheck(torch.ops.moejit.combine_epilogue.default, args,
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
+
+    def layer(expert, m, g, residual, weight):
+        return moejit.combine_epilogue_op(expert, layout="gather_map", gather_map=m, gates=g,
+                                          residual=residual, norm_weight=weight)
+
+    compiled = torch.compile(layer, fullgraph=True)
+    a, b = residual.clone(), residual.clone()
+    got, want = compiled(expert, m, g, a, weight), layer(expert, m, g, b, weight)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want) and torch.equal(a, b)
+
+
+def test_epilogue_op_infers_shapes_on_meta_tensors():
+    T, K, H = 33, 2, 512
+    expert = torch.empty(T * K, H, device="meta", dtype=torch.bfloat16)
+    m = torch.empty(T, K, device="meta", dtype=torch.int32)
+    res = torch.empty(T, H, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(H, device="meta", dtype=torch.float32)
+    out, scales = moejit.combine_epilogue_op(expert, layout="gather_map", gather_map=m,
+                                             residual=res, norm_weight=w,
+                                             out_dtype=torch.float8_e4m3fn)
+    assert out.shape == (T, H) and out.dtype == torch.float8_e4m3fn and scales.shape == (T, 4)
+    out, scales = moejit.combine_epilogue_op(expert, layout="gather_map", gather_map=m,
+                                             out_dtype=torch.float8_e4m3fn,
+                                             scales_column_major=True)
+    assert scales.shape == (4, 36) and scales.dtype == torch.float32
+    got = moejit.combine_epilogue_op(expert, layout="gather_map", gather_map=m, residual=res)
+    assert got.shape == (T, H) and got.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="residual is on device cpu"):
+        moejit.combine_epilogue_op(expert, layout="gather_map", gather_map=m,
+                                   residual=torch.empty(T, H, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="eps = -1.0"):
+        moejit.combine_epilogue_op(expert, layout="gather_map", gather_map=m, norm_weight=w,
+                                   eps=-1.0)

@@ -6,18 +6,17 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 
 #include "combine_plan.h"
 #include "error.h"
+#include "fake_combine_args.h"
 #include "moejit/moejit.h"
 
 namespace {
 
-template <typename E>
-void set_c_enum(E& field, int value) {
-  std::memcpy(&field, &value, sizeof(field));
-}
+using moejit_test::set_c_enum;
 
 void* fake(uintptr_t address) {
   return reinterpret_cast<void*>(address);
@@ -31,13 +30,13 @@ TEST(CombinePlanFuzz, EdgeValuesPlanALaunchOrNameTheArgument) {
                            65,  128, 2880,    7168, 65536, 65537,     k31 - 1,  k31,
                            k36, k40, k40 + 1, k47,  k62,   INT64_MAX, INT64_MIN};
   auto edge = [&] { return edges[rng() % (sizeof(edges) / sizeof(edges[0]))]; };
-  int planned = 0, rejected = 0;
+  int planned = 0, rejected = 0, clustered = 0;
   for (int i = 0; i < 200000; ++i) {
     moejit_combine_args a;
     moejit_combine_args_init(&a);
     set_c_enum(a.layout, static_cast<int>(rng() % 4));  // 3: not a layout
     set_c_enum(a.expert_dtype, static_cast<int>(rng() % 3));
-    set_c_enum(a.out_dtype, static_cast<int>(rng() % 3));
+    set_c_enum(a.out_dtype, static_cast<int>(rng() % 4));  // 3: fp8, with an epilogue
     set_c_enum(a.index_type, static_cast<int>(rng() % 2));
     a.num_tokens = edge();
     a.num_rows = edge();
@@ -51,6 +50,18 @@ TEST(CombinePlanFuzz, EdgeValuesPlanALaunchOrNameTheArgument) {
     a.gates = rng() % 2 ? static_cast<const float*>(fake(0x7f3000000000)) : nullptr;
     a.workspace = fake(0x7f4000000000);
     a.workspace_bytes = SIZE_MAX;
+    // The epilogue (since 0.3): each buffer present or not, its dtype and stride from the edges.
+    const float eps[] = {1e-6f, 0.0f, -1.0f, std::numeric_limits<float>::quiet_NaN(),
+                         std::numeric_limits<float>::infinity()};
+    if (rng() % 2) a.residual = fake(0x7f5000000000);
+    set_c_enum(a.residual_dtype, static_cast<int>(rng() % 5) - 1);
+    a.residual_row_stride = rng() % 2 ? 0 : edge();
+    if (rng() % 2) a.norm_weight = fake(0x7f6000000000);
+    set_c_enum(a.norm_weight_dtype, static_cast<int>(rng() % 5) - 1);
+    a.norm_eps = eps[rng() % 5];
+    if (rng() % 2) a.out_scales = static_cast<float*>(fake(0x7f7000000000));
+    set_c_enum(a.out_scales_layout, static_cast<int>(rng() % 3));
+    a.out_scales_pow2 = static_cast<int>(rng() % 3);
     try {
       const size_t bytes = moejit::combine_workspace_bytes(&a);
       const moejit::CombinePlan plan = moejit::plan_combine(&a);
@@ -63,6 +74,15 @@ TEST(CombinePlanFuzz, EdgeValuesPlanALaunchOrNameTheArgument) {
       ASSERT_LE(plan.combine_grid_y, 65535u);
       ASSERT_GE(plan.spec.block_threads(), 32);
       ASSERT_LE(plan.spec.block_threads(), 1024);
+      ASSERT_EQ(moejit::is_epilogue(plan.spec.kind), a.residual != nullptr ||
+                                                         a.norm_weight != nullptr ||
+                                                         a.out_dtype == MOEJIT_DTYPE_FLOAT8_E4M3);
+      if (plan.cluster_blocks > 0) {  // a cluster of 2..8 blocks per token, the grid whole ones
+        ++clustered;
+        ASSERT_GE(plan.cluster_blocks, 2u);
+        ASSERT_LE(plan.cluster_blocks, 8u);
+        ASSERT_EQ(plan.combine_grid_x, plan.one_block_grid_x * plan.cluster_blocks);
+      }
       if (plan.spec.token_index()) {
         // The lists the plan writes fit in the workspace it asked for.
         ASSERT_GT(bytes, 0u);
@@ -86,6 +106,7 @@ TEST(CombinePlanFuzz, EdgeValuesPlanALaunchOrNameTheArgument) {
   // Both outcomes were exercised (the edge values make most structs invalid).
   EXPECT_GT(planned, 1000);
   EXPECT_GT(rejected, 1000);
+  EXPECT_GT(clustered, 10);
 }
 
 }  // namespace

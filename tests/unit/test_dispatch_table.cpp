@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "aligned_call.h"
+#include "combine_epilogue.h"
 #include "combine_plan.h"
 
 namespace moejit {
@@ -101,9 +102,86 @@ TEST(DispatchTable, ThePrecompileSetIsExactlyWhatTheRuntimeLoads) {
               if (HasFailure()) return;  // one shape's report is enough to read
             }
     }
-  EXPECT_EQ(kinds_seen.size(), static_cast<size_t>(kKernelKinds));  // every variant was reached
+  // Every variant without an epilogue was reached (the epilogue's: the test below).
+  size_t plain_kinds = 0;
+  for (int k = 0; k < kKernelKinds; ++k) plain_kinds += !is_epilogue(static_cast<KernelKind>(k));
+  EXPECT_EQ(kinds_seen.size(), plain_kinds);
   EXPECT_GT(shapes, 2000u);
   EXPECT_GT(plans, 100000u);
+}
+
+// The same for the epilogue (residual, norm weight, fp8 out): every batch size at decode (where
+// the split depends on T) and past it, the layouts, the dtype pairs (fp8 out among them), hidden
+// sizes from 1 to the largest and the rows per token; every epilogue variant is reached.
+TEST(DispatchTable, TheEpiloguesPrecompileSetIsExactlyWhatTheRuntimeLoads) {
+  const moejit_dtype dtypes[] = {MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT16, MOEJIT_DTYPE_BFLOAT16};
+  const moejit_dtype outs[] = {MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_BFLOAT16,
+                               MOEJIT_DTYPE_FLOAT8_E4M3};
+  struct Epilogue {
+    int res, weight;
+  };
+  const Epilogue epilogues[] = {{MOEJIT_DTYPE_BFLOAT16, -1},
+                                {MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16},
+                                {MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_FLOAT16},
+                                {-1, MOEJIT_DTYPE_FLOAT32},
+                                {-1, -1}};
+  constexpr uintptr_t kRegion = uintptr_t{1} << 46;  // aligned_call's regions are 1..4
+  std::set<KernelKind> kinds_seen;
+  size_t plans = 0;
+  for (const moejit_layout layout :
+       {MOEJIT_LAYOUT_TOKEN_MAJOR, MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_LAYOUT_TOKEN_INDEX})
+    for (const moejit_dtype in : dtypes)
+      for (const moejit_dtype out : outs)
+        for (const Epilogue& e : epilogues)
+          for (const int hidden : {1, 7, 128, 2880, 7168, 65536})
+            for (const int k : {1, 2, 8, 64}) {
+              if (e.res < 0 && e.weight < 0 && out != MOEJIT_DTYPE_FLOAT8_E4M3) continue;
+              const std::vector<KernelSpec> warmed = specs_for_shape(
+                  layout, in, out, MOEJIT_INDEX_INT32, hidden, k, 256, e.res, e.weight);
+              std::set<size_t> loaded;
+              const std::string shape = std::string(layout_name(layout)) + " " + dtype_name(in) +
+                                        "->" + dtype_name(out) + " res" + std::to_string(e.res) +
+                                        " weight" + std::to_string(e.weight) +
+                                        " H=" + std::to_string(hidden) + " K=" + std::to_string(k);
+              std::vector<int64_t> tokens(epilogue_token_counts());
+              tokens.push_back(4096);
+              tokens.push_back(100000);
+              for (const int64_t t : tokens) {
+                moejit_combine_args a =
+                    test::aligned_call(layout, in, out, MOEJIT_INDEX_INT32, hidden, k, t, t * k, 0);
+                if (e.res >= 0) {
+                  a.residual = reinterpret_cast<void*>(5 * kRegion);
+                  a.residual_dtype = static_cast<moejit_dtype>(e.res);
+                }
+                if (e.weight >= 0) {
+                  a.norm_weight = reinterpret_cast<void*>(6 * kRegion);
+                  a.norm_weight_dtype = static_cast<moejit_dtype>(e.weight);
+                }
+                if (out == MOEJIT_DTYPE_FLOAT8_E4M3)
+                  a.out_scales = reinterpret_cast<float*>(7 * kRegion);
+                const CombinePlan plan = plan_combine(&a);
+                ++plans;
+                kinds_seen.insert(plan.spec.kind);
+                std::vector<KernelSpec> modules{plan.spec};
+                if (const auto before = companion_module(plan.spec)) modules.push_back(*before);
+                for (const KernelSpec& m : modules) {
+                  const auto it = std::find(warmed.begin(), warmed.end(), m);
+                  if (it == warmed.end())
+                    ADD_FAILURE() << m.describe() << " is not warmed, for " << shape << " T=" << t;
+                  else
+                    loaded.insert(static_cast<size_t>(it - warmed.begin()));
+                }
+              }
+              for (size_t i = 0; i < warmed.size(); ++i)
+                if (loaded.count(i) == 0)
+                  ADD_FAILURE() << warmed[i].describe() << " is warmed for " << shape
+                                << " but no call loads it";
+              if (HasFailure()) return;
+            }
+  size_t epilogue_kinds = 0;
+  for (KernelKind k : kinds_seen) epilogue_kinds += is_epilogue(k);
+  EXPECT_EQ(epilogue_kinds, 6u);  // both variants of every layout
+  EXPECT_GT(plans, 50000u);
 }
 
 }  // namespace

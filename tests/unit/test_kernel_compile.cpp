@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "combine_epilogue.h"
 #include "combine_plan.h"
 #include "error.h"
 #include "kernel_store.h"
@@ -34,6 +35,98 @@ int max_vec(int in_dtype, int out_dtype) {
   const int widest =
       (in_dtype == MOEJIT_DTYPE_FLOAT32 || out_dtype == MOEJIT_DTYPE_FLOAT32) ? 4 : 2;
   return 16 / widest;
+}
+
+// The module of an epilogue call of T tokens (K 8, H 7168, bf16 rows, residual and norm weight,
+// fp8 out, 16-byte vectors).
+KernelSpec normed_fp8_spec(moejit_layout layout, int64_t tokens) {
+  CallShape c;
+  c.layout = layout;
+  c.in_dtype = MOEJIT_DTYPE_BFLOAT16;
+  c.out_dtype = MOEJIT_DTYPE_FLOAT8_E4M3;
+  c.res_dtype = c.weight_dtype = MOEJIT_DTYPE_BFLOAT16;
+  c.hidden = 7168;
+  c.vec = 8;
+  c.top_k = 8;
+  c.num_tokens = tokens;
+  c.num_rows = tokens * 8;
+  return choose_kernel(c);
+}
+
+// The epilogue's modules (combine_epilogue.cuh): each layout x epilogue (residual; residual +
+// norm; residual + norm + fp8; norm alone; fp8 alone) in its prefill (one block per token) and
+// decode (split, cluster) variant, with dtype pairs, hidden sizes, vector widths and archs rotated;
+// rows long enough for passes; vector widths whose fp8 groups span warps; and the decode cluster
+// module with every epilogue for every arch (before sm_90 its one-block kernel is what runs, and
+// before sm_89 the fp8 conversion is the integer one).
+void append_epilogue_matrix(std::vector<Case>* cases) {
+  const int archs[] = {80, 89, 90};
+  struct Epilogue {
+    int res, weight;
+    bool fp8;
+  };
+  const Epilogue epilogues[] = {{MOEJIT_DTYPE_BFLOAT16, -1, false},
+                                {MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, false},
+                                {MOEJIT_DTYPE_FLOAT32, MOEJIT_DTYPE_BFLOAT16, true},
+                                {-1, MOEJIT_DTYPE_FLOAT16, false},
+                                {-1, -1, true}};
+  auto spec = [](int layout, int in, int out, const Epilogue& e, int hidden, int vec,
+                 int64_t tokens) {
+    CallShape c;
+    c.layout = static_cast<moejit_layout>(layout);
+    c.in_dtype = static_cast<moejit_dtype>(in);
+    c.out_dtype = e.fp8 ? MOEJIT_DTYPE_FLOAT8_E4M3 : static_cast<moejit_dtype>(out);
+    c.res_dtype = e.res;
+    c.weight_dtype = e.weight;
+    c.hidden = hidden;
+    c.vec = vec;
+    c.top_k = 8;
+    c.num_tokens = tokens;
+    c.num_rows = tokens * 8;
+    return choose_kernel(c);
+  };
+  int n = 0;
+  for (int layout = 0; layout < 3; ++layout)
+    for (const Epilogue& e : epilogues)
+      for (const int64_t tokens : {int64_t{4096}, int64_t{1}}) {
+        const int in = n % 3, out = (n / 3) % 3;
+        const int hidden = tokens == 1 ? (n % 2 ? 7168 : 2880) : (n % 3 ? 4096 : 7);
+        const int widest = std::max({in == MOEJIT_DTYPE_FLOAT32 || out == MOEJIT_DTYPE_FLOAT32 ||
+                                             e.res == MOEJIT_DTYPE_FLOAT32
+                                         ? 4
+                                         : 2,
+                                     2});
+        const int vec = std::min(16 / widest, hidden);
+        cases->push_back({spec(layout, in, out, e, hidden, vec, tokens), archs[n % 3]});
+        ++n;
+      }
+  // Passes (H 65536); 1- and 2-element vectors (a group's 128 channels over 4 or 2 warps).
+  cases->push_back({spec(1, 2, 2, epilogues[2], 65536, 8, 4096), 90});
+  cases->push_back({spec(2, 0, 0, epilogues[3], 65536, 4, 4096), 80});
+  cases->push_back({spec(1, 2, 2, epilogues[2], 2880, 1, 4096), 89});
+  cases->push_back({spec(0, 1, 1, epilogues[4], 2880, 2, 33), 90});
+  // Wide blocks (more than 256 threads), where ptxas has at most 128 registers: the token index's
+  // passes in 2-element vectors, and a 512-thread decode split in 1-element ones.
+  cases->push_back({spec(2, 0, 0, epilogues[3], 33000, 2, 4096), 89});
+  cases->push_back({spec(2, 1, 0, epilogues[0], 2880, 1, 1), 89});
+  for (const Epilogue& e : epilogues)
+    for (int sm : archs) cases->push_back({spec(1, 2, 2, e, 7168, 8, 1), sm});
+  // The token index's modules hold token_index_heavy without its finish, and their kernels add a
+  // token past its list from its ranks or pieces: the decode split and one block per token with
+  // every epilogue for every arch.
+  int m = 0;
+  for (const Epilogue& e : epilogues)
+    for (int sm : archs) {
+      cases->push_back({spec(2, 2, 2, e, 7168, 8, 1), sm});
+      const int in = m % 3, out = (m + 1) % 3;
+      const int widest =
+          in == MOEJIT_DTYPE_FLOAT32 || out == MOEJIT_DTYPE_FLOAT32 || e.res == MOEJIT_DTYPE_FLOAT32
+              ? 4
+              : 2;
+      const int vec = 16 / widest / (m % 4 == 3 ? 2 : 1);
+      cases->push_back({spec(2, in, out, e, m % 2 ? 2880 : 7168, vec, 4096), sm});
+      ++m;
+    }
 }
 
 std::vector<Case> matrix() {
@@ -130,6 +223,7 @@ std::vector<Case> matrix() {
   KernelSpec big = spec_for_shape(MOEJIT_LAYOUT_GATHER_MAP, MOEJIT_DTYPE_BFLOAT16,
                                   MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32, 7168, 8, 256);
   for (int sm : archs) cases.push_back({big, sm});
+  append_epilogue_matrix(&cases);
   return cases;
 }
 
@@ -149,6 +243,7 @@ TEST(KernelCompile, MatrixCoversEveryValue) {
   std::set<std::pair<int, int>> pairs;
   for (const Case& c : matrix()) {
     if (c.spec.kind == KernelKind::kTokenIndexListHelpers) continue;  // no shape
+    if (is_epilogue(c.spec.kind)) continue;  // its own cases (append_epilogue_matrix)
     layouts.insert(c.spec.layout());
     pairs.insert({c.spec.in_dtype, c.spec.out_dtype});
     idx.insert(c.spec.index_bytes);
@@ -422,6 +517,7 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
     return spec_for_shape(layout, MOEJIT_DTYPE_BFLOAT16, MOEJIT_DTYPE_BFLOAT16, MOEJIT_INDEX_INT32,
                           hidden, top_k, 256, tokens);
   };
+  auto normed = normed_fp8_spec;
   const KernelSpec decode_index = shape(MOEJIT_LAYOUT_TOKEN_INDEX, 7168, 8, 1);
   const KernelSpec single = single_launch_spec(decode_index, 1);
   ASSERT_EQ(single_launch_for_rows(single, 1).kind, KernelKind::kTokenIndexSmallScan);
@@ -443,6 +539,11 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
       one_token_index_spec(decode_index),                                  // 4-byte vectors
       map_one,
       single_launch_spec(shape(MOEJIT_LAYOUT_TOKEN_INDEX, 128, 2, kAnyTokens), kAnyTokens),
+      // The epilogue's (combine_epilogue.cuh): one block per token, and the decode split (its
+      // module's cluster kernel and one-block kernel).
+      normed(MOEJIT_LAYOUT_GATHER_MAP, 4096),
+      normed(MOEJIT_LAYOUT_GATHER_MAP, 1),
+      normed(MOEJIT_LAYOUT_TOKEN_MAJOR, 1),
   };
   for (const KernelSpec& spec : first_kernels) {
     SCOPED_TRACE(spec.describe());
@@ -468,6 +569,25 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
   const std::string heavy = entry_of(list_module, "token_index_heavy");
   EXPECT_NE(heavy.find("griddepcontrol.wait"), std::string::npos);
   EXPECT_NE(heavy.find("griddepcontrol.launch_dependents"), std::string::npos);
+  // So does the token index's epilogue (one block per token, and the decode split with its
+  // one-block kernel), after the same helpers and its module's own token_index_heavy (without the
+  // finish), which waits and lets the epilogue be scheduled early as the list path's does.
+  for (const int64_t tokens : {int64_t{4096}, int64_t{1}}) {
+    const KernelSpec spec = normed(MOEJIT_LAYOUT_TOKEN_INDEX, tokens);
+    SCOPED_TRACE(spec.describe());
+    const std::string index_epilogue = ptx(spec);
+    expect_no_load_before_the_wait(index_epilogue);
+    std::vector<std::string> combines{"combine_epilogue"};
+    if (is_cluster_epilogue(spec.kind)) combines.push_back("combine_epilogue_cluster");
+    for (const std::string& kernel : combines) {
+      const std::string combine = entry_of(index_epilogue, kernel);
+      EXPECT_NE(combine.find("griddepcontrol.wait"), std::string::npos) << kernel;
+      EXPECT_EQ(combine.find("griddepcontrol.launch_dependents"), std::string::npos) << kernel;
+    }
+    const std::string epilogue_heavy = entry_of(index_epilogue, "token_index_heavy");
+    EXPECT_NE(epilogue_heavy.find("griddepcontrol.wait"), std::string::npos);
+    EXPECT_NE(epilogue_heavy.find("griddepcontrol.launch_dependents"), std::string::npos);
+  }
   // Its helpers let the chain's next kernel be scheduled early, each of them.
   const std::string helpers = ptx(list_helpers_spec(decode_index.index_bytes));
   size_t triggers = 0;
@@ -477,11 +597,42 @@ TEST(KernelCompile, DependentLaunchPrefetchesRoutingAndLeavesTheNextKernelAlone)
   EXPECT_EQ(triggers, 2u);
 }
 
+// The epilogue's decode split exchanges the sum of squares through distributed shared memory
+// between a cluster's blocks on sm_90 (barrier.cluster, mapa, ld.shared::cluster); its module's
+// cluster kernel traps before sm_90, where its one-block kernel runs instead. fp8 uses the
+// hardware conversion from sm_89 (cvt ... satfinite.e4m3x2), the integer one before. Every fp32
+// operation of the norm is an explicitly rounded one (add.rn, mul.rn, div.rn, sqrt.rn): fused,
+// the results would differ from moejit.h's.
+TEST(KernelCompile, TheEpilogueUsesClustersAndFp8ConversionsWhereTheGpuHasThem) {
+  MemoryStore memory;
+  const KernelSpec split = normed_fp8_spec(MOEJIT_LAYOUT_GATHER_MAP, 1);
+  ASSERT_EQ(split.kind, KernelKind::kEpilogueClusterGatherMap);
+  ASSERT_EQ(split.name_expressions().size(), 2u);
+  auto ptx = [&](int arch) {
+    return compile(memory.store.request_for(split, Target{arch, true})).image;
+  };
+  const std::string sm90 = ptx(90), sm89 = ptx(89), sm80 = ptx(80);
+  for (const char* op : {"barrier.cluster.arrive.release", "barrier.cluster.wait.acquire",
+                         "mapa.shared::cluster", "ld.shared::cluster.f32"}) {
+    EXPECT_NE(sm90.find(op), std::string::npos) << op;
+    EXPECT_EQ(sm89.find(op), std::string::npos) << op;
+    EXPECT_EQ(sm80.find(op), std::string::npos) << op;
+  }
+  EXPECT_NE(sm89.find("trap"), std::string::npos);
+  EXPECT_NE(sm90.find("cvt.rn.satfinite.e4m3x2.f32"), std::string::npos);
+  EXPECT_NE(sm89.find("cvt.rn.satfinite.e4m3x2.f32"), std::string::npos);
+  EXPECT_EQ(sm80.find("e4m3"), std::string::npos);
+  for (const std::string* code : {&sm90, &sm89, &sm80})
+    for (const char* op : {"sqrt.rn.f32", "div.rn.f32", "mul.rn.f32", "add.rn.f32"})
+      EXPECT_NE(code->find(op), std::string::npos) << op;
+}
+
 // token_index_heavy.cuh's hook for a kernel after token_index_heavy that needs a heavy token's fp32
 // sum (an epilogue: token_index_heavy without its finish step, FINISH = false, then
-// add_heavy_token in that kernel's own geometry). No variant of the table instantiates either
-// yet, so a kernel of this test does, in a whole-row geometry (512-thread groups, two slots each)
-// and a warp's, for two dtypes; compiled for sm_90 without a warning, a spill or a stack frame.
+// add_heavy_token in that kernel's own geometry). The token index's epilogue modules use both
+// (EveryVariantCompilesForSm80Sm89Sm90 compiles them); this probe keeps the hook itself covered in
+// a whole-row geometry (512-thread groups, two slots each) and a warp's, for two dtypes; compiled
+// for sm_90 without a warning, a spill or a stack frame.
 TEST(KernelCompile, HeavyTokenSumForAnEpilogueCompiles) {
   MemoryStore memory;
   CompileRequest r = memory.store.request_for(

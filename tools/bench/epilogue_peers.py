@@ -500,10 +500,33 @@ def fused_epilogue_call(lib, inp, epilogue, pow2):
     reason = fused_unavailable_reason()
     if reason:
         raise FusedUnavailable(reason)
-    # ---- fill in: set the epilogue fields on inp.combine_args(lib, inp.out), return a call -------
-    raise FusedUnavailable(
-        "moejit_combine_args has the epilogue fields, but fused_epilogue_call() in "
-        "tools/bench/epilogue_peers.py does not set them yet: fill in the hook")
+    from moejit import _capi
+    dtype = {"fp32": _capi.DTYPE_FLOAT32, "fp16": _capi.DTYPE_FLOAT16,
+             "bf16": _capi.DTYPE_BFLOAT16}[inp.shape["dtype"]]
+    args = epilogue_args(inp.combine_args(lib, inp.out), epilogue, pow2, dtype,
+                         residual=inp.residual.data_ptr(), weight=inp.weight.data_ptr(),
+                         eps=inp.eps, scales=inp.scales.data_ptr())
+
+    def fused():
+        lib.combine(args, inp.stream)
+    return fused
+
+
+def epilogue_args(args, epilogue, pow2, dtype, residual, weight, eps, scales):
+    """The plain combine's args (a _capi.CombineArgs) with issue 59's epilogue: the residual
+    (updated in place) for every epilogue; the norm weight and eps for "norm" and "norm-fp8"; for
+    "norm-fp8" an fp8 e4m3 out with row-major scales (rounded up to powers of two if pow2). The
+    residual and weight are of the model's dtype (`dtype`, a moejit_dtype), row-major."""
+    from moejit import _capi
+    args.residual, args.residual_dtype, args.residual_row_stride = residual, dtype, 0
+    if epilogue != "residual":
+        args.norm_weight, args.norm_weight_dtype, args.norm_eps = weight, dtype, eps
+    if epilogue == "norm-fp8":
+        args.out_dtype = _capi.DTYPE_FLOAT8_E4M3
+        args.out_scales = scales
+        args.out_scales_layout = _capi.SCALES_ROW_MAJOR
+        args.out_scales_pow2 = 1 if pow2 else 0
+    return args
 
 
 # ---- everything below needs torch and a GPU ------------------------------------------------------

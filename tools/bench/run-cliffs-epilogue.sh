@@ -16,6 +16,8 @@
 #   tools/bench/run-cliffs-epilogue.sh "$OUT" skew awkward    # estimated 7 minutes
 #   tools/bench/run-cliffs-epilogue.sh "$OUT" epilogue        # estimated 5 minutes
 #   QUICK=1 tools/bench/run-cliffs-epilogue.sh "$OUT"         # a smoke run: fewer shapes and runs
+#   EPILOGUE_ARGS="--shapes decode" tools/bench/run-cliffs-epilogue.sh "$OUT" epilogue
+#                                    # more epilogue_peers.py options (--shapes, --epilogue, ...)
 #
 # Exit status: 0 when every step passed; otherwise the first failing step's status (the later
 # steps still run). The summaries are printed last.
@@ -71,7 +73,7 @@ if wants awkward; then
 fi
 if wants epilogue; then
   step "epilogue_peers.py" "$out/epilogue.txt" 540 \
-    python3 tools/bench/epilogue_peers.py "${quick[@]}" --json "$out/epilogue.json"
+    python3 tools/bench/epilogue_peers.py "${quick[@]}" ${EPILOGUE_ARGS:-} --json "$out/epilogue.json"
 fi
 
 # Summaries last: the end of the output is what a remote run hands back.

@@ -8,7 +8,6 @@
 #include <sstream>
 #include <stdexcept>
 
-
 namespace moejit {
 namespace precompile {
 namespace {
@@ -141,6 +140,36 @@ KernelSpec exact_spec(const std::map<std::string, std::string>& kv, const std::s
 }
 
 }  // namespace
+
+const char* epilogue_name(Epilogue e) {
+  switch (e) {
+    case Epilogue::kResidual:
+      return "residual";
+    case Epilogue::kNorm:
+      return "norm";
+    case Epilogue::kNormFp8:
+      return "norm-fp8";
+    default:
+      return "none";
+  }
+}
+
+Epilogue parse_epilogue(const std::string& text, const std::string& where) {
+  const std::string t = lower(trim(text));
+  for (Epilogue e : {Epilogue::kNone, Epilogue::kResidual, Epilogue::kNorm, Epilogue::kNormFp8})
+    if (t == epilogue_name(e)) return e;
+  throw InputError(where + " = \"" + text +
+                   "\": unknown epilogue; expected none, residual, norm or norm-fp8");
+}
+
+std::vector<Epilogue> config_epilogues(const ModelConfig& cfg) {
+  std::vector<Epilogue> list{Epilogue::kNone};
+  if (!cfg.rms_norm_field.empty()) {
+    list.push_back(Epilogue::kNorm);
+    if (!cfg.fp8_field.empty()) list.push_back(Epilogue::kNormFp8);
+  }
+  return list;
+}
 
 moejit_dtype parse_dtype(const std::string& text, const std::string& where) {
   std::string t = lower(trim(text));
@@ -293,7 +322,7 @@ ModelConfig parse_model_config(const std::string& text, const std::string& path)
     }
   }
 
-  // The dtype often sits at the top level while the shape is nested: take the nearest one.
+  // The decoder layer's norm and activation quantization, where the shape is or above it.
   std::vector<std::pair<const json*, std::string>> scopes{{model->object, model->prefix}};
   std::string prefix = model->prefix;
   for (auto it = model->ancestors.rbegin(); it != model->ancestors.rend(); ++it) {
@@ -302,6 +331,19 @@ ModelConfig parse_model_config(const std::string& text, const std::string& path)
     prefix = cut == std::string::npos ? std::string() : prefix.substr(0, cut + 1);
     scopes.emplace_back(*it, prefix);
   }
+  for (const auto& [scope, scope_prefix] : scopes) {
+    if (cfg.rms_norm_field.empty() && scope->contains("rms_norm_eps") &&
+        (*scope)["rms_norm_eps"].is_number())
+      cfg.rms_norm_field = scope_prefix + "rms_norm_eps";
+    if (cfg.fp8_field.empty() && scope->contains("quantization_config") &&
+        (*scope)["quantization_config"].is_object()) {
+      const json& q = (*scope)["quantization_config"];
+      if (q.contains("quant_method") && q["quant_method"].is_string() &&
+          lower(q["quant_method"].get<std::string>()) == "fp8")
+        cfg.fp8_field = scope_prefix + "quantization_config.quant_method";
+    }
+  }
+  // The dtype often sits at the top level while the shape is nested: take the nearest one.
   for (const auto& [scope, scope_prefix] : scopes) {
     for (const char* name : {"torch_dtype", "dtype"}) {
       if (!scope->contains(name) || (*scope)[name].is_null()) continue;
@@ -344,11 +386,17 @@ void expand_shape(const Shape& shape, const std::vector<moejit_layout>& layouts,
   // 256 bytes: what cudaMalloc and the frameworks' caching allocators hand out, so the vector
   // width matches what moe_combine() derives from real pointers.
   constexpr size_t kAlignment = 256;
+  // The epilogue's buffers take the model's dtype; norm-fp8 writes fp8.
+  const int res = shape.epilogue == Epilogue::kNone ? -1 : shape.dtype;
+  const int weight =
+      shape.epilogue == Epilogue::kNorm || shape.epilogue == Epilogue::kNormFp8 ? shape.dtype : -1;
+  const moejit_dtype out =
+      shape.epilogue == Epilogue::kNormFp8 ? MOEJIT_DTYPE_FLOAT8_E4M3 : shape.out_dtype;
   // Every geometry the runtime may pick for the shape (decode- and prefill-sized batches).
   for (moejit_layout layout : layouts)
     for (moejit_index_type index : index_types)
-      for (const KernelSpec& s : specs_for_shape(layout, shape.dtype, shape.out_dtype, index,
-                                                 shape.hidden, shape.top_k, kAlignment))
+      for (const KernelSpec& s : specs_for_shape(layout, shape.dtype, out, index, shape.hidden,
+                                                 shape.top_k, kAlignment, res, weight))
         add_unique(s, specs);
 }
 
@@ -378,14 +426,14 @@ void parse_manifest(const std::string& text, const std::string& path,
       add_unique(exact_spec(kv, where), specs);
       continue;
     }
-    static const char* shape_keys[] = {"hidden",    "topk",   "dtype",
-                                       "out_dtype", "layout", "index_type"};
+    static const char* shape_keys[] = {"hidden", "topk",       "dtype",   "out_dtype",
+                                       "layout", "index_type", "epilogue"};
     for (const auto& entry : kv)
       if (std::find_if(std::begin(shape_keys), std::end(shape_keys),
                        [&](const char* k) { return entry.first == k; }) == std::end(shape_keys))
         throw InputError(where + ": unknown key \"" + entry.first +
                          "\"; shape lines take hidden, topk, dtype, out_dtype, layout, "
-                         "index_type (exact lines: the KernelSpec::describe() format)");
+                         "index_type, epilogue (exact lines: the KernelSpec::describe() format)");
     Shape shape;
     shape.origin = where;
     if (!kv.count("hidden") || !kv.count("topk"))
@@ -414,7 +462,16 @@ void parse_manifest(const std::string& text, const std::string& path,
       for (const std::string& t : split(kv["index_type"], ','))
         index_types.push_back(parse_index_type(t, where + ": index_type"));
     }
-    expand_shape(shape, layouts, index_types, specs);
+    std::vector<Epilogue> epilogues = defaults.epilogues;
+    if (kv.count("epilogue")) {
+      epilogues.clear();
+      for (const std::string& e : split(kv["epilogue"], ','))
+        epilogues.push_back(parse_epilogue(e, where + ": epilogue"));
+    }
+    for (Epilogue e : epilogues) {
+      shape.epilogue = e;
+      expand_shape(shape, layouts, index_types, specs);
+    }
   }
 }
 

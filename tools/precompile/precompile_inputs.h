@@ -32,6 +32,15 @@ moejit_dtype parse_dtype(const std::string& text, const std::string& where);
 moejit_layout parse_layout(const std::string& text, const std::string& where);
 moejit_index_type parse_index_type(const std::string& text, const std::string& where);
 
+// The epilogue a shape's calls run after the combine (moejit.h, "The epilogue"): none; the
+// residual add; the residual add and the next layer's RMSNorm; that norm with an fp8 output.
+// The residual and the norm weight take the shape's dtype (the model's).
+enum class Epilogue { kNone, kResidual, kNorm, kNormFp8 };
+// "none" | "residual" | "norm" | "norm-fp8"
+const char* epilogue_name(Epilogue e);
+// One of those names; throws InputError naming `where` otherwise.
+Epilogue parse_epilogue(const std::string& text, const std::string& where);
+
 // The fields of a config.json that decide the combine shape, and where each was found
 // ("hidden_size", "text_config.num_experts_per_tok") for messages and the dry run.
 struct ModelConfig {
@@ -42,7 +51,16 @@ struct ModelConfig {
   std::string hidden_field;
   std::string top_k_field;
   std::string dtype_field;
+  // The model's decoder layers: rms_norm_eps (an RMSNorm after the residual add, which the
+  // epilogue fuses), and quantization_config.quant_method "fp8" (fp8 activations, one scale per
+  // token per 128 channels, as DeepSeek-V3 serves). Where each was found, "" if absent.
+  std::string rms_norm_field;
+  std::string fp8_field;
 };
+
+// The epilogues a model's calls run, from its config: none (the plain combine) always; with
+// rms_norm_eps also "norm", and with fp8 activations "norm-fp8" too.
+std::vector<Epilogue> config_epilogues(const ModelConfig& cfg);
 
 // The MoE top-k field names, in the order they are looked for. A plain top_k (in Hugging Face
 // configs usually the sampling setting) counts only in an object without any of these that also
@@ -64,7 +82,8 @@ struct Shape {
   int hidden = 0;
   int top_k = 0;  // top_k; for the token-index layout the expected rows per token
   moejit_dtype dtype = MOEJIT_DTYPE_BFLOAT16;
-  moejit_dtype out_dtype = MOEJIT_DTYPE_BFLOAT16;
+  moejit_dtype out_dtype = MOEJIT_DTYPE_BFLOAT16;  // norm-fp8: fp8 whatever this says
+  Epilogue epilogue = Epilogue::kNone;
   std::string origin;
 };
 
@@ -82,6 +101,7 @@ void expand_shape(const Shape& shape, const std::vector<moejit_layout>& layouts,
 struct ManifestDefaults {
   std::optional<moejit_dtype> dtype;
   std::optional<moejit_dtype> out_dtype;
+  std::vector<Epilogue> epilogues{Epilogue::kNone};
   std::vector<moejit_layout> layouts = all_layouts();
   std::vector<moejit_index_type> index_types = all_index_types();
 };
@@ -93,8 +113,10 @@ struct ManifestDefaults {
 //    held= instead of K= and, where they keep lists, cap=; the list helpers are
 //    "kind=token_index_list_helpers idx=int32")
 //  - shape, expanded like --hidden/--topk (keys: hidden, topk, dtype, out_dtype, layout,
-//    index_type; layout and index_type take comma lists; omitted keys take the defaults):
+//    index_type, epilogue; layout, index_type and epilogue take comma lists; omitted keys take
+//    the defaults):
 //      hidden=7168 topk=8 dtype=bf16 layout=gather_map,token_index index_type=int32
+//      hidden=7168 topk=8 dtype=bf16 epilogue=none,norm-fp8
 // Appends the specs to *specs without duplicates. Throws InputError naming the file and line.
 void read_manifest(const std::string& path, const ManifestDefaults& defaults,
                    std::vector<KernelSpec>* specs);

@@ -51,6 +51,7 @@ struct Options {
   std::string out_dtype;
   std::vector<std::string> layouts;
   std::vector<std::string> index_types;
+  std::vector<std::string> epilogues;
   std::vector<std::string> manifests;
   std::string arch;
   std::string cache_dir;
@@ -70,17 +71,24 @@ const char* kFooter = R"(Inputs (any mix; every source adds shapes):
   top_k, usually the sampling setting, only next to an expert count: num_experts,
   num_local_experts, n_routed_experts or moe_num_experts) and torch_dtype / dtype, at the top
   level or in a nested config such as text_config (DBRX: d_model, and the top-k in an object
-  beside it, ffn_config). --dtype overrides the config's dtype.
+  beside it, ffn_config). --dtype overrides the config's dtype. With rms_norm_eps the model's
+  calls may fuse the residual add and the next layer's RMSNorm (moejit.h, "The epilogue"), and
+  with fp8 activations (quantization_config.quant_method "fp8") the fp8 output too: a config's
+  shapes expand to the epilogues none and norm (and norm-fp8), unless --epilogue says which.
   --hidden and --topk give extra shapes (every combination); they need --dtype.
+  --epilogue none,residual,norm,norm-fp8 (comma list; default: from the config, else none): the
+  residual and the norm weight in the shape's dtype, norm-fp8 with an fp8 e4m3 output.
   --manifest: one line per specialization, '#' starts a comment. Either an exact spec in the
   KernelSpec::describe() format that --dry-run prints:
     layout=gather_map in=bf16 out=bf16 idx=int32 H=7168 vec=8 K=8 tpt=128 tpb=1 upt=1 cap=0
   (a token-index single-launch module ends in " scan=1", its small-call form in
   " scan=1 small_scan=1", a one-token module (token index, gather map) in " one_token=1";
   the list helpers' module is "layout=token_index idx=int32 helpers=1"), or a shape, expanded
-  like --hidden/--topk (layout and index_type take comma lists and default to --layout /
-  --index-type; dtype defaults to --dtype; out_dtype to --out-dtype, else the dtype):
+  like --hidden/--topk (layout, index_type and epilogue take comma lists and default to
+  --layout / --index-type / --epilogue; dtype defaults to --dtype;
+  out_dtype to --out-dtype, else the dtype):
     hidden=7168 topk=8 dtype=bf16 out_dtype=bf16 layout=gather_map,token_index index_type=int32
+    hidden=7168 topk=8 dtype=bf16 epilogue=none,norm-fp8
   Shapes expand to what moe_combine() requests for 256-byte-aligned, unpadded buffers; for the
   token_index layout, top-k stands for the expected rows per token.
 
@@ -161,13 +169,23 @@ std::vector<KernelSpec> collect_specs(const Options& o) {
       defaults.index_types.push_back(parse_index_type(t, "--index-type"));
   }
 
+  std::optional<std::vector<Epilogue>> epilogues;
+  if (!o.epilogues.empty()) {
+    epilogues.emplace();
+    for (const std::string& e : o.epilogues) epilogues->push_back(parse_epilogue(e, "--epilogue"));
+    defaults.epilogues = *epilogues;
+  }
+
   std::vector<KernelSpec> specs;
-  auto expand_dtypes = [&](Shape shape, const std::vector<moejit_dtype>& list) {
-    for (moejit_dtype d : list) {
-      shape.dtype = d;
-      shape.out_dtype = out_dtype.value_or(d);
-      expand_shape(shape, defaults.layouts, defaults.index_types, &specs);
-    }
+  auto expand_dtypes = [&](Shape shape, const std::vector<moejit_dtype>& list,
+                           const std::vector<Epilogue>& shape_epilogues) {
+    for (moejit_dtype d : list)
+      for (Epilogue e : shape_epilogues) {
+        shape.dtype = d;
+        shape.out_dtype = out_dtype.value_or(d);
+        shape.epilogue = e;
+        expand_shape(shape, defaults.layouts, defaults.index_types, &specs);
+      }
   };
 
   for (const std::string& path : o.model_configs) {
@@ -176,8 +194,9 @@ std::vector<KernelSpec> collect_specs(const Options& o) {
     shape.hidden = cfg.hidden;
     shape.top_k = cfg.top_k;
     shape.origin = path;
+    const std::vector<Epilogue> model_epilogues = epilogues.value_or(config_epilogues(cfg));
     if (!dtypes.empty()) {
-      expand_dtypes(shape, dtypes);
+      expand_dtypes(shape, dtypes, model_epilogues);
     } else if (cfg.dtype) {
       moejit_dtype d;
       try {
@@ -188,7 +207,7 @@ std::vector<KernelSpec> collect_specs(const Options& o) {
         throw InputError(std::string(e.what()) +
                          "; pass --dtype with the dtype of the expert outputs the combine reads");
       }
-      expand_dtypes(shape, {d});
+      expand_dtypes(shape, {d}, model_epilogues);
     } else {
       throw InputError(path + ": missing field torch_dtype (or dtype) next to " + cfg.hidden_field +
                        "; pass --dtype");
@@ -205,7 +224,7 @@ std::vector<KernelSpec> collect_specs(const Options& o) {
       shape.hidden = h;
       shape.top_k = k;
       shape.origin = "--hidden " + std::to_string(h) + " --topk " + std::to_string(k);
-      expand_dtypes(shape, dtypes);
+      expand_dtypes(shape, dtypes, defaults.epilogues);
     }
 
   for (const std::string& path : o.manifests) {
@@ -641,6 +660,10 @@ int main_impl(int argc, char** argv) {
   app.add_option("--layout", o.layouts, "token_major|gather_map|token_index (default: all three)")
       ->delimiter(',');
   app.add_option("--index-type", o.index_types, "int32|int64 (default: both)")->delimiter(',');
+  app.add_option("--epilogue", o.epilogues,
+                 "none|residual|norm|norm-fp8 (comma list; default: from the model config, else "
+                 "none)")
+      ->delimiter(',');
   app.add_option("--manifest", o.manifests, "file of specializations or shapes, one per line")
       ->type_name("PATH");
   app.add_option("--arch", o.arch, "sm_80,sm_90,... or all (default: the GPU present)");
@@ -679,10 +702,11 @@ int main_impl(int argc, char** argv) {
       // Refused rather than ignored: none of them narrows what --verify checks.
       if (!o.model_configs.empty() || !o.hidden.empty() || !o.top_k.empty() || !o.dtypes.empty() ||
           !o.out_dtype.empty() || !o.layouts.empty() || !o.index_types.empty() ||
-          !o.manifests.empty() || !o.arch.empty() || o.dry_run || o.readable_by_all)
+          !o.epilogues.empty() || !o.manifests.empty() || !o.arch.empty() || o.dry_run ||
+          o.readable_by_all)
         throw InputError(
             "--verify checks every entry of the cache directory; it takes no model inputs, "
-            "shapes, --layout, --index-type, --arch, --dry-run or --readable-by-all");
+            "shapes, --layout, --index-type, --epilogue, --arch, --dry-run or --readable-by-all");
       return run_verify(o);
     }
     if (o.dry_run && o.readable_by_all)
