@@ -432,8 +432,11 @@ Expected expect(const Case& c, const Prepared& pr) {
         v[h] = round_to(model, round_to(model, x[h] * r) * wv);
         v64[h] = x64[h] * r64 * wv;
       }
-    } else {
-      for (int64_t h = 0; h < H; ++h) v[h] = c32[h];
+    } else {  // out receives the combine c, with or without a residual
+      for (int64_t h = 0; h < H; ++h) {
+        v[h] = c32[h];
+        v64[h] = c64[h];
+      }
     }
     for (int64_t h = 0; h < H; ++h) e.out64[t * H + h] = v64[h];
     if (!fp8) {

@@ -384,13 +384,18 @@ def epilogue_reference(c, residual, weight, eps, fp8, pow2, model_dtype):
     """The documented math (moejit.h, "The epilogue") from c, the combine's fp32 result, in torch
     ops whose every fp32 operation is one IEEE operation: the pairwise sum of squares level by
     level, division and square root as IEEE. Returns (new residual or None, out, scales)."""
-    v = c
+    # Divisions by a tensor, never by a Python number: torch computes a tensor divided by a scalar
+    # as a product with its reciprocal, which is not the IEEE quotient moejit.h specifies.
+    def div(a, b):
+        return a / torch.full_like(a, b)
+
+    v = c  # without a norm, out receives the combine, with or without a residual
     new_residual = None
     if residual is not None:
-        v = residual.float() + c
-        new_residual = v.to(residual.dtype)
+        h = residual.float() + c
+        new_residual = h.to(residual.dtype)
     if weight is not None:
-        x = v.to(model_dtype).float()
+        x = (h if residual is not None else c).to(model_dtype).float()
         T, H = x.shape
         P = 1
         while P < H:
@@ -399,7 +404,7 @@ def epilogue_reference(c, residual, weight, eps, fp8, pow2, model_dtype):
         s[:, :H] = x * x
         while s.shape[1] > 1:
             s = s.view(T, -1, 2).sum(-1)  # one fp32 add per pair: the pairwise order
-        r = 1.0 / torch.sqrt(s / H + eps)
+        r = torch.ones_like(s) / torch.sqrt(div(s, float(H)) + eps)
         v = ((x * r).to(model_dtype).float() * weight.float()).to(model_dtype).float()
     if not fp8:
         return new_residual, v, None
@@ -407,7 +412,7 @@ def epilogue_reference(c, residual, weight, eps, fp8, pow2, model_dtype):
     G = (H + 127) // 128
     padded = torch.zeros(T, G * 128, device=v.device)
     padded[:, :H] = v.abs()
-    scales = padded.view(T, G, 128).amax(-1).clamp(min=1e-10) / 448.0
+    scales = div(padded.view(T, G, 128).amax(-1).clamp(min=1e-10), 448.0)
     if pow2:
         scales = ((scales.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
     q = (v / scales.repeat_interleave(128, dim=1)[:, :H]).to(torch.float8_e4m3fn)
