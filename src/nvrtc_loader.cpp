@@ -62,6 +62,26 @@ std::string loaded_path(void* handle, const std::string& fallback) {
   return fallback;
 }
 
+// NVRTC opens libnvrtc-builtins.so.MAJOR.MINOR by name at its first compile, and pip's
+// libnvrtc.so has no RUNPATH to its own directory: without a toolkit on the loader's path that
+// compile fails ("failed to open libnvrtc-builtins"). The one next to the loaded libnvrtc is
+// opened here by its path first, so the name NVRTC asks for is already loaded (glibc matches it
+// by soname). Kept open, like libnvrtc; where there is none, NVRTC searches as it would.
+void preload_builtins(const NvrtcApi& api) {
+  int major = 0, minor = 0;
+  if (api.nvrtcVersion(&major, &minor) != NVRTC_SUCCESS) return;
+  const size_t slash = api.path.rfind('/');
+  if (slash == std::string::npos) return;
+  const std::string file = api.path.substr(0, slash) + "/libnvrtc-builtins.so." +
+                           std::to_string(major) + "." + std::to_string(minor);
+  struct stat st {};
+  if (stat(file.c_str(), &st) != 0) return;
+  if (dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL) == nullptr) {
+    const char* error = dlerror();
+    logger().debug("could not preload {}: {}", file, error != nullptr ? error : "dlopen failed");
+  }
+}
+
 // Opens one candidate; on failure says why in *why and returns false.
 bool try_load(const NvrtcCandidate& c, NvrtcApi* api, std::string* why) {
   if (c.file.find('/') != std::string::npos) {
@@ -102,6 +122,7 @@ bool try_load(const NvrtcCandidate& c, NvrtcApi* api, std::string* why) {
   }
   a.path = loaded_path(handle, c.file);
   a.origin = c.origin;
+  preload_builtins(a);
   return true;
 }
 

@@ -5,7 +5,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "error.h"
@@ -115,6 +117,49 @@ TEST(NvrtcLoader, TheFirstCandidateThatLoadsIsTaken) {
   int major = 0, minor = 0;
   ASSERT_EQ(found.nvrtcVersion(&major, &minor), NVRTC_SUCCESS);
   EXPECT_GE(major, 12);
+}
+
+bool mapped(const std::string& file) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line))
+    if (line.size() >= file.size() &&
+        line.compare(line.size() - file.size(), file.size(), file) == 0)
+      return true;
+  return false;
+}
+
+// pip's libnvrtc has no RUNPATH to its directory: the builtins next to it must be the ones NVRTC
+// uses, not whatever the loader's path offers (a toolkit's, or none when no toolkit is there).
+// A copy of the real NVRTC and its builtins in a directory of their own stands in for pip's.
+TEST(NvrtcLoader, TheBuiltinsNextToTheLoadedNvrtcAreLoadedWithIt) {
+  const NvrtcApi& real = nvrtc();
+  int major = 0, minor = 0;
+  ASSERT_EQ(real.nvrtcVersion(&major, &minor), NVRTC_SUCCESS);
+  const std::string real_dir = real.path.substr(0, real.path.rfind('/'));
+  const std::string builtins =
+      "libnvrtc-builtins.so." + std::to_string(major) + "." + std::to_string(minor);
+  if (access((real_dir + "/" + builtins).c_str(), R_OK) != 0)
+    GTEST_SKIP() << "no " << builtins << " next to " << real.path;
+  char dir_template[] = "/tmp/moejit-nvrtc-XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  const std::string nvrtc_copy = dir + "/libnvrtc.so." + std::to_string(major);
+  for (const auto& [from, to] : {std::pair<std::string, std::string>{real.path, nvrtc_copy},
+                                 {real_dir + "/" + builtins, dir + "/" + builtins}}) {
+    std::ifstream in(from, std::ios::binary);
+    std::ofstream out(to, std::ios::binary);
+    out << in.rdbuf();
+    ASSERT_TRUE(out.good()) << to;
+  }
+  EXPECT_FALSE(mapped(dir + "/" + builtins));
+  const NvrtcApi copy = load_nvrtc({{nvrtc_copy, "a directory of its own"}});
+  EXPECT_EQ(copy.path, nvrtc_copy);
+  EXPECT_TRUE(mapped(dir + "/" + builtins));
+  // The mappings stay (the libraries are never closed); the files can go.
+  unlink((dir + "/" + builtins).c_str());
+  unlink(nvrtc_copy.c_str());
+  rmdir(dir.c_str());
 }
 
 }  // namespace
