@@ -361,4 +361,25 @@ std::vector<CaseResult> run_case(const Shape& shape, const std::vector<moejit_la
   return results;
 }
 
+void write_case_timing(JsonWriter& j, const CaseResult& r) {
+  j.member("median_us", r.median_us);
+  j.member("parity_split_us", r.parity_split_us);
+  j.member("l2_warm_us", r.l2_warm_us);
+  j.member("gbps", r.gbps);
+  j.member("pct_ceiling", r.pct_ceiling);
+  j.member("pct_floor_with_launch", r.pct_floor_with_launch);
+}
+
+void write_case_check(JsonWriter& j, const CaseResult& r) {
+  j.member("rel_err", r.check.rel_err);
+  j.member("rel_err_bound", r.check.bound);
+  j.member("rounding_rel_err", r.check.rounding_err);
+  j.member("checked_tokens", r.check.checked_tokens);
+  j.member("tokens_over_bound", r.check.bad_tokens);
+  j.member("nonfinite_elements", r.check.nonfinite);
+  j.member("deterministic", r.deterministic);
+  j.member("correct", r.correct);
+  j.member("reps", r.reps);
+}
+
 }  // namespace moejit_bench

@@ -8,6 +8,7 @@
 
 #include "bench_cuda.h"
 #include "bench_data.h"
+#include "json_writer.h"
 #include "moejit/moejit.h"
 
 namespace moejit_bench {
@@ -101,5 +102,10 @@ std::vector<CaseResult> run_case(const Shape& shape, const std::vector<moejit_la
 // token-index layout, checked and timed like run_case's layouts (no same-size copy).
 CaseResult run_token_index_case(const HostInputs& in, const BenchSettings& settings,
                                 const Floors& floors, Timer& timer);
+
+// A timed case's figures and its check, as every JSON record of one (moejit-bench's cases and
+// --skew's) writes them: median_us .. pct_floor_with_launch, and rel_err .. reps.
+void write_case_timing(JsonWriter& j, const CaseResult& r);
+void write_case_check(JsonWriter& j, const CaseResult& r);
 
 }  // namespace moejit_bench

@@ -571,25 +571,12 @@ void write_json(const std::string& path, const std::string& device, const Floors
     if (!r.error.empty()) {
       j.member("error", r.error);
     } else {
-      j.member("median_us", r.median_us);
-      j.member("parity_split_us", r.parity_split_us);
-      j.member("l2_warm_us", r.l2_warm_us);
-      j.member("gbps", r.gbps);
-      j.member("pct_ceiling", r.pct_ceiling);
-      j.member("pct_floor_with_launch", r.pct_floor_with_launch);
+      write_case_timing(j, r);
       j.member("ratio_empty", r.ratio_empty);
       j.member("same_size_copy_us", r.same_size_copy_us);
       j.member("pct_ceiling_same_size_copy", r.same_size_copy_pct_ceiling);
       j.member("pct_floor_with_launch_same_size_copy", r.same_size_copy_pct_floor_with_launch);
-      j.member("rel_err", r.check.rel_err);
-      j.member("rel_err_bound", r.check.bound);
-      j.member("rounding_rel_err", r.check.rounding_err);
-      j.member("checked_tokens", r.check.checked_tokens);
-      j.member("tokens_over_bound", r.check.bad_tokens);
-      j.member("nonfinite_elements", r.check.nonfinite);
-      j.member("deterministic", r.deterministic);
-      j.member("correct", r.correct);
-      j.member("reps", r.reps);
+      write_case_check(j, r);
     }
     j.end_object();
   }

@@ -121,12 +121,7 @@ void write_skew_json(JsonWriter& j, const std::vector<SkewResult>& results) {
     if (!c.error.empty()) {
       j.member("error", c.error);
     } else {
-      j.member("median_us", c.median_us);
-      j.member("parity_split_us", c.parity_split_us);
-      j.member("l2_warm_us", c.l2_warm_us);
-      j.member("gbps", c.gbps);
-      j.member("pct_ceiling", c.pct_ceiling);
-      j.member("pct_floor_with_launch", c.pct_floor_with_launch);
+      write_case_timing(j, c);
       if (r.ratio_to_uniform > 0) {
         j.member("uniform_us", r.uniform_us);
         j.member("ratio_to_uniform", r.ratio_to_uniform);
@@ -134,15 +129,7 @@ void write_skew_json(JsonWriter& j, const std::vector<SkewResult>& results) {
         j.key("uniform_us").null();
         j.key("ratio_to_uniform").null();
       }
-      j.member("rel_err", c.check.rel_err);
-      j.member("rel_err_bound", c.check.bound);
-      j.member("rounding_rel_err", c.check.rounding_err);
-      j.member("checked_tokens", c.check.checked_tokens);
-      j.member("tokens_over_bound", c.check.bad_tokens);
-      j.member("nonfinite_elements", c.check.nonfinite);
-      j.member("deterministic", c.deterministic);
-      j.member("correct", c.correct);
-      j.member("reps", c.reps);
+      write_case_check(j, c);
     }
     j.end_object();
   }
