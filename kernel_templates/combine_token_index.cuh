@@ -176,10 +176,12 @@ __global__ void __launch_bounds__(TPT* TPB, 0) combine_lists(const CombineParams
 // stored to out; without it (the token index's epilogue, combine_epilogue.cuh) their pieces are
 // left for the next kernel, which adds each such token itself (add_heavy_token; OUT_DT unused).
 // Three blocks per SM (up to 80 registers; left to itself ptxas took 116-128 and kept two), one
-// vector per lane and row, four rows per round trip: with eight, ptxas spilled in some modules.
+// vector per lane and row, PieceBatch rows per round trip.
 template <int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, bool FINISH = true>
 __global__ void __launch_bounds__(kHeavyThreads, 3) token_index_heavy(const CombineParams p) {
-  constexpr int kUpt = 1, kRows = 4;
+  typedef typename detail::Elem<IN_DT>::storage S;
+  constexpr int kUpt = 1;
+  constexpr int kRows = detail::PieceBatch<detail::VecBytes<S, VEC>::value>::value;
   detail::allow_dependents();
   detail::wait_for_predecessor();  // token_index_assign's counts and heavy tokens
   const long long heavy = static_cast<long long>(__ldg(detail::heavy_counters(p) + kHeavyTokens));

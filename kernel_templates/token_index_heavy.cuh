@@ -141,7 +141,8 @@ __device__ __forceinline__ int warp_sum(int v) {
   return v;
 }
 
-// Entries of token_idx a lane reads per round trip in the count and rank steps.
+// Entries of token_idx a lane reads per round trip in the count and rank steps (eight spilled in
+// some modules: the kernel's register promise covers every step).
 enum { kHeavyScan = 4 };
 
 // ---- the steps ---------------------------------------------------------------------------------
@@ -158,14 +159,23 @@ __device__ __forceinline__ void count_chunk_rows(const CombineParams& p, const H
   const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
   const long long first = chunk * s.chunk_rows;
   const long long end = first + s.chunk_rows < p.num_rows ? first + s.chunk_rows : p.num_rows;
+  // Each trip's entries are loaded during the trip before: a trip waits for the counts and the
+  // heavy indices only (two dependent loads, not three).
+  long long next[kHeavyScan];
+#pragma unroll
+  for (int u = 0; u < kHeavyScan; ++u) {
+    const long long r = first + u * 32 + lane;
+    next[u] = r < end ? static_cast<long long>(__ldg(token_idx + r)) : -1;
+  }
 #pragma unroll 1
   for (long long base = first; base < end; base += kHeavyScan * 32) {
     long long t[kHeavyScan];
     int h[kHeavyScan];
 #pragma unroll
     for (int u = 0; u < kHeavyScan; ++u) {
-      const long long r = base + u * 32 + lane;
-      t[u] = r < end ? static_cast<long long>(__ldg(token_idx + r)) : -1;
+      t[u] = next[u];
+      const long long r = base + (kHeavyScan + u) * 32 + lane;
+      next[u] = r < end ? static_cast<long long>(__ldg(token_idx + r)) : -1;
     }
 #pragma unroll
     for (int u = 0; u < kHeavyScan; ++u)  // -2: a heavy token, whose index is read next
@@ -284,6 +294,78 @@ __device__ __forceinline__ void add_ranked_rows(const CombineParams& p, const in
   }
 }
 
+// ---- a piece's rows, warp-wide ------------------------------------------------------------------
+// A sum item's rows are the same for every lane of its warp (each adds its own slots), so the warp
+// loads the piece's row ids once, together with the token's count, and keeps them in shared
+// memory (registers are what the rows in flight need); a round trip then waits for its rows and
+// their gates alone, not for a row-id load before them. The adds are the same fp32 fma chain in
+// ascending row order.
+enum { kPieceIds = kPieceRows / 32 };  // entries of a piece per lane
+
+// Rows per round trip of a sum item at VEC_BYTES per row and lane, within the kernel's register
+// promise (the steps' other state is live beside them): four vectors of 8 or 16 bytes, eight of
+// 4 bytes or less (more spilled in some modules).
+template <int VEC_BYTES>
+struct PieceBatch {
+  enum { value = VEC_BYTES >= 8 ? 4 : 8 };
+};
+
+// This warp's row ids of its piece (token_index_heavy's blocks: kHeavyThreads / 32 warps).
+__device__ __forceinline__ int* warp_piece_ids() {
+  __shared__ __align__(16) int ids[kHeavyThreads / 32][kPieceRows];
+  return ids[threadIdx.x / 32];
+}
+
+// Entries [0, kPieceRows) of `rows` (a piece's ranked rows) into this lane's id[]: entry
+// l + 32 * j at lane l, where it is one of the `readable` entries of heavy_rows from `rows` on
+// (-1 elsewhere). Not bounded by the piece's count, so that the load need not wait for it:
+// add_piece_rows drops the entries past the count.
+__device__ __forceinline__ void load_piece_ids(const int* rows, long long readable,
+                                               int (&id)[kPieceIds]) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+  for (int j = 0; j < kPieceIds; ++j)
+    id[j] = j * 32 + lane < readable ? __ldcg(rows + j * 32 + lane) : -1;
+}
+
+// The piece's first n rows (load_piece_ids' id[], n <= kPieceRows) added from their gates into
+// sum, BATCH rows per round trip (a multiple of 4 that divides kPieceRows: the ids are read from
+// shared memory four at a time); this thread's UPT slots first_slot + u * 32. Every lane of the
+// warp, with the same rows.
+template <int IN_DT, int VEC, int HIDDEN, int UPT, int BATCH>
+__device__ __forceinline__ void add_piece_rows(const CombineParams& p, const int (&id)[kPieceIds],
+                                               int n, int first_slot, float (&sum)[UPT][VEC]) {
+  static_assert(BATCH % 4 == 0 && kPieceRows % BATCH == 0, "whole int4s of ids per trip");
+  typedef typename Elem<IN_DT>::storage S;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  int* ids = warp_piece_ids();
+#pragma unroll
+  for (int j = 0; j < kPieceIds; ++j) ids[j * 32 + lane] = j * 32 + lane < n ? id[j] : -1;
+  __syncwarp();
+#pragma unroll 1
+  for (int from = 0; from < n; from += BATCH) {
+    int row[BATCH];
+    bool mapped[BATCH];
+    float gate[BATCH];
+    Pack<S, VEC> v[BATCH][UPT];
+    bool present[BATCH];
+#pragma unroll
+    for (int k = 0; k < BATCH; k += 4) {
+      const int4 q = *reinterpret_cast<const int4*>(ids + from + k);
+      row[k] = q.x;
+      row[k + 1] = q.y;
+      row[k + 2] = q.z;
+      row[k + 3] = q.w;
+    }
+#pragma unroll
+    for (int k = 0; k < BATCH; ++k)
+      gate[k] = p.gates != nullptr && row[k] >= 0 ? __ldg(p.gates + row[k]) : 1.0f;
+    add_held_rows<kLayoutTokenIndex, IN_DT, HIDDEN, VEC, BATCH, 32, UPT, BATCH, BATCH, false>(
+        p, static_cast<const S*>(p.expert), 0, first_slot, row, mapped, gate, v, present, sum);
+  }
+  __syncwarp();  // every lane has read the ids before the warp's next item writes its own
+}
+
 // VEC floats of a partial sum, past L1.
 template <int VEC>
 __device__ __forceinline__ void load_partial(const float* at, float (&x)[VEC]) {
@@ -306,7 +388,7 @@ __device__ __forceinline__ void load_partial(const float* at, float (&x)[VEC]) {
 }
 
 // n partial sums from `partials` on, a stride apart, added in order into this thread's UPT slots
-// (first_slot + u * TPT).
+// (first_slot + u * TPT). 32 floats in flight: more spilled in token_index_heavy's finish.
 template <int VEC, int HIDDEN, int UPT, int TPT>
 __device__ __forceinline__ void add_partials(const float* partials, long long stride, int n,
                                              int first_slot, float (&sum)[UPT][VEC]) {
@@ -365,17 +447,20 @@ __device__ __forceinline__ void sum_part(const CombineParams& p, const HeavyWork
       static_cast<int>(i % kParts) * (32 * UPT) + static_cast<int>(threadIdx.x) % 32;
   const int h = finishing ? static_cast<int>(item) : __ldcg(s.piece_token + item);
   const long long token = __ldg(s.heavy_tokens + h);
-  const int count = __ldg(p.token_counts + token);
   const int first_piece = __ldcg(s.piece_base + h);
   // The rows of the piece, or of the whole token where it is one piece; else its partial sums.
+  // The piece's row ids are loaded together with the token's count, not after it.
   const int first = finishing ? 0 : (static_cast<int>(item) - first_piece) * kPieceRows;
+  const long long rows_from = __ldcg(s.row_base + h) + static_cast<long long>(first);
+  int id[kPieceIds];
+  load_piece_ids(s.heavy_rows + rows_from, p.num_rows - rows_from, id);
+  const int count = __ldg(p.token_counts + token);
   const bool by_rows = !finishing || count <= kPieceRows;
   float sum[UPT][VEC];
   clear_sums(sum);
   if (by_rows)
-    add_ranked_rows<IN_DT, VEC, HIDDEN, UPT, 32, BATCH>(
-        p, s.heavy_rows + __ldcg(s.row_base + h) + first,
-        count - first < kPieceRows ? count - first : kPieceRows, first_slot, sum);
+    add_piece_rows<IN_DT, VEC, HIDDEN, UPT, BATCH>(
+        p, id, count - first < kPieceRows ? count - first : kPieceRows, first_slot, sum);
   else
     add_partials<VEC, HIDDEN, UPT, 32>(s.partials + first_piece * s.partial_stride,
                                        s.partial_stride, (count + kPieceRows - 1) / kPieceRows,
