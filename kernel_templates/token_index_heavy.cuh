@@ -222,7 +222,10 @@ __device__ __forceinline__ void plan_heavy_tokens(const CombineParams& p, const 
     rows_before += __shfl_sync(0xffffffffu, rows_in, 31);
     pieces_before += __shfl_sync(0xffffffffu, pieces_in, 31);
   }
-  if (lane == 0) s.counter[kHeavyPieces] = static_cast<unsigned long long>(pieces_before);
+  if (lane == 0) {
+    s.counter[kHeavyPieces] = static_cast<unsigned long long>(pieces_before);
+    s.counter[kHeavyRows] = static_cast<unsigned long long>(rows_before);
+  }
 }
 
 // rank: heavy token h's rows in chunk `chunk`, in ascending order, to heavy_rows at their ranks
@@ -317,9 +320,9 @@ __device__ __forceinline__ int* warp_piece_ids() {
 }
 
 // Entries [0, kPieceRows) of `rows` (a piece's ranked rows) into this lane's id[]: entry
-// l + 32 * j at lane l, where it is one of the `readable` entries of heavy_rows from `rows` on
-// (-1 elsewhere). Not bounded by the piece's count, so that the load need not wait for it:
-// add_piece_rows drops the entries past the count.
+// l + 32 * j at lane l, where it is one of the `readable` entries from `rows` on (-1 elsewhere):
+// ranked rows only, never an unwritten one. Not bounded by the piece's count, so that the load
+// need not wait for it: add_piece_rows drops the entries past the count.
 __device__ __forceinline__ void load_piece_ids(const int* rows, long long readable,
                                                int (&id)[kPieceIds]) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -453,7 +456,8 @@ __device__ __forceinline__ void sum_part(const CombineParams& p, const HeavyWork
   const int first = finishing ? 0 : (static_cast<int>(item) - first_piece) * kPieceRows;
   const long long rows_from = __ldcg(s.row_base + h) + static_cast<long long>(first);
   int id[kPieceIds];
-  load_piece_ids(s.heavy_rows + rows_from, p.num_rows - rows_from, id);
+  const long long ranked = static_cast<long long>(__ldcg(s.counter + kHeavyRows));
+  load_piece_ids(s.heavy_rows + rows_from, ranked - rows_from, id);
   const int count = __ldg(p.token_counts + token);
   const bool by_rows = !finishing || count <= kPieceRows;
   float sum[UPT][VEC];

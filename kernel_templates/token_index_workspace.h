@@ -48,6 +48,7 @@ enum HeavyCounter {
   kHeavySummed,
   kHeavyFinished,
   kHeavyPieces,  // pieces of the call (the plan's total)
+  kHeavyRows,    // rows of the heavy tokens (the plan's total: the written part of heavy_rows)
   kHeavyCounters
 };
 
