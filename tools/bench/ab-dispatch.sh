@@ -9,8 +9,8 @@
 #
 # Environment: STEPS (default "build test ab"; any subset, in that order, e.g. STEPS=ab to rerun
 # the rounds on builds already made), ROUNDS (ab_libs.py rounds, default 1000), AB_WORK.
-# The revision is exported with git archive (no worktree is added); xxhash.h comes from
-# .deps/include where the system lacks it (the GPU machine: the lead carries .deps/).
+# The revision is exported with git archive (no worktree is added); xxhash.h and libsodium come
+# from .deps/ where the system lacks them (the GPU machine: the lead carries .deps/).
 # Exit status: 0 when every step passed; else the first failing step's status (later steps still
 # run where they can). Without a GPU the test and A/B steps fail with a message saying so.
 set -uo pipefail
@@ -33,6 +33,10 @@ has_step() { [[ " $steps " == *" $1 "* ]]; }
 cfg=(-G Ninja -DCMAKE_BUILD_TYPE=Release)
 if [ -e "$repo/.deps/include/xxhash.h" ] && [ ! -e /usr/include/xxhash.h ]; then
   cfg+=("-DXXHASH_INCLUDE_DIR=$repo/.deps/include")
+fi
+# The exported revision has no .deps/ of its own: point it at the checkout's libsodium.
+if [ -e "$repo/.deps/lib/libsodium.a" ] && [ ! -e /usr/include/sodium.h ]; then
+  cfg+=("-DSODIUM_ROOT=$repo/.deps")
 fi
 base_src="$work/base-src" base_build="$work/base-build" new_build="$work/new-build"
 

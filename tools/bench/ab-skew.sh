@@ -9,8 +9,8 @@
 #
 #   tools/bench/ab-skew.sh OUTDIR [REVISION]     (REVISION: default main)
 #
-# Environment: STEPS (default "build test ab"; any subset, in that order), AB_WORK. xxhash.h comes
-# from .deps/include where the system lacks it. About 4-5 minutes on an H100 with 16 cores.
+# Environment: STEPS (default "build test ab"; any subset, in that order), AB_WORK. xxhash.h and
+# libsodium come from .deps/ where the system lacks them. About 4-5 minutes on an H100, 16 cores.
 # Exit status: 0 when every step passed, else the first failing step's.
 set -uo pipefail
 usage() { sed -n '2,14p' "$0"; exit 2; }
@@ -31,6 +31,10 @@ has_step() { [[ " $steps " == *" $1 "* ]]; }
 cfg=(-G Ninja -DCMAKE_BUILD_TYPE=Release)
 if [ -e "$repo/.deps/include/xxhash.h" ] && [ ! -e /usr/include/xxhash.h ]; then
   cfg+=("-DXXHASH_INCLUDE_DIR=$repo/.deps/include")
+fi
+# The exported revision has no .deps/ of its own: point it at the checkout's libsodium.
+if [ -e "$repo/.deps/lib/libsodium.a" ] && [ ! -e /usr/include/sodium.h ]; then
+  cfg+=("-DSODIUM_ROOT=$repo/.deps")
 fi
 base_src="$work/base-src" base_build="$work/base-build" new_build="$work/new-build"
 
