@@ -264,11 +264,14 @@ __global__ void token_index_clear(const CombineParams p) {
 }
 
 // Step 2: every row announces itself to its token. Arrival order is not deterministic. The row that
-// finds its token's list full registers the token as heavy (token_index_heavy.cuh).
+// finds its token's list full registers the token as heavy (token_index_heavy.cuh). The lanes of a
+// warp with the same token take their places with one atomic: a skewed routing's hot token
+// otherwise serializes every row of it on one counter.
 template <typename IdxT>
 __global__ void token_index_assign(const CombineParams p) {
   const IdxT* __restrict__ token_idx = static_cast<const IdxT*>(p.indices);
   detail::allow_dependents();
+  const int lane = static_cast<int>(threadIdx.x) % 32;
   const long long first = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
   // The first row's entry is loaded before the wait: token_idx is the caller's input, complete
@@ -276,11 +279,20 @@ __global__ void token_index_assign(const CombineParams p) {
   // trip overlaps the clear.
   IdxT entry = first < p.num_rows ? __ldg(token_idx + first) : IdxT(-1);
   detail::wait_for_predecessor();  // the counts are token_index_clear's
-  for (long long r = first; r < p.num_rows; r += stride) {
-    if (r != first) entry = __ldg(token_idx + r);
-    const long long t = static_cast<long long>(entry);
-    if (t < 0 || t >= p.num_tokens) continue;  // dropped (-1) or out of range
-    const int arrival = atomicAdd(p.token_counts + t, 1);
+  // Whole warps per round (blocks of whole warps): every lane takes part in the match, of 32-bit
+  // tokens where they fit (one match instruction, not two).
+  const bool narrow = p.num_tokens <= 0x7fffffffll;
+  for (long long r = first; r - lane < p.num_rows; r += stride) {
+    if (r != first) entry = r < p.num_rows ? __ldg(token_idx + r) : IdxT(-1);
+    long long t = static_cast<long long>(entry);
+    if (t < 0 || t >= p.num_tokens) t = -1;  // dropped or out of range: one key for all of them
+    const unsigned peers = narrow ? __match_any_sync(0xffffffffu, static_cast<int>(t))
+                                  : __match_any_sync(0xffffffffu, t);
+    if (t < 0) continue;
+    const int leader = __ffs(peers) - 1;
+    int arrival = 0;
+    if (lane == leader) arrival = atomicAdd(p.token_counts + t, __popc(peers));
+    arrival = __shfl_sync(peers, arrival, leader) + __popc(peers & ((1u << lane) - 1u));
     if (arrival < p.list_capacity)
       p.token_rows[t * p.list_capacity + arrival] = static_cast<int>(r);
     else if (arrival == p.list_capacity)  // the token's list is full: a heavy token
