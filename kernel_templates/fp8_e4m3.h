@@ -3,15 +3,12 @@
 // conversion on GPUs without a hardware one (before sm_89), and the host tests' reference, so that
 // both are one definition. The hardware conversion (cvt.rn.satfinite.e4m3x2.f32) gives the same
 // bits, which the GPU tests check against this one.
-// Plain C++ with no includes: NVRTC compiles it without any toolkit header on its search path.
+// Plain C++ that includes only host_device.h: NVRTC compiles it without any toolkit header on
+// its search path.
 #ifndef MOEJIT_FP8_E4M3_H_
 #define MOEJIT_FP8_E4M3_H_
 
-#if defined(__CUDACC__)
-#define MOEJIT_HOST_DEVICE __host__ __device__
-#else
-#define MOEJIT_HOST_DEVICE
-#endif
+#include "host_device.h"
 
 namespace moejit {
 

@@ -274,26 +274,34 @@ __device__ __forceinline__ void rank_chunk_rows(const CombineParams& p, const He
   }
 }
 
+// BATCH rows (row ids, -1: none) added from their gates into sum; this thread's UPT slots
+// first_slot + u * TPT. One round trip.
+template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT, int BATCH>
+__device__ __forceinline__ void add_row_batch(const CombineParams& p, const int (&row)[BATCH],
+                                              int first_slot, float (&sum)[UPT][VEC]) {
+  typedef typename Elem<IN_DT>::storage S;
+  bool mapped[BATCH];
+  float gate[BATCH];
+  Pack<S, VEC> v[BATCH][UPT];
+  bool present[BATCH];
+#pragma unroll
+  for (int k = 0; k < BATCH; ++k)
+    gate[k] = p.gates != nullptr && row[k] >= 0 ? __ldg(p.gates + row[k]) : 1.0f;
+  add_held_rows<kLayoutTokenIndex, IN_DT, HIDDEN, VEC, BATCH, TPT, UPT, BATCH, BATCH, false>(
+      p, static_cast<const S*>(p.expert), 0, first_slot, row, mapped, gate, v, present, sum);
+}
+
 // rows[0..n) (ascending row ids, written by this kernel) added from their gates into sum, BATCH
 // per round trip; this thread's UPT slots first_slot + u * TPT.
 template <int IN_DT, int VEC, int HIDDEN, int UPT, int TPT, int BATCH>
 __device__ __forceinline__ void add_ranked_rows(const CombineParams& p, const int* rows, int n,
                                                 int first_slot, float (&sum)[UPT][VEC]) {
-  typedef typename Elem<IN_DT>::storage S;
 #pragma unroll 1
   for (int from = 0; from < n; from += BATCH) {
     int row[BATCH];
-    bool mapped[BATCH];
-    float gate[BATCH];
-    Pack<S, VEC> v[BATCH][UPT];
-    bool present[BATCH];
 #pragma unroll
     for (int k = 0; k < BATCH; ++k) row[k] = from + k < n ? __ldcg(rows + from + k) : -1;
-#pragma unroll
-    for (int k = 0; k < BATCH; ++k)
-      gate[k] = p.gates != nullptr && row[k] >= 0 ? __ldg(p.gates + row[k]) : 1.0f;
-    add_held_rows<kLayoutTokenIndex, IN_DT, HIDDEN, VEC, BATCH, TPT, UPT, BATCH, BATCH, false>(
-        p, static_cast<const S*>(p.expert), 0, first_slot, row, mapped, gate, v, present, sum);
+    add_row_batch<IN_DT, VEC, HIDDEN, UPT, TPT, BATCH>(p, row, first_slot, sum);
   }
 }
 
@@ -339,7 +347,6 @@ template <int IN_DT, int VEC, int HIDDEN, int UPT, int BATCH>
 __device__ __forceinline__ void add_piece_rows(const CombineParams& p, const int (&id)[kPieceIds],
                                                int n, int first_slot, float (&sum)[UPT][VEC]) {
   static_assert(BATCH % 4 == 0 && kPieceRows % BATCH == 0, "whole int4s of ids per trip");
-  typedef typename Elem<IN_DT>::storage S;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   int* ids = warp_piece_ids();
 #pragma unroll
@@ -348,10 +355,6 @@ __device__ __forceinline__ void add_piece_rows(const CombineParams& p, const int
 #pragma unroll 1
   for (int from = 0; from < n; from += BATCH) {
     int row[BATCH];
-    bool mapped[BATCH];
-    float gate[BATCH];
-    Pack<S, VEC> v[BATCH][UPT];
-    bool present[BATCH];
 #pragma unroll
     for (int k = 0; k < BATCH; k += 4) {
       const int4 q = *reinterpret_cast<const int4*>(ids + from + k);
@@ -360,11 +363,7 @@ __device__ __forceinline__ void add_piece_rows(const CombineParams& p, const int
       row[k + 2] = q.z;
       row[k + 3] = q.w;
     }
-#pragma unroll
-    for (int k = 0; k < BATCH; ++k)
-      gate[k] = p.gates != nullptr && row[k] >= 0 ? __ldg(p.gates + row[k]) : 1.0f;
-    add_held_rows<kLayoutTokenIndex, IN_DT, HIDDEN, VEC, BATCH, 32, UPT, BATCH, BATCH, false>(
-        p, static_cast<const S*>(p.expert), 0, first_slot, row, mapped, gate, v, present, sum);
+    add_row_batch<IN_DT, VEC, HIDDEN, UPT, 32, BATCH>(p, row, first_slot, sum);
   }
   __syncwarp();  // every lane has read the ids before the warp's next item writes its own
 }

@@ -1,16 +1,12 @@
 // The token-index layout's workspace: what the host asks the caller for
 // (moejit_combine_workspace_size) and where the kernels find each part of it, one definition for
 // both; and the summation rule for a token with many rows, which its partial sums serve.
-// Plain C++ with no includes (as combine_params.h): the host compiles it, and NVRTC without any
-// toolkit header.
+// Plain C++ that includes only host_device.h: the host compiles it, and NVRTC without any toolkit
+// header.
 #ifndef MOEJIT_TOKEN_INDEX_WORKSPACE_H_
 #define MOEJIT_TOKEN_INDEX_WORKSPACE_H_
 
-#if defined(__CUDACC__)
-#define MOEJIT_HOST_DEVICE __host__ __device__
-#else
-#define MOEJIT_HOST_DEVICE
-#endif
+#include "host_device.h"
 
 namespace moejit {
 
