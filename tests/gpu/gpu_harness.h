@@ -13,6 +13,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -162,6 +163,38 @@ struct Rng {
     return lo + (hi - lo) * static_cast<float>(next() >> 40) / static_cast<float>(1ull << 24);
   }
   int64_t below(int64_t n) { return static_cast<int64_t>(next() % static_cast<uint64_t>(n)); }
+};
+
+// The tokens of a skewed token-index routing, in a shuffled order (the hot ones anywhere in the
+// batch): the hottest token, the top 1% for half the rows, or Zipf(1.2) (rank k of weight
+// (k + 1)^-1.2; its table built only when asked for).
+class SkewedTokens {
+ public:
+  SkewedTokens(int64_t num_tokens, bool zipf, Rng& rng)
+      : order_(static_cast<size_t>(num_tokens)),
+        top_(std::max<int64_t>(1, (num_tokens + 50) / 100)) {
+    std::iota(order_.begin(), order_.end(), 0);
+    for (int64_t i = num_tokens - 1; i > 0; --i) std::swap(order_[i], order_[rng.below(i + 1)]);
+    double total = 0;
+    for (int64_t k = 0; zipf && k < num_tokens; ++k)
+      cdf_.push_back(total += std::pow(k + 1.0, -1.2));
+  }
+  int64_t hottest() const { return order_[0]; }
+  // Row i of `rows`: the first half to one of the top 1% of tokens, the rest to the others.
+  int64_t top_percent(int64_t i, int64_t rows, Rng& rng) const {
+    const int64_t n = static_cast<int64_t>(order_.size());
+    return i < rows / 2 || top_ == n ? order_[rng.below(top_)] : order_[top_ + rng.below(n - top_)];
+  }
+  // The Zipf token at u in [0, 1).
+  int64_t zipf(double u) const {
+    const auto at = std::upper_bound(cdf_.begin(), cdf_.end(), u * cdf_.back()) - cdf_.begin();
+    return order_[std::min<int64_t>(at, static_cast<int64_t>(order_.size()) - 1)];
+  }
+
+ private:
+  std::vector<int64_t> order_;
+  std::vector<double> cdf_;
+  int64_t top_;
 };
 
 // Largest error allowed between an output element and the float64 reference:

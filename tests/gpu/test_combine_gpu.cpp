@@ -252,28 +252,15 @@ Routing make_routing(const Case& c, Rng& rng) {
   // Token index: every row names a token (or -1). Balanced (each token K rows) or random.
   r.index_values.assign(static_cast<size_t>(r.rows), -1);
   if (c.skew != Case::kNoSkew) {
-    // Zipf(1.2): rank k (a token in a shuffled order) with weight (k + 1)^-1.2.
-    std::vector<int64_t> order(static_cast<size_t>(T));
-    std::iota(order.begin(), order.end(), 0);
-    for (int64_t i = T - 1; i > 0; --i) std::swap(order[i], order[rng.below(i + 1)]);
-    std::vector<double> cdf;
-    if (c.skew == Case::kZipf) {
-      double total = 0;
-      for (int64_t k = 0; k < T; ++k) cdf.push_back(total += std::pow(k + 1.0, -1.2));
-    }
-    const int64_t hot = std::max<int64_t>(1, (T + 50) / 100);  // the top 1%
+    const SkewedTokens skewed(T, c.skew == Case::kZipf, rng);
     for (int64_t i = 0; i < r.rows; ++i) {
       int64_t token;
-      if (c.skew == Case::kOneToken) {
-        token = order[0];
-      } else if (c.skew == Case::kTopPercent) {
-        token =
-            i < r.rows / 2 || hot == T ? order[rng.below(hot)] : order[hot + rng.below(T - hot)];
-      } else {
-        const double u = rng.uniform(0.0f, 1.0f) * cdf.back();
-        const auto at = std::upper_bound(cdf.begin(), cdf.end(), u) - cdf.begin();
-        token = order[std::min<int64_t>(at, T - 1)];
-      }
+      if (c.skew == Case::kOneToken)
+        token = skewed.hottest();
+      else if (c.skew == Case::kTopPercent)
+        token = skewed.top_percent(i, r.rows, rng);
+      else
+        token = skewed.zipf(rng.uniform(0.0f, 1.0f));
       if (rng.below(100) < c.skew_drop) token = -1;
       r.index_values[perm[i]] = token;
     }

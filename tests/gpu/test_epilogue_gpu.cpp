@@ -251,30 +251,17 @@ Routing make_routing(const Case& c) {
     return r;
   }
   r.index_values.assign(static_cast<size_t>(r.rows), -1);
-  // Skewed: tokens in a shuffled order (the hot ones anywhere in the batch); Zipf(1.2) gives rank
-  // k the weight (k + 1)^-1.2.
-  std::vector<int64_t> order(static_cast<size_t>(c.skew != Case::kNoSkew ? T : 0));
-  std::iota(order.begin(), order.end(), 0);
-  for (int64_t i = static_cast<int64_t>(order.size()) - 1; i > 0; --i)
-    std::swap(order[i], order[rng.below(i + 1)]);
-  std::vector<double> cdf;
-  if (c.skew == Case::kZipf) {
-    double total = 0;
-    for (int64_t k = 0; k < T; ++k) cdf.push_back(total += std::pow(k + 1.0, -1.2));
-  }
-  const int64_t top = std::max<int64_t>(1, (T + 50) / 100);  // the top 1%
+  const SkewedTokens skewed(c.skew != Case::kNoSkew ? T : 0, c.skew == Case::kZipf, rng);
   for (int64_t i = 0; i < r.rows; ++i) {
     int64_t token = c.random_routing ? rng.below(T) : i / K;
     if (c.skew == Case::kOneToken) {
-      token = order[0];
+      token = skewed.hottest();
     } else if (c.skew == Case::kTopPercent) {
-      token = i < r.rows / 2 || top == T ? order[rng.below(top)] : order[top + rng.below(T - top)];
+      token = skewed.top_percent(i, r.rows, rng);
     } else if (c.skew == Case::kZipf) {
-      const double u = static_cast<double>(rng.next() >> 11) * 0x1p-53 * cdf.back();
-      const auto at = std::upper_bound(cdf.begin(), cdf.end(), u) - cdf.begin();
-      token = order[std::min<int64_t>(at, T - 1)];
+      token = skewed.zipf(static_cast<double>(rng.next() >> 11) * 0x1p-53);
     } else if (c.skew == Case::kHotRows) {
-      token = i < c.hot_rows ? order[0] : rng.below(T);
+      token = i < c.hot_rows ? skewed.hottest() : rng.below(T);
       if (i < c.hot_rows) {  // exactly hot_rows rows on the hot token
         r.index_values[perm[i]] = token;
         continue;
