@@ -726,6 +726,13 @@ struct Epilogue {
 const Epilogue kEpilogues[] = {
     {1, -1, false}, {1, 1, false}, {1, 1, true}, {-1, 1, false}, {-1, -1, true}};
 
+// The epilogue e with a bf16 residual and norm weight, and a bf16 out unless e's out is fp8.
+void set_bf16_epilogue(Case* c, const Epilogue& e) {
+  c->res = e.res >= 0 ? MOEJIT_DTYPE_BFLOAT16 : -1;
+  c->weight = e.weight >= 0 ? MOEJIT_DTYPE_BFLOAT16 : -1;
+  c->out = e.fp8 ? MOEJIT_DTYPE_FLOAT8_E4M3 : MOEJIT_DTYPE_BFLOAT16;
+}
+
 class EpilogueGpu : public ::testing::Test {
  protected:
   void SetUp() override { SKIP_WITHOUT_GPU(); }
@@ -777,10 +784,7 @@ TEST_F(EpilogueGpu, EveryDecodeBatchSizeSplitsTheRowCorrectly) {
     Case c;
     c.layout = static_cast<moejit_layout>(tokens % 3);
     c.in = MOEJIT_DTYPE_BFLOAT16;
-    const Epilogue& e = kEpilogues[tokens % 4 == 0 ? 4 : 1 + tokens % 3];
-    c.res = e.res >= 0 ? MOEJIT_DTYPE_BFLOAT16 : -1;
-    c.weight = e.weight >= 0 ? MOEJIT_DTYPE_BFLOAT16 : -1;
-    c.out = e.fp8 ? MOEJIT_DTYPE_FLOAT8_E4M3 : MOEJIT_DTYPE_BFLOAT16;
+    set_bf16_epilogue(&c, kEpilogues[tokens % 4 == 0 ? 4 : 1 + tokens % 3]);
     const int64_t hiddens[] = {7168, 2880, 4096, 7169};
     c.hidden = hiddens[tokens % 4];
     c.top_k = tokens % 2 ? 8 : 2;
@@ -1143,10 +1147,7 @@ TEST_F(EpilogueGpu, ThePathsOfGpusWithoutClustersFromTheirPtx) {
       for (int ep = 0; ep < 5; ++ep) {
         Case c;
         c.layout = layout;
-        const Epilogue& e = kEpilogues[ep];
-        c.res = e.res >= 0 ? MOEJIT_DTYPE_BFLOAT16 : -1;
-        c.weight = e.weight >= 0 ? MOEJIT_DTYPE_BFLOAT16 : -1;
-        c.out = e.fp8 ? MOEJIT_DTYPE_FLOAT8_E4M3 : MOEJIT_DTYPE_BFLOAT16;
+        set_bf16_epilogue(&c, kEpilogues[ep]);
         c.hidden = tokens == 33 ? 2880 : 7168;
         c.top_k = 8;
         c.tokens = tokens;
@@ -1162,10 +1163,7 @@ TEST_F(EpilogueGpu, ThePathsOfGpusWithoutClustersFromTheirPtx) {
     for (int ep = 0; ep < 5; ++ep) {
       Case c;
       c.layout = MOEJIT_LAYOUT_TOKEN_INDEX;
-      const Epilogue& e = kEpilogues[ep];
-      c.res = e.res >= 0 ? MOEJIT_DTYPE_BFLOAT16 : -1;
-      c.weight = e.weight >= 0 ? MOEJIT_DTYPE_BFLOAT16 : -1;
-      c.out = e.fp8 ? MOEJIT_DTYPE_FLOAT8_E4M3 : MOEJIT_DTYPE_BFLOAT16;
+      set_bf16_epilogue(&c, kEpilogues[ep]);
       c.hidden = 7168;
       c.top_k = 8;
       c.tokens = tokens;
