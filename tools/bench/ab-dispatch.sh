@@ -22,40 +22,20 @@ rev=${2:-main}
 steps=${STEPS:-build test ab}
 rounds=${ROUNDS:-1000}
 work=${AB_WORK:-/tmp/moejit-ab}
-status=0
-note() { printf '\n== %s\n' "$*"; }
-fail() {  # fail STATUS MESSAGE: remember the first failure, say what failed
-  echo "ab-dispatch.sh: $2" >&2
-  [ "$status" -ne 0 ] || status=$1
-}
-has_step() { [[ " $steps " == *" $1 "* ]]; }
-
-cfg=(-G Ninja -DCMAKE_BUILD_TYPE=Release)
-if [ -e "$repo/.deps/include/xxhash.h" ] && [ ! -e /usr/include/xxhash.h ]; then
-  cfg+=("-DXXHASH_INCLUDE_DIR=$repo/.deps/include")
-fi
-# The exported revision has no .deps/ of its own: point it at the checkout's libsodium.
-if [ -e "$repo/.deps/lib/libsodium.a" ] && [ ! -e /usr/include/sodium.h ]; then
-  cfg+=("-DSODIUM_ROOT=$repo/.deps")
-fi
+AB_NAME=ab-dispatch.sh
+# shellcheck source-path=SCRIPTDIR source=ab_common.sh
+. "$repo/tools/bench/ab_common.sh"
 base_src="$work/base-src" base_build="$work/base-build" new_build="$work/new-build"
 
 if has_step build; then
   note "build: $rev -> $base_build, working tree -> $new_build (logs in $out)"
-  base_sha=$(git -C "$repo" rev-parse --verify "$rev^{commit}" 2>"$out/base-export.log")
-  if [ -z "$base_sha" ]; then
-    fail 2 "revision '$rev' is not in this repository's history (log: $out/base-export.log)"
-  else
-    rm -rf "$base_src" && mkdir -p "$base_src" &&
-      git -C "$repo" archive "$base_sha" | tar -x -C "$base_src" ||
-      fail 2 "could not export $rev ($base_sha) into $base_src"
+  if ab_export "$rev" "$base_src"; then
     echo "$rev = $base_sha" | tee "$out/revisions.txt"
     { cmake -S "$base_src" -B "$base_build" "${cfg[@]}" -DMOEJIT_BUILD_TESTS=OFF \
         -DMOEJIT_BUILD_TOOLS=OFF && cmake --build "$base_build" --target moejit; } \
       >"$out/build-base.log" 2>&1 || fail 1 "the $rev build failed (log: $out/build-base.log)"
   fi
-  echo "working tree = $(git -C "$repo" rev-parse HEAD)$(git -C "$repo" diff --quiet HEAD ||
-    echo ' + uncommitted changes')" | tee -a "$out/revisions.txt"
+  echo "working tree = $(ab_tree_line)" | tee -a "$out/revisions.txt"
   { cmake -S "$repo" -B "$new_build" "${cfg[@]}" -DMOEJIT_BUILD_TESTS=ON &&
     cmake --build "$new_build"; } >"$out/build-new.log" 2>&1 ||
     fail 1 "the working tree's build failed (log: $out/build-new.log)"
