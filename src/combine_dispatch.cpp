@@ -108,6 +108,12 @@ int list_capacity(int64_t rows_per_token) {
   return kLongestList;
 }
 
+// The token-index workspace's parts for a validated call with tokens, its lists included.
+TokenIndexWorkspace token_index_parts(int64_t num_tokens, int64_t num_rows, int64_t hidden) {
+  const int64_t cap = list_capacity((num_rows + num_tokens - 1) / num_tokens);
+  return token_index_workspace(num_tokens, num_rows, hidden, cap);
+}
+
 // Token index: rows per token held (and sorted) in registers, the expected count rounded up to 1,
 // 2, 4, 8, 12 or 16. A token with more takes extra rounds; holding more than a token has costs
 // every thread. Twelve, not sixteen, for 9-12 rows: fewer registers, more blocks per SM.
@@ -306,8 +312,7 @@ std::optional<KernelSpec> companion_module(const KernelSpec& spec) {
 
 size_t token_index_workspace_bytes(int64_t num_tokens, int64_t num_rows, int64_t hidden) {
   if (num_tokens == 0) return 0;
-  const int64_t cap = list_capacity((num_rows + num_tokens - 1) / num_tokens);
-  return static_cast<size_t>(token_index_workspace(num_tokens, num_rows, hidden, cap).bytes);
+  return static_cast<size_t>(token_index_parts(num_tokens, num_rows, hidden).bytes);
 }
 
 KernelSpec spec_for_shape(moejit_layout layout, moejit_dtype in_dtype, moejit_dtype out_dtype,
@@ -482,8 +487,10 @@ size_t combine_workspace_bytes(const moejit_combine_args* args) {
 CombinePlan plan_combine(const moejit_combine_args* args) {
   const moejit_combine_args a = validated_shape(args);
   const bool token_index = a.layout == MOEJIT_LAYOUT_TOKEN_INDEX;
-  check_buffers(
-      a, token_index ? token_index_workspace_bytes(a.num_tokens, a.num_rows, a.hidden_dim) : 0);
+  const TokenIndexWorkspace parts = token_index && a.num_tokens > 0
+                                        ? token_index_parts(a.num_tokens, a.num_rows, a.hidden_dim)
+                                        : TokenIndexWorkspace{};
+  check_buffers(a, static_cast<size_t>(parts.bytes));
   CombinePlan plan;
   if (a.num_tokens == 0) {
     plan.nothing_to_do = true;
@@ -535,8 +542,7 @@ CombinePlan plan_combine(const moejit_combine_args* args) {
     p.token_counts = reinterpret_cast<int*>(ws);
     // The counts first (the list helpers find the heavy tokens' counters from T alone), the lists
     // last (token_index_workspace.h).
-    p.token_rows = reinterpret_cast<int*>(
-        ws + token_index_workspace(a.num_tokens, a.num_rows, a.hidden_dim, 0).lists);
+    p.token_rows = reinterpret_cast<int*>(ws + parts.lists);
     auto helper_blocks = [](int64_t n) {
       return static_cast<unsigned>(std::max<int64_t>(
           1, std::min<int64_t>((n + kHelperThreads - 1) / kHelperThreads, kMaxHelperBlocks)));
