@@ -226,17 +226,23 @@ __device__ __forceinline__ void cluster_wait() {
   __trap();
 #endif
 }
-// The float at shared address `local` (this block's) in the shared memory of cluster block `rank`.
-__device__ __forceinline__ float load_cluster_float(unsigned local, unsigned rank) {
+// The first arrival of a block: no memory ordering, only "this block has started" (a block may
+// write to another's shared memory once it has waited for that).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  unsigned remote;
-  float v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 #else
   __trap();
-  return 0.0f;
+#endif
+}
+// v to shared address `local` (as in this block) in the shared memory of cluster block `rank`.
+__device__ __forceinline__ void store_cluster_float(unsigned local, unsigned rank, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+#else
+  __trap();
 #endif
 }
 
@@ -536,8 +542,14 @@ struct EpilogueRow {
         if (p.scales_pow2 != 0) s = __uint_as_float((__float_as_uint(s) + 0x7fffffu) & 0x7f800000u);
         if (sl >= kSlots) continue;
         float q[VEC];
+        if (s < __int_as_float(0x7f800000)) {  // finite: one division for the group's values
+          const float r = div_rn(1.0f, s);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) q[e] = div_rn(v[u][e], s);
+          for (int e = 0; e < VEC; ++e) q[e] = divide_by_scale(v[u][e], s, r);
+        } else {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) q[e] = div_rn(v[u][e], s);
+        }
         const Pack<unsigned char, VEC> r = to_e4m3_pack<VEC>(q);
         unsigned char* at = out_row + static_cast<long long>(sl) * VEC;
         if (HIDDEN % VEC == 0 || sl < HIDDEN / VEC) {
@@ -637,11 +649,12 @@ __global__ void __launch_bounds__(TPT* TPB, EpilogueMinBlocks<TPT * TPB>::value)
 }
 
 // A token's SPLIT slices on SPLIT consecutive blocks (x = token * SPLIT + slice), each slice in
-// registers. With a norm the blocks are one thread-block cluster (sm_90+): each writes its warps'
-// segment sums to its shared memory, and after the cluster barrier every warp reads all of them
-// (distributed shared memory) and sums them in the row's order; a second barrier keeps each block's
-// shared memory alive until the others have read it. Without a norm the slices are independent and
-// the kernel is launched without a cluster.
+// registers. With a norm the blocks are one thread-block cluster (sm_90+): each block pushes its
+// warps' segment sums into every block's shared memory (distributed shared memory), and after one
+// cluster barrier every warp sums all of them in the row's order from its own block's copy. Pushes
+// wait for a first barrier phase that says every block has started (its arrival is the kernel's
+// first instruction, so the wait costs nothing by then). Without a norm the slices are independent
+// and the kernel is launched without a cluster.
 template <int LAYOUT, int IN_DT, int OUT_DT, typename IdxT, int HIDDEN, int VEC, int ROWS, int TPT,
           int TPB, int UPT, int LIST_CAP, int SPLIT, int RES_DT, int W_DT>
 __global__ void __launch_bounds__(TPT* TPB, EpilogueMinBlocks<TPT * TPB>::value)
@@ -650,8 +663,10 @@ __global__ void __launch_bounds__(TPT* TPB, EpilogueMinBlocks<TPT * TPB>::value)
                               LIST_CAP, SPLIT, RES_DT, W_DT>
       Row;
   static_assert(TPB == 1 && TPT >= 32 && SPLIT >= 2, "one token's slice per block, whole warps");
-  __shared__ float s_segments[Row::kNorm ? Row::kSegments : 1];
+  static_assert(SPLIT <= 32, "a lane per block of the cluster pushes the segment sums");
+  __shared__ float s_segments[Row::kNorm ? Row::kRowSegments : 1];
   __shared__ float s_amax[Row::kFp8 && Row::kGroupLanes > 32 ? UPT * Row::kWarps : 1];
+  if constexpr (Row::kNorm) detail::cluster_arrive_relaxed();
   const long long tok = blockIdx.x / SPLIT;
   const int slice = static_cast<int>(blockIdx.x % SPLIT);  // the block's rank in its cluster
   const int first_slot = slice * Row::kSliceSlots + static_cast<int>(threadIdx.x);
@@ -668,18 +683,24 @@ __global__ void __launch_bounds__(TPT* TPB, EpilogueMinBlocks<TPT * TPB>::value)
   float v[UPT][VEC];
   Row::template values<true>(p, tok, first_slot, v);
   if constexpr (Row::kNorm) {
-    Row::segment_squares(v, 0, s_segments);
-    detail::cluster_arrive();  // release: the segment sums are visible to the cluster
-    detail::cluster_wait();
+    float sq[UPT];
+    Row::slot_squares(v, sq);
+#pragma unroll
+    for (int u = 0; u < UPT; ++u) sq[u] = detail::lanes_sum<32>(sq[u], 0xffffffffu);
+    detail::cluster_wait();  // every block has started
+    const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
     const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(s_segments));
-    const float ssq = Row::row_squares_of_segments([&](int j) {
-      return detail::load_cluster_float(local + 4u * static_cast<unsigned>(j % Row::kSegments),
-                                        static_cast<unsigned>(j / Row::kSegments));
-    });
-    detail::cluster_arrive();  // done reading the others' shared memory
+    if (lane < SPLIT)
+#pragma unroll
+      for (int u = 0; u < UPT; ++u)
+        detail::store_cluster_float(
+            local + 4u * static_cast<unsigned>(slice * Row::kSegments + u * Row::kWarps + warp),
+            static_cast<unsigned>(lane), sq[u]);
+    detail::cluster_arrive();  // release: the pushes are visible to their blocks
+    detail::cluster_wait();
+    const float ssq = Row::row_squares_of_segments([&](int j) { return s_segments[j]; });
     Row::normalize(p, ssq, w, v);
     Row::store(p, tok, first_slot, 0, v, s_amax);
-    detail::cluster_wait();  // no block leaves while another may still read its shared memory
   } else {
     Row::store(p, tok, first_slot, 0, v, s_amax);
   }

@@ -2,7 +2,8 @@
 // S.1111.111) to and from the bits of an fp32 value, in integer operations only: the epilogue's
 // conversion on GPUs without a hardware one (before sm_89), and the host tests' reference, so that
 // both are one definition. The hardware conversion (cvt.rn.satfinite.e4m3x2.f32) gives the same
-// bits, which the GPU tests check against this one.
+// bits, which the GPU tests check against this one. Also the quantization's division of a
+// group's values by its scale (divide_by_scale), checked on the host against a plain division.
 // Plain C++ that includes only host_device.h: NVRTC compiles it without any toolkit header on
 // its search path.
 #ifndef MOEJIT_FP8_E4M3_H_
@@ -44,6 +45,25 @@ MOEJIT_HOST_DEVICE inline unsigned e4m3_to_float_bits(unsigned char b) {
   // m * 2^-9 with m in 1..7: the leading bit p of m gives 2^(p - 9) times 1.(the rest).
   const unsigned p = m >= 4u ? 2u : m >= 2u ? 1u : 0u;
   return sign | ((118u + p) << 23) | ((m << (23u - p)) & 0x7fffffu);
+}
+
+// a / s rounded to nearest even, for the values of an fp8 group over its scale s (finite, at least
+// 1e-10 / 448) with r = 1 / s rounded: q = a * r corrected once by the exact remainder a - q * s,
+// which gives the correctly rounded quotient (Markstein's theorem) wherever that remainder is
+// normal, |a| >= 2^-102; below, |a / s| < 2^-59 and both round to the same signed zero in e4m3.
+// An exact q (remainder 0) is kept, so that -0 / s stays -0. One division per group, not per value.
+MOEJIT_HOST_DEVICE inline float divide_by_scale(float a, float s, float r) {
+#if defined(__CUDA_ARCH__)
+  float q, rem, out;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(q) : "f"(a), "f"(r));
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(rem) : "f"(-q), "f"(s), "f"(a));
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(out) : "f"(rem), "f"(r), "f"(q));
+  return rem == 0.0f ? q : out;
+#else
+  const float q = a * r;
+  const float rem = __builtin_fmaf(-q, s, a);
+  return rem == 0.0f ? q : __builtin_fmaf(rem, r, q);
+#endif
 }
 
 }  // namespace moejit

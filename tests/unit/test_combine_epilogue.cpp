@@ -1,8 +1,8 @@
-// The epilogue's host side (no GPU): fp8 e4m3 conversions against an independent reference; every
-// combination of the epilogue with the layouts, dtype pairs, strides, scale and accumulate plans
-// an epilogue module whose geometry the kernels accept, with the fields in its parameters; the
-// decode split and its cluster launch; the vector width the residual and weight allow; the text
-// form of the epilogue's specs.
+// The epilogue's host side (no GPU): fp8 e4m3 conversions against an independent reference, and
+// the quantization's division against the host's; every combination of the epilogue with the
+// layouts, dtype pairs, strides, scale and accumulate plans an epilogue module whose geometry the
+// kernels accept, with the fields in its parameters; the decode split and its cluster launch; the
+// vector width the residual and weight allow; the text form of the epilogue's specs.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -91,6 +91,42 @@ TEST(Fp8E4m3, RoundsToNearestEvenAndSaturates) {
   for (float x : xs)
     EXPECT_EQ(static_cast<unsigned>(e4m3_from_float_bits(float_bits(x))), reference_e4m3(x))
         << x << " (bits " << std::hex << float_bits(x) << ")";
+}
+
+// The quantization's division: divide_by_scale(a, s, 1 / s) is the correctly rounded a / s (the
+// host's division) for |a| >= 2^-102, and its e4m3 code is the same for every a; scales as the
+// kernel makes them (a group's amax, at least 1e-10, over 448; also rounded up to powers of two).
+TEST(Fp8E4m3, DividingByAScaleIsTheRoundedQuotient) {
+  uint64_t state = 0x9e3779b97f4a7c15ull;
+  auto next = [&] {  // xorshift64
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    return state;
+  };
+  long exact = 0;
+  for (int i = 0; i < 4000000; ++i) {
+    const uint64_t x = next();
+    // amax: any positive normal float; a: its magnitude or up to 63 binades below, either sign.
+    const float amax =
+        bits_float(static_cast<uint32_t>((x & 0x7fffffu) | ((1u + (x >> 23) % 253u) << 23)));
+    float s = std::max(amax, 1e-10f) / 448.0f;
+    if (i % 4 == 3) s = bits_float((float_bits(s) + 0x7fffffu) & 0x7f800000u);  // a power of two
+    const int biased = static_cast<int>(float_bits(amax) >> 23) - static_cast<int>((x >> 32) % 64);
+    float a = i % 1000 == 0 ? 0.0f
+                            : bits_float(static_cast<uint32_t>(((x >> 40) & 0x7fffffu) |
+                                                               (std::max(biased, 0) << 23)));
+    a = std::min(a, amax);
+    if (x >> 63) a = -a;
+    const float q = divide_by_scale(a, s, 1.0f / s), want = a / s;
+    if (std::fabs(a) >= 0x1p-102f) {
+      EXPECT_EQ(float_bits(q), float_bits(want)) << a << " / " << s;
+      ++exact;
+    }
+    EXPECT_EQ(e4m3_from_float_bits(float_bits(q)), e4m3_from_float_bits(float_bits(want)))
+        << a << " / " << s;
+  }
+  EXPECT_GT(exact, 3000000);
 }
 
 // ---- plans -----------------------------------------------------------------------------------
