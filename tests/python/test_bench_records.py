@@ -1,6 +1,6 @@
 """tools/bench/merge_results.py, which turns a moejit-bench JSON and a peers.py JSON into the
 committed record (results/h200.json) and the README table; peers.py's paired statistics; and
-ab_libs.py's command line: synthetic inputs, no GPU."""
+ab_libs.py's and ab_epilogue.py's command lines: synthetic inputs, no GPU."""
 import importlib.util
 import pathlib
 
@@ -619,3 +619,39 @@ def test_peers_drop_counts_and_bytes_match_moejit_bench(peers):
     R = 4096 * 8
     assert peers.minimal_bytes(shape) == R * 7168 * 2 + R * 8 + 4096 * 7168 * 2
     assert peers.minimal_bytes(dropped) == (R - 16384) * 7168 * 2 + R * 8 + 4096 * 7168 * 2
+
+
+# ---- ab_epilogue.py: its command line (the comparison needs torch and a GPU) -------------------
+
+@pytest.fixture(scope="module")
+def ab_epilogue():
+    spec = importlib.util.spec_from_file_location("ab_epilogue",
+                                                  REPO / "tools" / "bench" / "ab_epilogue.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ab_epilogue_reads_libraries_shapes_and_epilogues(ab_epilogue):
+    a = ab_epilogue.parse_args(["--lib", "A=a.so", "--lib", "B=b.so", "--shapes", "prefill",
+                                "--epilogue", "norm-fp8", "--rounds", "50"])
+    assert a.lib == [("A", "a.so"), ("B", "b.so")]
+    assert (a.shapes, a.epilogue, a.rounds, a.layout) == ("prefill", ["norm-fp8"], 50,
+                                                          "gather_map")
+    d = ab_epilogue.parse_args(["--lib", "A=a", "--lib", "B=b"])
+    assert (d.shapes, d.epilogue, d.rounds) == ("decode", ["norm", "norm-fp8"], 300)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--lib", "A=a.so"],                                    # one library
+    ["--lib", "A=a.so", "--lib", "A=b.so"],                 # a name twice
+    ["--lib", "a.so", "--lib", "B=b.so"],                   # no name
+    ["--lib", "A=a", "--lib", "B=b", "--shapes", "all"],    # no such shape set
+    ["--lib", "A=a", "--lib", "B=b", "--epilogue", "rms"],  # no such epilogue
+    ["--lib", "A=a", "--lib", "B=b", "--rounds", "5"],
+])
+def test_ab_epilogue_refuses_bad_command_lines(ab_epilogue, argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        ab_epilogue.parse_args(argv)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
