@@ -612,8 +612,9 @@ TEST(KernelCompile, TheEpilogueUsesClustersAndFp8ConversionsWhereTheGpuHasThem) 
     return compile(memory.store.request_for(split, Target{arch, true})).image;
   };
   const std::string sm90 = ptx(90), sm89 = ptx(89), sm80 = ptx(80);
-  for (const char* op : {"barrier.cluster.arrive.release", "barrier.cluster.wait.acquire",
-                         "mapa.shared::cluster", "ld.shared::cluster.f32"}) {
+  for (const char* op :
+       {"barrier.cluster.arrive.relaxed", "barrier.cluster.arrive.release",
+        "barrier.cluster.wait.acquire", "mapa.shared::cluster", "st.shared::cluster.f32"}) {
     EXPECT_NE(sm90.find(op), std::string::npos) << op;
     EXPECT_EQ(sm89.find(op), std::string::npos) << op;
     EXPECT_EQ(sm80.find(op), std::string::npos) << op;
@@ -623,7 +624,7 @@ TEST(KernelCompile, TheEpilogueUsesClustersAndFp8ConversionsWhereTheGpuHasThem) 
   EXPECT_NE(sm89.find("cvt.rn.satfinite.e4m3x2.f32"), std::string::npos);
   EXPECT_EQ(sm80.find("e4m3"), std::string::npos);
   for (const std::string* code : {&sm90, &sm89, &sm80})
-    for (const char* op : {"sqrt.rn.f32", "div.rn.f32", "mul.rn.f32", "add.rn.f32"})
+    for (const char* op : {"sqrt.rn.f32", "div.rn.f32", "mul.rn.f32", "add.rn.f32", "fma.rn.f32"})
       EXPECT_NE(code->find(op), std::string::npos) << op;
 }
 
