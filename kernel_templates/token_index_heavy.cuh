@@ -16,7 +16,9 @@
 //   sum     one item per piece of the tokens of more than kPieceRows rows and warp-wide part of a
 //           row: the piece's rows summed in fp32 from zero in ascending order, to its partial;
 //   finish  one item per heavy token and part: its rows in order (kPieceRows or fewer) or its
-//           pieces' sums in piece order (add_heavy_token), stored to out.
+//           pieces' sums in piece order (add_heavy_token), stored to out. It waits for its own
+//           token's sum items only (token_summed), so that the first tokens finish while the last
+//           pieces are still summed.
 // The summation moejit.h defines, whatever the geometry: bitwise the same on every path (the
 // single launch sums such a token in the same pieces by itself, add_rows_by_ordered_walk).
 //
@@ -62,6 +64,7 @@ struct HeavyWork {
   const long long* heavy_tokens;
   int* row_base;
   int* piece_base;
+  unsigned long long* token_summed;
   int* piece_token;
   int* chunk_counts;
   int* heavy_rows;
@@ -82,6 +85,7 @@ __device__ __forceinline__ HeavyWork heavy_work(const CombineParams& p, long lon
   s.heavy_tokens = reinterpret_cast<const long long*>(base + w.heavy_tokens);
   s.row_base = reinterpret_cast<int*>(base + w.row_base);
   s.piece_base = reinterpret_cast<int*>(base + w.piece_base);
+  s.token_summed = reinterpret_cast<unsigned long long*>(base + w.token_summed);
   s.piece_token = reinterpret_cast<int*>(base + w.piece_token);
   s.chunk_counts = reinterpret_cast<int*>(base + w.chunk_counts);
   s.heavy_rows = reinterpret_cast<int*>(base + w.heavy_rows);
@@ -195,8 +199,8 @@ __device__ __forceinline__ void count_chunk_rows(const CombineParams& p, const H
 }
 
 // plan: exclusive sums over the heavy tokens of their rows (row_base) and of their pieces where
-// they have more than kPieceRows rows (piece_base); the total of pieces to the header. One warp,
-// 32 tokens per round.
+// they have more than kPieceRows rows (piece_base), their sum-item counters zeroed (token_summed);
+// the total of pieces to the header. One warp, 32 tokens per round.
 __device__ __forceinline__ void plan_heavy_tokens(const CombineParams& p, const HeavyWork& s) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   int rows_before = 0, pieces_before = 0;  // the rounds before
@@ -218,6 +222,7 @@ __device__ __forceinline__ void plan_heavy_tokens(const CombineParams& p, const 
     if (h < s.heavy) {
       s.row_base[h] = rows_before + rows_in - rows;
       s.piece_base[h] = pieces_before + pieces_in - pieces;
+      s.token_summed[h] = 0;
     }
     rows_before += __shfl_sync(0xffffffffu, rows_in, 31);
     pieces_before += __shfl_sync(0xffffffffu, pieces_in, 31);
@@ -438,10 +443,10 @@ __device__ __forceinline__ void add_heavy_token(const CombineParams& p, const He
 
 // A sum item (piece i / parts: its rows to its partial sum) or, FINISHING, a finish item (heavy
 // token i / parts: add_heavy_token's sum stored to out); part i % parts of the row. One copy of
-// the row adds for both.
+// the row adds for both. Returns the item's heavy token (its index among them).
 template <int IN_DT, int OUT_DT, int VEC, int HIDDEN, int UPT, int BATCH>
-__device__ __forceinline__ void sum_part(const CombineParams& p, const HeavyWork& s,
-                                         unsigned long long i, bool finishing) {
+__device__ __forceinline__ int sum_part(const CombineParams& p, const HeavyWork& s,
+                                        unsigned long long i, bool finishing) {
   constexpr int kSlots = (HIDDEN + VEC - 1) / VEC;
   constexpr int kParts = RowParts<HIDDEN, VEC, UPT>::value;
   const long long item = static_cast<long long>(i / kParts);
@@ -472,7 +477,7 @@ __device__ __forceinline__ void sum_part(const CombineParams& p, const HeavyWork
     store_row_slots<OUT_DT, VEC, HIDDEN, UPT, 32>(
         static_cast<typename Elem<OUT_DT>::storage*>(p.out) + token * p.out_stride, first_slot, sum,
         p);
-    return;
+    return h;
   }
   float* partial = s.partials + item * s.partial_stride;
 #pragma unroll
@@ -485,6 +490,19 @@ __device__ __forceinline__ void sum_part(const CombineParams& p, const HeavyWork
       *reinterpret_cast<Pack<float, VEC>*>(partial + static_cast<long long>(slot) * VEC) = q;
     }
   }
+  return h;
+}
+
+// Every lane of the warp, before heavy token h's finish items: until its pieces are summed (none
+// to wait for with kPieceRows rows or fewer: the finish adds the rows themselves).
+template <int HIDDEN, int VEC, int UPT>
+__device__ __forceinline__ void wait_for_token_pieces(const CombineParams& p, const HeavyWork& s,
+                                                      long long h) {
+  const int count = __ldg(p.token_counts + __ldg(s.heavy_tokens + h));
+  if (count > kPieceRows)
+    wait_for_count(s.token_summed + h,
+                   static_cast<unsigned long long>((count + kPieceRows - 1) / kPieceRows) *
+                       RowParts<HIDDEN, VEC, UPT>::value);
 }
 
 // ---- handing out the work ----------------------------------------------------------------------
@@ -550,10 +568,12 @@ __device__ __forceinline__ void do_heavy_work(const CombineParams& p, const Heav
       wait_for_count(s.counter + kHeavyRanked, s.rank_end - s.plan_end);
       const unsigned long long pieces_end = sum_end<HIDDEN, VEC, UPT>(s);
       const bool finishing = FINISH && t >= pieces_end;  // tickets past the end were refused
-      if (finishing) wait_for_count(s.counter + kHeavySummed, pieces_end - s.rank_end);
-      sum_part<IN_DT, OUT_DT, VEC, HIDDEN, UPT, BATCH>(
-          p, s, t - (finishing ? pieces_end : s.rank_end), finishing);
-      publish_item(s.counter + (finishing ? kHeavyFinished : kHeavySummed));
+      const unsigned long long i = t - (finishing ? pieces_end : s.rank_end);
+      if (finishing)
+        wait_for_token_pieces<HIDDEN, VEC, UPT>(
+            p, s, static_cast<long long>(i / RowParts<HIDDEN, VEC, UPT>::value));
+      const int h = sum_part<IN_DT, OUT_DT, VEC, HIDDEN, UPT, BATCH>(p, s, i, finishing);
+      publish_item(finishing ? s.counter + kHeavyFinished : s.token_summed + h);
     }
   }
 }

@@ -39,9 +39,8 @@ enum HeavyCounter {
   kHeavyTokens = 0,  // heavy tokens registered (token_index_assign)
   kHeavyTicket,      // next work item to hand out
   kHeavyCounted,     // items done of each step, in order: rows counted per chunk, the plan,
-  kHeavyPlanned,     //   the rows ranked,
-  kHeavyRanked,      //   the pieces summed, the tokens finished
-  kHeavySummed,
+  kHeavyPlanned,     //   the rows ranked, the tokens finished (the pieces summed are counted per
+  kHeavyRanked,      //   token: token_summed)
   kHeavyFinished,
   kHeavyPieces,  // pieces of the call (the plan's total)
   kHeavyRows,    // rows of the heavy tokens (the plan's total: the written part of heavy_rows)
@@ -56,6 +55,7 @@ struct TokenIndexWorkspace {
   long long heavy_tokens;  // long long [max_heavy]: each heavy token, in registration order
   long long row_base;      // int [max_heavy]: where its rows start in heavy_rows
   long long piece_base;    // int [max_heavy]: its first piece, if it has more than kPieceRows rows
+  long long token_summed;  // unsigned 64-bit [max_heavy]: its sum items done (the plan zeroes them)
   long long piece_token;   // int [max_pieces]: the heavy token (index) each piece belongs to
   long long chunk_counts;  // int [max_heavy][chunks]: its rows in each chunk of the row range
   long long heavy_rows;    // int [num_rows]: heavy tokens' rows, each token's in ascending order
@@ -110,6 +110,8 @@ MOEJIT_HOST_DEVICE inline TokenIndexWorkspace token_index_workspace(long long nu
   at += workspace_align(w.max_heavy * 4);
   w.piece_base = at;
   at += workspace_align(w.max_heavy * 4);
+  w.token_summed = at;
+  at += workspace_align(w.max_heavy * 8);
   w.piece_token = at;
   at += workspace_align(w.max_pieces * 4);
   w.chunk_counts = at;

@@ -19,12 +19,13 @@
 // of max(32, 128 / vec) slots):
 //   - rows of fewer than 32 slots: one slot per thread, groups of the row's slots rounded up to a
 //     power of two (at least 4), 128-thread blocks of several tokens.
-//   - otherwise up to 32 fp32 values and 8 slots per thread (16 values in groups of more than 256
-//     threads), tpt the row's slots over upt rounded up to whole slices' alignment; past 512
-//     threads the row takes several slices (passes). 32-thread groups share a block four to one.
+//   - otherwise up to 32 fp32 values (16 with fp8 output but for a token-index row that would then
+//     take two passes) and 8 slots per thread (half of each in groups of more than 256 threads),
+//     tpt the row's slots over upt rounded up to whole slices' alignment; past 512 threads the row
+//     takes several slices (passes). 32-thread groups share a block four to one.
 //   - decode (T <= kDecodeMaxTokens): the row split into about 128 / T slices (8 at most, a power
-//     of two: the portable cluster size), each in one block of up to 512 threads holding what
-//     the rule above allows (else one block per token, with passes).
+//     of two: the portable cluster size), each in one block of up to 512 threads holding up to 32
+//     values each (else one block per token, with passes).
 // Figures: docs/performance.md#epilogue.
 #include "combine_epilogue.h"
 
@@ -40,6 +41,11 @@ namespace {
 // sweep of the modules spilled at 32 values in 512-thread blocks, at 32 one-element slots, and
 // at 8 slots of the token index in 448-thread blocks).
 constexpr int kValuesPerThread = 32;
+// With fp8 output, past decode, half of that: twice the warps per row hide the quantization's
+// instruction chain (group maxima, the scale's division, the conversion). Not where it takes a
+// token-index row to a second pass, which lists and sorts the token's rows again
+// (docs/performance.md#epilogue).
+constexpr int kFp8ValuesPerThread = 16;
 constexpr int kMaxSlotsPerThread = 8;
 constexpr int kWideBlock = 256;
 constexpr int kMaxRowThreads = 512;   // threads per token group before the row takes passes
@@ -77,14 +83,14 @@ KernelKind cluster_kind(int layout) {
                                               : KernelKind::kEpilogueClusterTokenIndex;
 }
 
-// Slots a thread of a tpt-thread group may hold (at least one).
-int max_upt(const KernelSpec& s, int tpt) {
+// Slots a thread of a tpt-thread group may hold (at least one), of at most `values` fp32 values.
+int max_upt(const KernelSpec& s, int tpt, int values = kValuesPerThread) {
   const int wide = tpt > kWideBlock ? 2 : 1;
-  return std::max(1, std::min(kMaxSlotsPerThread / wide, kValuesPerThread / wide / s.vec));
+  return std::max(1, std::min(kMaxSlotsPerThread / wide, values / wide / s.vec));
 }
 
-// A token's row in one block (or TPT threads of one): see the table above.
-void row_geometry(KernelSpec* s) {
+// A token's row in one block (or TPT threads of one), `values` fp32 values per thread at most.
+void row_geometry(KernelSpec* s, int values) {
   const int slots = s->slots();
   s->split = 1;
   if (slots < 32) {
@@ -94,10 +100,10 @@ void row_geometry(KernelSpec* s) {
     return;
   }
   const int align = slice_alignment(*s);
-  s->upt = static_cast<int>(std::min<int64_t>(max_upt(*s, align), ceil_div(slots, align)));
+  s->upt = static_cast<int>(std::min<int64_t>(max_upt(*s, align, values), ceil_div(slots, align)));
   s->tpt = round_up(ceil_div(slots, s->upt), align);
-  if (s->upt > max_upt(*s, s->tpt)) {  // a wide block: fewer slots each
-    s->upt = max_upt(*s, s->tpt);
+  if (s->upt > max_upt(*s, s->tpt, values)) {  // a wide block: fewer slots each
+    s->upt = max_upt(*s, s->tpt, values);
     s->tpt = round_up(ceil_div(slots, s->upt), align);
   }
   if (s->tpt > kMaxRowThreads) {
@@ -105,6 +111,13 @@ void row_geometry(KernelSpec* s) {
     s->tpt = round_up(ceil_div(slots, int64_t{s->split} * s->upt), align);
   }
   s->tpb = s->tpt == 32 && s->split == 1 ? 4 : 1;
+}
+
+// The row geometry past decode (see kFp8ValuesPerThread).
+void row_geometry(KernelSpec* s) {
+  const bool fp8 = s->out_dtype == MOEJIT_DTYPE_FLOAT8_E4M3;
+  row_geometry(s, fp8 ? kFp8ValuesPerThread : kValuesPerThread);
+  if (fp8 && s->split > 1 && s->token_index()) row_geometry(s, kValuesPerThread);
 }
 
 // The decode split of a row over num_tokens tokens: false where it would be one slice.

@@ -287,6 +287,7 @@ TEST(CombineArgs, TokenIndexWorkspaceHoldsEveryPart) {
                                     {w.heavy_tokens, w.max_heavy * 8},
                                     {w.row_base, w.max_heavy * 4},
                                     {w.piece_base, w.max_heavy * 4},
+                                    {w.token_summed, w.max_heavy * 8},
                                     {w.piece_token, w.max_pieces * 4},
                                     {w.chunk_counts, w.max_heavy * w.chunks * 4},
                                     {w.heavy_rows, rows * 4},

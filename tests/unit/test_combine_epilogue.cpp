@@ -300,6 +300,44 @@ TEST(CombineEpilogue, GeometryKeepsTheKernelsRules) {
       }
 }
 
+// Past decode a row takes 32 fp32 values per thread, 16 (twice the warps) with fp8 output, but
+// for a token-index row that would then take a second pass.
+TEST(CombineEpilogue, Fp8RowsTakeSixteenValuesPerThreadPastDecode) {
+  struct Case {
+    moejit_layout layout;
+    int hidden;
+    moejit_dtype dtype;
+    int vec;
+    moejit_dtype out;
+    int tpt, upt, split;
+  };
+  const moejit_dtype bf16 = MOEJIT_DTYPE_BFLOAT16, fp32 = MOEJIT_DTYPE_FLOAT32,
+                     fp8 = MOEJIT_DTYPE_FLOAT8_E4M3;
+  const moejit_layout gm = MOEJIT_LAYOUT_GATHER_MAP, ti = MOEJIT_LAYOUT_TOKEN_INDEX;
+  for (const Case& k :
+       {Case{gm, 7168, bf16, 8, bf16, 224, 4, 1}, Case{gm, 7168, bf16, 8, fp8, 448, 1, 2},
+        Case{ti, 7168, bf16, 8, fp8, 224, 4, 1},  // 16 would take two passes
+        Case{gm, 4096, bf16, 8, bf16, 128, 4, 1}, Case{gm, 4096, bf16, 8, fp8, 256, 2, 1},
+        Case{ti, 4096, bf16, 8, fp8, 256, 2, 1}, Case{gm, 4096, fp32, 4, fp32, 128, 8, 1},
+        Case{gm, 4096, fp32, 4, fp8, 256, 4, 1}}) {
+    CallShape c;
+    c.layout = k.layout;
+    c.in_dtype = k.dtype;
+    c.out_dtype = k.out;
+    c.res_dtype = c.weight_dtype = k.dtype;
+    c.hidden = k.hidden;
+    c.vec = k.vec;
+    c.top_k = 8;
+    c.num_tokens = 4096;
+    c.num_rows = 4096 * 8;
+    const KernelSpec s = choose_kernel(c);
+    EXPECT_FALSE(is_cluster_epilogue(s.kind)) << s.describe();
+    EXPECT_EQ(std::vector<int>({s.tpt, s.upt, s.split}), std::vector<int>({k.tpt, k.upt, k.split}))
+        << s.describe();
+    EXPECT_EQ(check_spec(s), "") << s.describe();
+  }
+}
+
 // Decode splits a long row over a cluster (about 128 blocks over the batch, 8 at most); past
 // kDecodeMaxTokens tokens, or with a row too short to split, a token's row is one block's.
 TEST(CombineEpilogue, DecodeSplitsLongRowsAcrossACluster) {
