@@ -9,13 +9,17 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def merge_results():
-    spec = importlib.util.spec_from_file_location(
-        "merge_results", REPO / "tools" / "bench" / "merge_results.py")
+def bench_tool(name):
+    """tools/bench/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def merge_results():
+    return bench_tool("merge_results")
 
 
 def bench_case(T, K, H, layout, us):
@@ -284,10 +288,7 @@ def test_a_merged_record_renders_the_same_tables(merge_results, tmp_path, capsys
 @pytest.fixture(scope="module")
 def peers():
     # Importable without torch or a GPU (Triton optional): only its pure functions are used here.
-    spec = importlib.util.spec_from_file_location("peers", REPO / "tools" / "bench" / "peers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_tool("peers")
 
 
 def test_median_interval_is_the_binomial_order_statistics(peers):
@@ -404,11 +405,7 @@ def test_record_keeps_the_paired_comparisons_and_tables_them(merge_results):
 
 @pytest.fixture(scope="module")
 def ab_libs():
-    spec = importlib.util.spec_from_file_location("ab_libs",
-                                                  REPO / "tools" / "bench" / "ab_libs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_tool("ab_libs")
 
 
 def test_ab_libs_reads_libraries_cases_and_layouts(ab_libs):
@@ -625,11 +622,7 @@ def test_peers_drop_counts_and_bytes_match_moejit_bench(peers):
 
 @pytest.fixture(scope="module")
 def ab_epilogue():
-    spec = importlib.util.spec_from_file_location("ab_epilogue",
-                                                  REPO / "tools" / "bench" / "ab_epilogue.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_tool("ab_epilogue")
 
 
 def test_ab_epilogue_reads_libraries_shapes_and_epilogues(ab_epilogue):

@@ -36,17 +36,11 @@ def load(name):
     return module
 
 
-def parse_lib(text):
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--lib {text}: expected NAME=path/to/libmoejit.so")
-    return name, path
-
-
 def parse_args(argv, ep=None):
     ep = ep or load("epilogue_peers")
+    ab = load("ab_libs")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lib", action="append", type=parse_lib, required=True,
+    p.add_argument("--lib", action="append", type=ab.parse_lib, required=True,
                    help="NAME=path/to/libmoejit.so (two or more; the first is the reference)")
     p.add_argument("--shapes", choices=("decode", "prefill"), default="decode")
     p.add_argument("--epilogue", type=ep.parse_epilogues, default=["norm", "norm-fp8"])
@@ -54,9 +48,7 @@ def parse_args(argv, ep=None):
     p.add_argument("--rounds", type=int, default=300, help="interleaved rounds (default 300)")
     p.add_argument("--seed", type=int, default=20261130)
     args = p.parse_args(argv)
-    names = [name for name, _ in args.lib]
-    if len(names) < 2 or len(set(names)) != len(names):
-        p.error("--lib: two or more builds, each under its own name")
+    ab.check_libs(p, args.lib)
     if args.rounds < 6:
         p.error("--rounds: at least 6 (fewer give no 95% interval)")
     return args
@@ -68,11 +60,7 @@ def main(argv=None):
     import torch
     peers = ep.load_peers()
     scratch = tempfile.mkdtemp(prefix="moejit-ab-epilogue-")
-    libs = {}
-    for name, path in args.lib:
-        copy = os.path.join(scratch, f"{name}-libmoejit.so")
-        shutil.copy(path, copy)
-        libs[name] = peers.Moejit(copy)
+    libs = load("ab_libs").load_copies(peers, args.lib, scratch)
     names = list(libs)
     device = torch.device("cuda", torch.cuda.current_device())
     torch.empty(1, device=device)

@@ -73,6 +73,24 @@ def parse_layouts(text):
     return layouts
 
 
+def check_libs(parser, libs):
+    """--lib's rule: two or more libraries, each under its own name."""
+    names = [name for name, _ in libs]
+    if len(names) < 2 or len(set(names)) != len(names):
+        parser.error("--lib: give at least two libraries, each under its own name")
+
+
+def load_copies(peers, libs, scratch):
+    """Each (name, path) as peers.Moejit of a copy in scratch: dlopen loads each file once, so
+    builds with the same symbols live side by side."""
+    loaded = {}
+    for name, path in libs:
+        copy = os.path.join(scratch, f"libmoejit_{name}.so")
+        shutil.copy(path, copy)
+        loaded[name] = peers.Moejit(copy)
+    return loaded
+
+
 def worst_error(errors):
     """The largest relative error, NaN if any is NaN: an output left poisoned (NaN) has no error
     that max() would keep (max(0.0, nan) is 0.0)."""
@@ -90,9 +108,7 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=1000, help="interleaved rounds (default 1000)")
     p.add_argument("--seed", type=int, default=20261201)
     a = p.parse_args(argv)
-    names = [name for name, _ in a.lib]
-    if len(names) < 2 or len(set(names)) != len(names):
-        p.error("--lib: give at least two libraries, each under its own name")
+    check_libs(p, a.lib)
     if a.rounds < 6:
         p.error("--rounds: at least 6 (fewer give no 95% interval)")
     return a
@@ -109,11 +125,7 @@ def main(argv=None):
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.empty(1, device=dev)  # the primary context, current on this thread
     scratch = tempfile.mkdtemp(prefix="moejit-ab-")
-    libs = {}
-    for name, path in a.lib:
-        copy = os.path.join(scratch, f"libmoejit_{name}.so")  # one file each: dlopen loads each
-        shutil.copy(path, copy)
-        libs[name] = peers.Moejit(copy)
+    libs = load_copies(peers, a.lib, scratch)
     names = list(libs)
     tdtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
