@@ -207,7 +207,7 @@ const BadCase kBadCases[] = {
             a.workspace = fake(kFakeResidual + 0x40000);
             a.workspace_bytes = 1 << 20;
           }),
-     "args->workspace = [0x7f0050040000, 0x7f0050045300): overlaps args->residual"},
+     "args->workspace = [0x7f0050040000, 0x7f0050045400): overlaps args->residual"},
     {"workspace_overlaps_scales",
      with(fp8_args,
           [](auto& a) {
