@@ -41,9 +41,9 @@ namespace {
 // sweep of the modules spilled at 32 values in 512-thread blocks, at 32 one-element slots, and
 // at 8 slots of the token index in 448-thread blocks).
 constexpr int kValuesPerThread = 32;
-// With fp8 output, past decode, half of that: twice the warps per row hide the quantization's
-// instruction chain (group maxima, the scale's division, the conversion). Not where it takes a
-// token-index row to a second pass, which lists and sorts the token's rows again
+// With fp8 output, in the one-block kernel, half of that: twice the warps per row hide the
+// quantization's instruction chain (group maxima, the scale's division, the conversion). Not where
+// it takes a token-index row to a second pass, which lists and sorts the token's rows again
 // (docs/performance.md#epilogue).
 constexpr int kFp8ValuesPerThread = 16;
 constexpr int kMaxSlotsPerThread = 8;
@@ -113,7 +113,7 @@ void row_geometry(KernelSpec* s, int values) {
   s->tpb = s->tpt == 32 && s->split == 1 ? 4 : 1;
 }
 
-// The row geometry past decode (see kFp8ValuesPerThread).
+// The one-block kernel's geometry (see kFp8ValuesPerThread).
 void row_geometry(KernelSpec* s) {
   const bool fp8 = s->out_dtype == MOEJIT_DTYPE_FLOAT8_E4M3;
   row_geometry(s, fp8 ? kFp8ValuesPerThread : kValuesPerThread);
