@@ -25,21 +25,9 @@ work=${AB_WORK:-/tmp/moejit-ab}
 AB_NAME=ab-dispatch.sh
 # shellcheck source-path=SCRIPTDIR source=ab_common.sh
 . "$repo/tools/bench/ab_common.sh"
-base_src="$work/base-src" base_build="$work/base-build" new_build="$work/new-build"
 
 if has_step build; then
-  note "build: $rev -> $base_build, working tree -> $new_build (logs in $out)"
-  if ab_export "$rev" "$base_src"; then
-    echo "$rev = $base_sha" | tee "$out/revisions.txt"
-    { cmake -S "$base_src" -B "$base_build" "${cfg[@]}" -DMOEJIT_BUILD_TESTS=OFF \
-        -DMOEJIT_BUILD_TOOLS=OFF && cmake --build "$base_build" --target moejit; } \
-      >"$out/build-base.log" 2>&1 || fail 1 "the $rev build failed (log: $out/build-base.log)"
-  fi
-  echo "working tree = $(ab_tree_line)" | tee -a "$out/revisions.txt"
-  { cmake -S "$repo" -B "$new_build" "${cfg[@]}" -DMOEJIT_BUILD_TESTS=ON &&
-    cmake --build "$new_build"; } >"$out/build-new.log" 2>&1 ||
-    fail 1 "the working tree's build failed (log: $out/build-new.log)"
-  tail -n 3 "$out/build-base.log" "$out/build-new.log" 2>/dev/null
+  ab_build "$rev" moejit "" -DMOEJIT_BUILD_TOOLS=OFF
 fi
 
 gpu_seen() { nvidia-smi -L >/dev/null 2>&1; }

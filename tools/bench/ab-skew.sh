@@ -23,21 +23,9 @@ work=${AB_WORK:-/tmp/moejit-ab-skew}
 AB_NAME=ab-skew.sh
 # shellcheck source-path=SCRIPTDIR source=ab_common.sh
 . "$repo/tools/bench/ab_common.sh"
-base_src="$work/base-src" base_build="$work/base-build" new_build="$work/new-build"
 
 if has_step build; then
-  note "build: $rev -> $base_build, working tree -> $new_build (logs in $out)"
-  if ab_export "$rev" "$base_src"; then
-    echo "A: $rev = $base_sha" | tee "$out/revisions.txt"
-    { cmake -S "$base_src" -B "$base_build" "${cfg[@]}" -DMOEJIT_BUILD_TESTS=OFF &&
-      cmake --build "$base_build" --target moejit-bench; } \
-      >"$out/build-base.log" 2>&1 || fail 1 "the $rev build failed (log: $out/build-base.log)"
-  fi
-  echo "B: working tree = $(ab_tree_line)" | tee -a "$out/revisions.txt"
-  { cmake -S "$repo" -B "$new_build" "${cfg[@]}" -DMOEJIT_BUILD_TESTS=ON &&
-    cmake --build "$new_build" --target moejit-bench moejit_gpu_tests moejit_epilogue_gpu_tests; } \
-    >"$out/build-new.log" 2>&1 || fail 1 "the working tree's build failed (log: $out/build-new.log)"
-  tail -n 2 "$out/build-base.log" "$out/build-new.log" 2>/dev/null
+  ab_build "$rev" moejit-bench "moejit-bench moejit_gpu_tests moejit_epilogue_gpu_tests"
 fi
 
 if has_step test || has_step ab; then

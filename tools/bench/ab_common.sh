@@ -1,7 +1,8 @@
 # What tools/bench/ab-dispatch.sh and ab-skew.sh share; sourced, not run. The sourcing script sets
-# `repo` (the checkout), `out` (its log folder), `steps` and AB_NAME (its name, for messages).
-# Gives: note, fail (the first failure's status stays in `status`), has_step, the CMake flags for
-# this checkout's dependencies (`cfg`), ab_export and ab_tree_line.
+# `repo` (the checkout), `out` (its log folder), `work` (its build folder), `steps` and AB_NAME (its
+# name, for messages). Gives: note, fail (the first failure's status stays in `status`), has_step,
+# the CMake flags for this checkout's dependencies (`cfg`), the builds' folders (base_src,
+# base_build, new_build), ab_export, ab_tree_line and ab_build.
 status=0
 note() { printf '\n== %s\n' "$*"; }
 fail() {  # fail STATUS MESSAGE: remember the first failure, say what failed
@@ -9,6 +10,7 @@ fail() {  # fail STATUS MESSAGE: remember the first failure, say what failed
   [ "$status" -ne 0 ] || status=$1
 }
 has_step() { [[ " $steps " == *" $1 "* ]]; }
+base_src="$work/base-src" base_build="$work/base-build" new_build="$work/new-build"
 
 cfg=(-G Ninja -DCMAKE_BUILD_TYPE=Release)
 if [ -e "$repo/.deps/include/xxhash.h" ] && [ ! -e /usr/include/xxhash.h ]; then
@@ -37,4 +39,26 @@ ab_export() {
 ab_tree_line() {
   echo "$(git -C "$repo" rev-parse HEAD)$(git -C "$repo" diff --quiet HEAD ||
     echo ' + uncommitted changes')"
+}
+
+# ab_build REV "BASE_TARGETS" "NEW_TARGETS" [BASE_CMAKE_FLAG...]: REV exported and built without
+# tests into base_build (build-base.log), the working tree with tests into new_build
+# (build-new.log; every target where NEW_TARGETS is empty); revisions.txt names both (A, B).
+ab_build() {
+  local rev=$1 base_targets=$2 new_targets=$3
+  shift 3
+  note "build: $rev -> $base_build, working tree -> $new_build (logs in $out)"
+  if ab_export "$rev" "$base_src"; then
+    echo "A: $rev = $base_sha" | tee "$out/revisions.txt"
+    # shellcheck disable=SC2086  # the targets are words
+    { cmake -S "$base_src" -B "$base_build" "${cfg[@]}" -DMOEJIT_BUILD_TESTS=OFF "$@" &&
+      cmake --build "$base_build" --target $base_targets; } \
+      >"$out/build-base.log" 2>&1 || fail 1 "the $rev build failed (log: $out/build-base.log)"
+  fi
+  echo "B: working tree = $(ab_tree_line)" | tee -a "$out/revisions.txt"
+  # shellcheck disable=SC2086
+  { cmake -S "$repo" -B "$new_build" "${cfg[@]}" -DMOEJIT_BUILD_TESTS=ON &&
+    cmake --build "$new_build" ${new_targets:+--target $new_targets}; } \
+    >"$out/build-new.log" 2>&1 || fail 1 "the working tree's build failed (log: $out/build-new.log)"
+  tail -n 2 "$out/build-base.log" "$out/build-new.log" 2>/dev/null
 }
