@@ -573,7 +573,7 @@ __device__ __forceinline__ void do_heavy_work(const CombineParams& p, const Heav
         wait_for_token_pieces<HIDDEN, VEC, UPT>(
             p, s, static_cast<long long>(i / RowParts<HIDDEN, VEC, UPT>::value));
       const int h = sum_part<IN_DT, OUT_DT, VEC, HIDDEN, UPT, BATCH>(p, s, i, finishing);
-      publish_item(finishing ? s.counter + kHeavyFinished : s.token_summed + h);
+      if (!finishing) publish_item(s.token_summed + h);  // a finish item has no one waiting
     }
   }
 }

@@ -39,11 +39,10 @@ enum HeavyCounter {
   kHeavyTokens = 0,  // heavy tokens registered (token_index_assign)
   kHeavyTicket,      // next work item to hand out
   kHeavyCounted,     // items done of each step, in order: rows counted per chunk, the plan,
-  kHeavyPlanned,     //   the rows ranked, the tokens finished (the pieces summed are counted per
-  kHeavyRanked,      //   token: token_summed)
-  kHeavyFinished,
-  kHeavyPieces,  // pieces of the call (the plan's total)
-  kHeavyRows,    // rows of the heavy tokens (the plan's total: the written part of heavy_rows)
+  kHeavyPlanned,     //   the rows ranked (the pieces summed are counted per token: token_summed;
+  kHeavyRanked,      //   the finish items, last, by no one)
+  kHeavyPieces,      // pieces of the call (the plan's total)
+  kHeavyRows,        // rows of the heavy tokens (the plan's total: the written part of heavy_rows)
   kHeavyCounters
 };
 
