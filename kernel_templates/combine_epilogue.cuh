@@ -9,8 +9,11 @@
 // The norm needs a token's whole row, so a token is never split across blocks that cannot talk:
 //  - combine_epilogue: a token's row in one block (or in TPT threads of it, short rows), held in
 //    registers slice by slice: SPLIT slices of TPT * UPT slots, one after another. With one slice
-//    the row never leaves registers; with more (rows too long for them), the normed pass reads the
-//    row again: the residual it has just written (in L2), or without a residual the combine again.
+//    the row never leaves registers, and the residual it waits for after the sums (with fp8
+//    output the norm weight too) is copied into shared memory as the kernel starts (cp.async), so
+//    its round trip overlaps the rows'; with more slices (rows too long for registers), the normed
+//    pass reads the row again: the residual it has just written (in L2), or without a residual
+//    the combine again.
 //  - combine_epilogue_cluster: a token's SPLIT slices on the SPLIT blocks of a thread-block cluster
 //    (sm_90+, launched with the cluster dimension), each block holding its slice in registers; the
 //    sum of squares' partial sums meet in distributed shared memory. Without a norm the slices
@@ -208,6 +211,30 @@ __device__ __forceinline__ void store_values(typename Elem<DT>::storage* row, in
   }
 }
 
+// ---- asynchronous copies into shared memory (sm_80+) ------------------------------------------
+// BYTES (4, 8 or 16) from global `src` to shared `dst`, in flight until cp_async_wait_all(); L1:
+// through L1 (data other blocks read too), else 16-byte copies bypass it. Before sm_80 a copy.
+template <int BYTES, bool L1, typename P>
+__device__ __forceinline__ void cp_async(P* dst, const P* src) {
+  static_assert(sizeof(P) == BYTES && (BYTES == 4 || BYTES == 8 || BYTES == 16), "4, 8, 16 bytes");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if constexpr (BYTES == 16 && !L1)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(src) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(to), "l"(src), "n"(BYTES)
+                 : "memory");
+#else
+  *dst = *src;
+#endif
+}
+// This thread's copies so far have landed (visible to this thread).
+__device__ __forceinline__ void cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
 // ---- thread-block clusters (sm_90+) ------------------------------------------------------------
 // The templates include no toolkit header, so the cluster's operations are inline PTX. Before sm_90
 // a cluster kernel with a norm is never launched (the host launches the one-block kernel of its
@@ -278,7 +305,21 @@ struct EpilogueRow {
     kGroupSlots = 128 / VEC,
     kGroupLanes = kGroupSlots < TPT ? kGroupSlots : TPT,
     kGroups = (HIDDEN + 127) / 128,
+    // One-slice rows of whole vectors of 4 bytes or more (cp.async's sizes) take their residual
+    // from shared memory, copied in as the kernel starts (stage()), and with fp8 output the norm
+    // weight too (for 16-bit outputs that cost the H = 2880 kernels a block per SM of occupancy;
+    // docs/performance.md#epilogue).
+    kResidualBytes = static_cast<int>(sizeof(typename Elem<kResDt>::storage)) * VEC,
+    kWeightBytes = static_cast<int>(sizeof(typename Elem<kWDt>::storage)) * VEC,
+    kStagedResidual = kResidual && SPLIT == 1 && HIDDEN % VEC == 0 && kResidualBytes >= 4,
+    kStagedWeight = kNorm && kFp8 && SPLIT == 1 && HIDDEN % VEC == 0 && kWeightBytes >= 4,
   };
+  typedef Pack<typename Elem<kResDt>::storage, VEC> ResPack;
+  typedef Pack<typename Elem<kWDt>::storage, VEC> WPack;
+  // A thread's u-th slot in the block's staged copies (UPT arrays of the block's threads).
+  static __device__ __forceinline__ int stage_index(int u) {
+    return u * TPT * TPB + static_cast<int>(threadIdx.x);
+  }
   static_assert(TPT <= 32 ? (TPT & (TPT - 1)) == 0 : TPT % 32 == 0,
                 "up to 32 threads per token a power of two, else whole warps");
   static_assert(!kShared || TPB == 1, "one token per block where warps meet in shared memory");
@@ -306,6 +347,26 @@ struct EpilogueRow {
     for (int u = 0; u < UPT; ++u)
       load_values_if<kResDt, VEC, HIDDEN>(first_slot + u * TPT < kSlots, row, first_slot + u * TPT,
                                           r[u]);
+  }
+
+  // Starts copying this thread's slots of the residual and the norm weight into shared memory
+  // (kStagedResidual, kStagedWeight; values() and load_and_normalize() wait for them).
+  static __device__ __forceinline__ void stage(const CombineParams& p, long long tok,
+                                               int first_slot, ResPack* residual, WPack* weight) {
+    const ResPack* res_row = reinterpret_cast<const ResPack*>(
+        static_cast<const typename Elem<kResDt>::storage*>(p.residual) + tok * p.residual_stride);
+    const WPack* w_row = static_cast<const WPack*>(p.norm_weight);
+    if constexpr (kStagedWeight)
+#pragma unroll
+      for (int u = 0; u < UPT; ++u)
+        if (first_slot + u * TPT < kSlots)
+          cp_async<kWeightBytes, true>(weight + stage_index(u), w_row + first_slot + u * TPT);
+    if constexpr (kStagedResidual)
+#pragma unroll
+      for (int u = 0; u < UPT; ++u)
+        if (first_slot + u * TPT < kSlots)
+          cp_async<kResidualBytes, false>(residual + stage_index(u),
+                                          res_row + first_slot + u * TPT);
   }
 
   // The norm weight at this thread's UPT slots (zeros past the row).
@@ -368,12 +429,16 @@ struct EpilogueRow {
   // rounded). With a norm v becomes x, the value the norm reads (v rounded to the model dtype);
   // without one it stays c, what out receives. EARLY: the residual (and out's prior contents) are
   // loaded before the rows, else slot by slot after the sums.
+  // staged: the residual's copy in shared memory where kStagedResidual (not with EARLY).
   template <bool EARLY = false>
   static __device__ __forceinline__ void values(const CombineParams& p, long long tok,
-                                                int first_slot, float (&v)[UPT][VEC]) {
+                                                int first_slot, float (&v)[UPT][VEC],
+                                                const ResPack* staged = nullptr) {
+    static_assert(!(EARLY && kStagedResidual), "one way to have the residual early");
     float early_r[kResidual && EARLY ? UPT : 1][VEC];
     if constexpr (kResidual && EARLY) load_residual(p, tok, first_slot, early_r);
     combine<EARLY>(p, tok, first_slot, v);
+    if constexpr (kStagedResidual) cp_async_wait_all();
     if constexpr (kResidual) {
       typedef typename Elem<kResDt>::storage ResS;
       ResS* row = static_cast<ResS*>(p.residual) + tok * p.residual_stride;
@@ -385,6 +450,8 @@ struct EpilogueRow {
         if constexpr (EARLY) {
 #pragma unroll
           for (int e = 0; e < VEC; ++e) h[e] = early_r[u][e];
+        } else if constexpr (kStagedResidual) {
+          unpack<kResDt, VEC>(staged[stage_index(u)], h);
         } else {
           load_values<kResDt, VEC, HIDDEN>(row, sl, h);
         }
@@ -486,11 +553,23 @@ struct EpilogueRow {
         x[u][e] = round_to<kModel>(mul_rn(round_to<kModel>(mul_rn(x[u][e], r)), w[u][e]));
   }
 
-  // normalize() with the weights loaded here (the one-block kernel: they come from L1 or L2).
+  // normalize() in the one-block kernel: the weights from `staged` (kStagedWeight), else loaded
+  // here (from L1 or L2).
   static __device__ __forceinline__ void load_and_normalize(const CombineParams& p, float ssq,
-                                                            int first_slot, float (&x)[UPT][VEC]) {
+                                                            int first_slot, const WPack* staged,
+                                                            float (&x)[UPT][VEC]) {
     float w[UPT][VEC];
-    load_weights(p, first_slot, w);
+    if constexpr (kStagedWeight) {
+      cp_async_wait_all();
+#pragma unroll
+      for (int u = 0; u < UPT; ++u) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) w[u][e] = 0.0f;
+        if (first_slot + u * TPT < kSlots) unpack<kWDt, VEC>(staged[stage_index(u)], w[u]);
+      }
+    } else {
+      load_weights(p, first_slot, w);
+    }
     normalize(p, ssq, w, x);
   }
 
@@ -592,6 +671,9 @@ __global__ void __launch_bounds__(TPT* TPB, EpilogueMinBlocks<TPT * TPB>::value)
   // Segment sums of the whole row and the fp8 groups' warp maxima (where a group spans warps).
   __shared__ float s_segments[Row::kShared && Row::kNorm ? Row::kRowSegments : 1];
   __shared__ float s_amax[Row::kFp8 && Row::kGroupLanes > 32 ? SPLIT * UPT * Row::kWarps : 1];
+  // The one-slice row's residual and weight (Row::stage).
+  __shared__ typename Row::ResPack s_residual[Row::kStagedResidual ? UPT * TPT * TPB : 1];
+  __shared__ typename Row::WPack s_weight[Row::kStagedWeight ? UPT * TPT * TPB : 1];
   const int sub = static_cast<int>(threadIdx.x) / TPT;
   const int lane = static_cast<int>(threadIdx.x) % TPT;
   const long long tok = static_cast<long long>(blockIdx.x) * TPB + sub;
@@ -605,11 +687,13 @@ __global__ void __launch_bounds__(TPT* TPB, EpilogueMinBlocks<TPT * TPB>::value)
     detail::wait_for_predecessor();
   }
   if (tok >= p.num_tokens) return;  // a token group past the batch (TPB > 1: no barrier below)
+  if constexpr (SPLIT == 1) Row::stage(p, tok, lane, s_residual, s_weight);
 
   if constexpr (SPLIT == 1 && !Row::kShared) {
     float v[UPT][VEC];
-    Row::values(p, tok, lane, v);
-    if constexpr (Row::kNorm) Row::load_and_normalize(p, Row::row_squares_in_lanes(v), lane, v);
+    Row::values(p, tok, lane, v, s_residual);
+    if constexpr (Row::kNorm)
+      Row::load_and_normalize(p, Row::row_squares_in_lanes(v), lane, s_weight, v);
     Row::store(p, tok, lane, 0, v, s_amax);
   } else if constexpr (SPLIT == 1 || !Row::kNorm) {
     // Every slice on its own: the row never needs to be whole, or it is held whole.
@@ -617,12 +701,12 @@ __global__ void __launch_bounds__(TPT* TPB, EpilogueMinBlocks<TPT * TPB>::value)
     for (int slice = 0; slice < SPLIT; ++slice) {
       const int first_slot = slice * Row::kSliceSlots + lane;
       float v[UPT][VEC];
-      Row::values(p, tok, first_slot, v);
+      Row::values(p, tok, first_slot, v, s_residual);
       if constexpr (Row::kNorm) {  // SPLIT == 1: the row in registers
         Row::segment_squares(v, 0, s_segments);
         __syncthreads();
         const float ssq = Row::row_squares_of_segments([&](int j) { return s_segments[j]; });
-        Row::load_and_normalize(p, ssq, first_slot, v);
+        Row::load_and_normalize(p, ssq, first_slot, s_weight, v);
       }
       Row::store(p, tok, first_slot, slice, v, s_amax);
     }
@@ -642,7 +726,7 @@ __global__ void __launch_bounds__(TPT* TPB, EpilogueMinBlocks<TPT * TPB>::value)
       const int first_slot = slice * Row::kSliceSlots + lane;
       float v[UPT][VEC];
       Row::values_again(p, tok, first_slot, v);
-      Row::load_and_normalize(p, ssq, first_slot, v);
+      Row::load_and_normalize(p, ssq, first_slot, s_weight, v);
       Row::store(p, tok, first_slot, slice, v, s_amax);
     }
   }
