@@ -353,20 +353,22 @@ struct EpilogueRow {
   // (kStagedResidual, kStagedWeight; values() and load_and_normalize() wait for them).
   static __device__ __forceinline__ void stage(const CombineParams& p, long long tok,
                                                int first_slot, ResPack* residual, WPack* weight) {
-    const ResPack* res_row = reinterpret_cast<const ResPack*>(
-        static_cast<const typename Elem<kResDt>::storage*>(p.residual) + tok * p.residual_stride);
-    const WPack* w_row = static_cast<const WPack*>(p.norm_weight);
-    if constexpr (kStagedWeight)
+    if constexpr (kStagedWeight) {
+      const WPack* w_row = static_cast<const WPack*>(p.norm_weight);
 #pragma unroll
       for (int u = 0; u < UPT; ++u)
         if (first_slot + u * TPT < kSlots)
           cp_async<kWeightBytes, true>(weight + stage_index(u), w_row + first_slot + u * TPT);
-    if constexpr (kStagedResidual)
+    }
+    if constexpr (kStagedResidual) {
+      const ResPack* res_row = reinterpret_cast<const ResPack*>(
+          static_cast<const typename Elem<kResDt>::storage*>(p.residual) + tok * p.residual_stride);
 #pragma unroll
       for (int u = 0; u < UPT; ++u)
         if (first_slot + u * TPT < kSlots)
           cp_async<kResidualBytes, false>(residual + stage_index(u),
                                           res_row + first_slot + u * TPT);
+    }
   }
 
   // The norm weight at this thread's UPT slots (zeros past the row).
